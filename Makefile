@@ -1,0 +1,22 @@
+# Quick start: `make up` runs the main job, `make test` runs the test suite.
+# Both create .venv and install on first use (CPU torch 2.13.0 first, then the project).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev,megatron,ray]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+up: $(STAMP)
+	$(VENV)/bin/sao up $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest $(ARGS)
+
+.PHONY: install up test

@@ -1,0 +1,67 @@
+"""Character tokenizer for the simulator's alphabet plus tool-call markup, built locally (no hub).
+
+Every simulator prompt, answer and observation is written in ALPHABET; the markup strings in
+MARKUP are single tokens so that a tool call is a short, learnable sequence.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+
+SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+MARKUP = ["<call>", "</call>", "<obs>", "</obs>"]
+ALPHABET = string.ascii_lowercase + string.digits + " +-*/%=()[]{}<>:;,.?!_|#@'\"&^~$\n"
+
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+
+
+class CharTokenizer:
+    def __init__(self) -> None:
+        self.id_to_token = SPECIALS + MARKUP + list(ALPHABET)
+        self.token_to_id = {t: i for i, t in enumerate(self.id_to_token)}
+        self.pad_id, self.bos_id, self.eos_id, self.unk_id = PAD_ID, BOS_ID, EOS_ID, UNK_ID
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.id_to_token)
+
+    def encode(self, text: str, bos: bool = False) -> list[int]:
+        ids = [self.bos_id] if bos else []
+        i = 0
+        while i < len(text):
+            for m in MARKUP:  # markup wins over its characters
+                if text.startswith(m, i):
+                    ids.append(self.token_to_id[m])
+                    i += len(m)
+                    break
+            else:
+                ids.append(self.token_to_id.get(text[i], self.unk_id))
+                i += 1
+        return ids
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        out = []
+        for i in ids:
+            if i < len(SPECIALS) and skip_special:
+                continue
+            out.append(self.id_to_token[i] if 0 <= i < self.vocab_size else "<unk>")
+        return "".join(out)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / "sao_tokenizer.json").write_text(json.dumps({"vocab": self.id_to_token}))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CharTokenizer":
+        tok = cls()
+        saved = json.loads((Path(path) / "sao_tokenizer.json").read_text())["vocab"]
+        if saved != tok.id_to_token:
+            raise ValueError(f"{path}/sao_tokenizer.json: vocabulary differs from this build's CharTokenizer")
+        return tok
+
+
+def in_alphabet(text: str) -> bool:
+    """True if `text` encodes without <unk> (markup included)."""
+    return UNK_ID not in CharTokenizer().encode(text)

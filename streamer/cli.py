@@ -1,0 +1,42 @@
+"""The `sao` command: one subcommand per role, each a module with `main(argv) -> int`."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "up": ("streamer.launcher", "run the whole pipeline on the embedded default (broker, simulator, agents, learner, metrics, dashboard)"),
+    "broker": ("streamer.broker", "run the embedded Kafka-protocol broker in the foreground"),
+    "simulate": ("simulator.run", "generate a task stream from a drift scenario (to a file, a queue or Kafka)"),
+    "replay": ("simulator.replay", "replay a recorded task stream (JSONL, Parquet, CSV) with its timing"),
+    "record": ("streamer.record", "tap a topic into a task-stream file"),
+    "pretrain": ("learner.pretrain", "supervised warm start of the tiny policy"),
+    "agent": ("streamer.agent", "single-rollout agent: tasks -> trajectories"),
+    "learn": ("learner.train", "continuous SAO learner: trajectories -> policy versions"),
+    "metrics": ("streamer.metrics_app", "faust metrics app: windowed aggregates -> <run>.metrics"),
+    "dashboard": ("dashboard.launch", "Streamlit dashboard"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: sao <command> [options]", "", "commands:"]
+    lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"sao: unknown command '{name}'\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
