@@ -1,0 +1,22 @@
+"""Policy/value losses and advantage estimators: pure tensor functions, picked by name."""
+
+from learner.algorithms.advantages import (
+    GROUP_ESTIMATORS,
+    adaptive_lambda,
+    dr_grpo,
+    gae,
+    group_advantages,
+    grpo,
+    place_reward,
+    rloo,
+    sao_advantages,
+)
+from learner.algorithms.losses import POLICY_LOSSES, loss_params, policy_loss
+from learner.algorithms.masked import AGGS, aggregate, masked_mean, masked_whiten
+from learner.algorithms.value import explained_variance, value_loss
+
+__all__ = [
+    "AGGS", "GROUP_ESTIMATORS", "POLICY_LOSSES", "adaptive_lambda", "aggregate", "dr_grpo",
+    "explained_variance", "gae", "group_advantages", "grpo", "loss_params", "masked_mean",
+    "masked_whiten", "place_reward", "policy_loss", "rloo", "sao_advantages", "value_loss",
+]
