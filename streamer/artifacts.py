@@ -1,0 +1,376 @@
+"""The run directory `runs/<run>/`: its layout, append-friendly writers and tolerant readers.
+
+    runs/<run>/config.json           the run's configuration (any JSON object)
+    runs/<run>/trajectories/part-00001.parquet ...   one row per trajectory (live run)
+    runs/<run>/trajectories.parquet  the same rows in one file (after `RunWriter.close`)
+    runs/<run>/learner/part-*.parquet | learner.parquet   one row per LearnerEvent, metrics as columns
+    runs/<run>/metrics/part-*.parquet | metrics.parquet   MetricPoint rows, labels as columns
+    runs/<run>/drift.jsonl           DriftEvent JSON lines
+    runs/<run>/summary.json          `summarize(run_dir)` (written at close; present = finished)
+    runs/<run>/checkpoints/          the learner's checkpoints
+
+A live run buffers rows and flushes them every `flush_seconds` to a new numbered part file,
+written to a temporary name and renamed, so a reader never sees half a part; readers still skip
+an unreadable part (e.g. a copy in progress) rather than fail. `close()` compacts the parts into
+one file: renamed in place first, then the parts removed, so a reader that sees the single file
+sees every row.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Iterable
+
+import msgspec
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from streamer import adaptation as ad
+from streamer.schema import DriftEvent, LearnerEvent, MetricPoint, SchemaError, Trajectory, decode_json, encode_json
+
+TABLES = ("trajectories", "learner", "metrics")
+_PART = re.compile(r"^part-(\d+)(?:-[A-Za-z0-9_.]+)?\.parquet$")
+MP_FIELDS = ("name", "value", "time", "window", "count", "trajectories", "learner_step")
+
+
+class ArtifactError(ValueError):
+    """A run directory or file that cannot be read (the text names the path)."""
+
+
+def table_paths(run_dir: str | Path, table: str) -> tuple[Path, Path]:
+    """(single file, parts directory) of a table."""
+    if table not in TABLES:
+        raise ArtifactError(f"unknown table '{table}' (known: {', '.join(TABLES)})")
+    run = Path(run_dir)
+    return run / f"{table}.parquet", run / table
+
+
+def checkpoints_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+# ---------------------------------------------------------------- rows from messages
+
+def trajectory_row(t: Trajectory, learner_step: int | None = None, learner_version: int | None = None) -> dict[str, Any]:
+    """One row of trajectories.parquet; learner step/version are those at training time, when known."""
+    n_gen = int(sum(t.loss_mask))
+    return {"traj_id": t.traj_id, "task_id": t.task_id, "family": t.family, "concept": t.concept,
+            "phase": t.phase, "reward": float(t.reward), "success": bool(t.success),
+            "policy_version": t.policy_version, "n_tokens": len(t.tokens), "n_gen_tokens": n_gen,
+            "n_turns": t.n_turns, "n_tool_calls": t.n_tool_calls, "agent_id": t.agent_id,
+            "group_id": t.group_id, "created_at": t.created_at, "started_at": t.started_at,
+            "finished_at": t.finished_at, "gen_seconds": t.gen_seconds, "env_seconds": t.env_seconds,
+            # NaN, not None, when unknown: the column stays float in every part, whatever the first part held
+            "learner_step": math.nan if learner_step is None else float(learner_step),
+            "learner_version": math.nan if learner_version is None else float(learner_version)}
+
+
+def learner_row(e: LearnerEvent) -> dict[str, Any]:
+    """One row of learner.parquet: the event's fields, each metric as a column named as the metric,
+    and the staleness histogram as JSON plus its mean and max."""
+    vals = ad.staleness_from_histograms([e.staleness])
+    row: dict[str, Any] = {"step": e.step, "version": e.version, "time": e.time,
+                           "n_trajectories": e.n_trajectories, "n_tokens": e.n_tokens, "skipped": e.skipped,
+                           "staleness": json.dumps(e.staleness, sort_keys=True),
+                           "staleness_mean": float(vals.mean()) if vals.size else math.nan,
+                           "staleness_max": float(vals.max()) if vals.size else math.nan,
+                           "task_ids": json.dumps(e.task_ids)}
+    for k, v in e.metrics.items():
+        row[k if k not in row else f"metric:{k}"] = float(v)
+    return row
+
+
+def metric_row(m: MetricPoint) -> dict[str, Any]:
+    """One row of metrics.parquet: the point's fields, and each label as a column named as the label
+    (`label:<key>` where a label would shadow a field)."""
+    row: dict[str, Any] = {k: getattr(m, k) for k in MP_FIELDS}
+    for k, v in m.labels.items():
+        row[k if k not in row else f"label:{k}"] = v
+    return row
+
+
+# ---------------------------------------------------------------- writers
+
+class TableWriter:
+    """Buffers rows of one table and flushes them to numbered part files."""
+
+    def __init__(self, run_dir: str | Path, table: str, flush_seconds: float = 2.0, flush_rows: int = 50_000,
+                 writer_id: str = ""):
+        if writer_id and not re.fullmatch(r"[A-Za-z0-9_.]+", writer_id):
+            raise ArtifactError(f"writer_id '{writer_id}': use letters, digits, '_' or '.'")
+        self.single, self.parts = table_paths(run_dir, table)
+        self.parts.mkdir(parents=True, exist_ok=True)
+        self.flush_seconds, self.flush_rows, self.writer_id = flush_seconds, flush_rows, writer_id
+        self.rows: list[dict[str, Any]] = []
+        self.last_flush = time.monotonic()
+        # a restarted writer continues the numbering instead of overwriting parts
+        self.seq = max((int(m.group(1)) for p in self.parts.iterdir() if (m := _PART.match(p.name))), default=0)
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        self.maybe_flush()
+
+    def maybe_flush(self) -> None:
+        if len(self.rows) >= self.flush_rows or (self.rows and time.monotonic() - self.last_flush >= self.flush_seconds):
+            self.flush()
+
+    def flush(self) -> Path | None:
+        self.last_flush = time.monotonic()
+        if not self.rows:
+            return None
+        self.seq += 1
+        suffix = f"-{self.writer_id}" if self.writer_id else ""
+        path = self.parts / f"part-{self.seq:05d}{suffix}.parquet"
+        _write_atomic(pd.DataFrame(self.rows), path)
+        self.rows = []
+        return path
+
+    def compact(self) -> Path:
+        """Flush, then merge every part into the single file and remove the parts."""
+        self.flush()
+        df = read_table_dir(self.parts)
+        if self.single.exists():
+            df = pd.concat([_read_part(self.single), df], ignore_index=True)
+        _write_atomic(df, self.single)
+        for p in sorted(self.parts.glob("part-*.parquet")):
+            p.unlink(missing_ok=True)
+        try:
+            self.parts.rmdir()
+        except OSError:
+            pass  # another writer's parts or temporary files remain
+        return self.single
+
+
+def _write_atomic(df: pd.DataFrame, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    pq.write_table(pa.Table.from_pandas(df, preserve_index=False), tmp)
+    os.replace(tmp, path)
+
+
+class RunWriter:
+    """Writes one run directory. Call `maybe_flush()` from idle loops; `close()` at the end."""
+
+    def __init__(self, run_dir: str | Path, config: dict[str, Any] | None = None, flush_seconds: float = 2.0,
+                 writer_id: str = ""):
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        checkpoints_dir(self.dir).mkdir(exist_ok=True)
+        if config is not None:
+            write_json(self.dir / "config.json", config)
+        self.tables = {t: TableWriter(self.dir, t, flush_seconds, writer_id=writer_id) for t in TABLES}
+        self._drift = open(self.dir / "drift.jsonl", "ab")
+
+    def trajectory(self, t: Trajectory, learner_step: int | None = None, learner_version: int | None = None) -> None:
+        self.tables["trajectories"].add(trajectory_row(t, learner_step, learner_version))
+
+    def learner_event(self, e: LearnerEvent) -> None:
+        self.tables["learner"].add(learner_row(e))
+
+    def metric(self, m: MetricPoint) -> None:
+        self.tables["metrics"].add(metric_row(m))
+
+    def drift(self, e: DriftEvent) -> None:
+        # one write of a whole line, flushed at once: drift events are rare and the dashboard marks them
+        self._drift.write(encode_json(e) + b"\n")
+        self._drift.flush()
+
+    def maybe_flush(self) -> None:
+        for w in self.tables.values():
+            w.maybe_flush()
+
+    def flush(self) -> None:
+        for w in self.tables.values():
+            w.flush()
+
+    def close(self, compact: bool = True, summary: bool = True, window: int = ad.DEFAULT_WINDOW,
+              delta: float = ad.DEFAULT_DELTA) -> None:
+        for w in self.tables.values():
+            w.compact() if compact else w.flush()
+        self._drift.close()
+        if summary:
+            write_json(self.dir / "summary.json", summarize(self.dir, window, delta))
+
+    def __enter__(self) -> "RunWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(msgspec.json.format(msgspec.json.encode(_finite(obj)), indent=2))
+    os.replace(tmp, path)
+
+
+def _finite(obj: Any) -> Any:
+    """NaN/inf are not JSON: write them as null."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    if hasattr(obj, "item") and callable(obj.item):  # numpy scalars
+        return _finite(obj.item())
+    return obj
+
+
+# ---------------------------------------------------------------- readers
+
+def _read_part(path: Path) -> pd.DataFrame:
+    return pq.read_table(path).to_pandas()
+
+
+def read_table_dir(parts: Path) -> pd.DataFrame:
+    frames = []
+    names = sorted(p.name for p in parts.iterdir() if _PART.match(p.name)) if parts.is_dir() else []
+    for name in names:
+        try:
+            frames.append(_read_part(parts / name))
+        except FileNotFoundError:
+            continue  # compacted away while we listed
+        except (OSError, pa.ArrowException) as e:
+            warnings.warn(f"{parts / name}: skipped unreadable part ({e})", stacklevel=2)
+    frames = [f for f in frames if len(f)]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def read_table(run_dir: str | Path, table: str) -> pd.DataFrame:
+    """All rows of a table so far (empty DataFrame when none)."""
+    single, parts = table_paths(run_dir, table)
+    for _ in range(3):  # a compaction running between our listing and reading: read again
+        try:
+            if single.exists():
+                return _read_part(single)
+            return read_table_dir(parts)
+        except FileNotFoundError:
+            continue
+        except (OSError, pa.ArrowException) as e:
+            raise ArtifactError(f"{single}: unreadable ({e})") from None
+    return pd.DataFrame()
+
+
+def read_trajectories(run_dir: str | Path) -> pd.DataFrame:
+    return read_table(run_dir, "trajectories")
+
+
+def read_learner(run_dir: str | Path) -> pd.DataFrame:
+    return read_table(run_dir, "learner")
+
+
+def read_metrics(run_dir: str | Path) -> pd.DataFrame:
+    return read_table(run_dir, "metrics")
+
+
+def read_drift(run_dir: str | Path) -> list[DriftEvent]:
+    """Drift events; a torn last line (being written) is skipped, a bad line elsewhere raises."""
+    path = Path(run_dir) / "drift.jsonl"
+    if not path.exists():
+        return []
+    lines = path.read_bytes().split(b"\n")
+    events = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            events.append(decode_json(line, DriftEvent))
+        except SchemaError as e:
+            if i == len(lines):  # no newline yet: a partial write
+                continue
+            raise ArtifactError(f"{path}:{i}: {e}") from None
+    return events
+
+
+def read_json(path: str | Path) -> dict[str, Any] | None:
+    p = Path(path)
+    if not p.exists():
+        return None
+    try:
+        return json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ArtifactError(f"{p}: unreadable JSON ({e})") from None
+
+
+def read_config(run_dir: str | Path) -> dict[str, Any] | None:
+    return read_json(Path(run_dir) / "config.json")
+
+
+def read_summary(run_dir: str | Path) -> dict[str, Any] | None:
+    return read_json(Path(run_dir) / "summary.json")
+
+
+def list_runs(root: str | Path) -> list[Path]:
+    """Run directories under `root` (those holding any artifact), most recently modified first."""
+    r = Path(root)
+    if not r.is_dir():
+        return []
+    marks = ("config.json", "drift.jsonl", "summary.json") + tuple(TABLES) + tuple(f"{t}.parquet" for t in TABLES)
+    runs = [d for d in r.iterdir() if d.is_dir() and any((d / m).exists() for m in marks)]
+    return sorted(runs, key=lambda d: d.stat().st_mtime, reverse=True)
+
+
+# ---------------------------------------------------------------- summary
+
+def summarize(run_dir: str | Path, window: int = ad.DEFAULT_WINDOW, delta: float = ad.DEFAULT_DELTA) -> dict[str, Any]:
+    """AUC, recovery of every drift event, final reward per concept, staleness and throughput."""
+    traj, learner, metrics = read_trajectories(run_dir), read_learner(run_dir), read_metrics(run_dir)
+    drift = [msgspec.to_builtins(e) for e in read_drift(run_dir)]
+    out: dict[str, Any] = {"run": Path(run_dir).name, "window": window, "delta": delta,
+                           "n_trajectories": int(len(traj)), "n_learner_steps": int(len(learner)),
+                           "n_drift_events": len(drift)}
+    if len(traj):
+        traj = traj.sort_values("finished_at", kind="stable")
+        out["auc"] = ad.auc(traj["reward"].to_numpy(float), window)
+        out["auc_per_family"] = {f: ad.auc(g["reward"].to_numpy(float), window) for f, g in traj.groupby("family")}
+        out["final_reward_per_concept"] = {
+            f"{f}/{c}": float(g["reward"].to_numpy(float)[-window:].mean()) for (f, c), g in traj.groupby(["family", "concept"])}
+        out["trajectories_per_s"] = ad.rate(traj["finished_at"])
+    times = learner["time"].to_numpy(float) if len(learner) else ()
+    rec = ad.drift_recoveries(traj, drift, times, window, delta) if len(traj) and drift else pd.DataFrame()
+    out["recoveries"] = rec.to_dict(orient="records")
+    out["staleness"] = _staleness(traj, learner)
+    if len(learner):
+        out["learner_tokens_per_s"] = ad.rate(learner["time"], learner["n_tokens"])
+        out["learner_steps_per_s"] = ad.rate(learner["time"])
+    out["forgetting"] = _forgetting(metrics, drift, traj)
+    return _finite(out)
+
+
+def _staleness(traj: pd.DataFrame, learner: pd.DataFrame) -> dict[str, float]:
+    if len(traj) and "learner_version" in traj and traj["learner_version"].notna().any():
+        return ad.staleness_stats((traj["learner_version"] - traj["policy_version"]).to_numpy(float))
+    if len(learner) and "staleness" in learner:
+        return ad.staleness_stats(ad.staleness_from_histograms(json.loads(s) for s in learner["staleness"]))
+    return ad.staleness_stats([])
+
+
+def eval_points(metrics: pd.DataFrame) -> pd.DataFrame:
+    """Eval rewards per concept: MetricPoint rows named `eval/reward` with a `concept` label."""
+    if not len(metrics) or "concept" not in metrics or "name" not in metrics:
+        return pd.DataFrame(columns=["time", "concept", "value", "family"])
+    ev = metrics[metrics["name"] == "eval/reward"]
+    cols = ["time", "concept", "value"] + (["family"] if "family" in ev else [])
+    return ev[cols].reset_index(drop=True)
+
+
+def _forgetting(metrics: pd.DataFrame, drift: list[dict], traj: pd.DataFrame) -> list[dict]:
+    ev = eval_points(metrics)
+    if not len(ev) or not drift:
+        return []
+    t0 = float(traj["created_at"].min()) if len(traj) else float(ev["time"].min())
+    t1 = float(max(ev["time"].max(), traj["finished_at"].max() if len(traj) else -math.inf))
+    families = sorted({f for e in drift for f in e.get("concepts", {})})
+    rows = []
+    for fam in families:
+        iv = ad.concept_intervals(drift, fam, t0, t1)
+        sub = ev[ev["family"] == fam] if "family" in ev else ev
+        rows += [dict(r, family=fam) for r in ad.forgetting(sub, iv).to_dict(orient="records")]
+    return rows

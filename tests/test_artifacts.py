@@ -1,0 +1,147 @@
+"""Run directory writers and readers: parts, compaction, torn files, summary values."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pandas as pd
+import pytest
+
+from streamer import artifacts as art
+from streamer.schema import DriftEvent, LearnerEvent, MetricPoint, Trajectory, encode_json
+
+
+def traj(i: int, family: str, phase: int, reward: float, t: float, version: int = 0) -> Trajectory:
+    return Trajectory(traj_id=f"t{i}", task_id=f"k{i}", family=family, concept=f"{family}{phase}", phase=phase,
+                      prompt_len=2, tokens=[1, 2, 3, 4], loss_mask=[0, 0, 1, 1], logprobs=[0, 0, -0.5, -0.5],
+                      reward=reward, success=reward > 0.5, policy_version=version, agent_id="a0",
+                      created_at=t - 0.5, finished_at=t)
+
+
+def test_rows_flatten_messages():
+    row = art.trajectory_row(traj(0, "arith", 1, 1.0, 10.0, version=3), learner_step=7, learner_version=5)
+    assert (row["n_tokens"], row["n_gen_tokens"], row["learner_version"], row["success"]) == (4, 2, 5.0, True)
+    assert math.isnan(art.trajectory_row(traj(0, "arith", 1, 1.0, 10.0))["learner_step"])
+    ev = LearnerEvent(step=2, version=2, time=5.0, n_trajectories=3, n_tokens=30,
+                      metrics={"learner/kl": 0.01, "step": 99.0}, staleness={"0": 1, "2": 3})
+    lr = art.learner_row(ev)
+    # staleness values [0,2,2,2]: mean 1.5, max 2; a metric named like a field gets a prefix
+    assert (lr["learner/kl"], lr["metric:step"], lr["step"]) == (0.01, 99.0, 2)
+    assert (lr["staleness_mean"], lr["staleness_max"]) == (1.5, 2.0)
+    mr = art.metric_row(MetricPoint(name="metrics/reward", value=0.5, time=1.0,
+                                    labels={"family": "arith", "name": "x"}))
+    assert (mr["family"], mr["label:name"], mr["name"]) == ("arith", "x", "metrics/reward")
+
+
+def test_parts_are_readable_while_writing_and_compacted_at_close(tmp_path):
+    run = tmp_path / "r1"
+    w = art.RunWriter(run, config={"seed": 1}, flush_seconds=1e9)
+    for i in range(3):
+        w.trajectory(traj(i, "arith", 0, 1.0, float(i)))
+    assert len(art.read_trajectories(run)) == 0  # buffered, nothing flushed yet
+    w.flush()
+    for i in range(3, 5):
+        w.trajectory(traj(i, "arith", 0, 0.0, float(i)), learner_step=i)
+    w.flush()
+    parts = sorted(p.name for p in (run / "trajectories").iterdir())
+    assert parts == ["part-00001.parquet", "part-00002.parquet"]
+    df = art.read_trajectories(run)
+    assert df["traj_id"].tolist() == ["t0", "t1", "t2", "t3", "t4"]
+    assert df["learner_step"].isna().tolist() == [True, True, True, False, False]
+    w.close()
+    assert (run / "trajectories.parquet").exists() and not (run / "trajectories").exists()
+    assert art.read_trajectories(run)["reward"].tolist() == [1.0, 1.0, 1.0, 0.0, 0.0]
+    assert art.read_config(run) == {"seed": 1}
+    assert art.read_summary(run)["n_trajectories"] == 5
+    assert (run / "checkpoints").is_dir()
+
+
+def test_restarted_writer_continues_numbering(tmp_path):
+    w = art.TableWriter(tmp_path, "metrics", flush_seconds=1e9)
+    w.add({"name": "a", "value": 1.0})
+    w.flush()
+    w2 = art.TableWriter(tmp_path, "metrics", flush_seconds=1e9, writer_id="b")
+    w2.add({"name": "b", "value": 2.0})
+    assert w2.flush().name == "part-00002-b.parquet"
+    assert art.read_metrics(tmp_path)["name"].tolist() == ["a", "b"]
+
+
+def test_time_based_flush(tmp_path):
+    w = art.TableWriter(tmp_path, "learner", flush_seconds=0.0)
+    w.add({"step": 1})  # flush_seconds=0: every add flushes
+    assert art.read_learner(tmp_path)["step"].tolist() == [1]
+
+
+def test_unreadable_part_is_skipped_with_warning(tmp_path):
+    w = art.TableWriter(tmp_path, "trajectories", flush_seconds=1e9)
+    w.add({"reward": 1.0})
+    w.flush()
+    (tmp_path / "trajectories" / "part-00002.parquet").write_bytes(b"PAR1 torn")
+    with pytest.warns(UserWarning, match="part-00002.parquet: skipped unreadable part"):
+        df = art.read_trajectories(tmp_path)
+    assert df["reward"].tolist() == [1.0]
+
+
+def test_drift_jsonl_torn_last_line_skipped_bad_middle_line_raises(tmp_path):
+    ev = DriftEvent(phase=1, prev_phase=0, name="p1", schedule="abrupt", families=["arith"],
+                    concepts={"arith": "mul"}, at_seq=100, time=3.0)
+    path = tmp_path / "drift.jsonl"
+    path.write_bytes(encode_json(ev) + b"\n" + encode_json(ev)[:20])
+    assert [e.phase for e in art.read_drift(tmp_path)] == [1]
+    path.write_bytes(b"{bad\n" + encode_json(ev) + b"\n")
+    with pytest.raises(art.ArtifactError, match="drift.jsonl:1"):
+        art.read_drift(tmp_path)
+
+
+def test_unknown_table_and_bad_json_name_the_path(tmp_path):
+    with pytest.raises(art.ArtifactError, match="unknown table 'x'"):
+        art.read_table(tmp_path, "x")
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(art.ArtifactError, match="config.json"):
+        art.read_config(tmp_path)
+
+
+def test_list_runs(tmp_path):
+    art.RunWriter(tmp_path / "a", config={}).close()
+    (tmp_path / "not_a_run").mkdir()
+    assert [p.name for p in art.list_runs(tmp_path)] == ["a"]
+    assert art.list_runs(tmp_path / "missing") == []
+
+
+def test_summarize_hand_computed(tmp_path):
+    run = tmp_path / "r"
+    w = art.RunWriter(run, config={}, flush_seconds=1e9)
+    # arith: phase 0 rewards [1,1] at t=1,2; drift at t=2.5; phase 1 rewards [0,1,1] at t=3,4,5
+    for i, (ph, r, t) in enumerate([(0, 1, 1), (0, 1, 2), (1, 0, 3), (1, 1, 4), (1, 1, 5)]):
+        w.trajectory(traj(i, "arith", ph, float(r), float(t), version=0), learner_version=i % 2)
+    w.drift(DriftEvent(phase=1, prev_phase=0, name="p1", schedule="abrupt", families=["arith"],
+                       concepts={"arith": "arith1"}, prev_concepts={"arith": "arith0"}, at_seq=2, time=2.5))
+    for s, t in enumerate([3.0, 4.0, 6.0]):
+        w.learner_event(LearnerEvent(step=s, version=s, time=t, n_trajectories=2, n_tokens=100))
+    # eval of arith0: 0.9 at t=2 (before it left at 2.5); it never recurs -> no forgetting rows
+    w.metric(MetricPoint(name="eval/reward", value=0.9, time=2.0, labels={"family": "arith", "concept": "arith0"}))
+    w.close(window=2)
+    s = art.read_summary(run)
+    assert s["window"] == 2
+    # W=2: windowed of [1,1,0,1,1] = [1,1,.5,.5,1] -> AUC 0.8
+    assert s["auc"] == pytest.approx(0.8)
+    # post-drift [0,1,1]: full windows .5, 1 >= 0.9 at index 2 -> 3 trajectories; steps in (2.5, 5]: t=3,4 -> 2
+    (rec,) = s["recoveries"]
+    assert (rec["trajectories"], rec["learner_steps"], rec["censored"]) == (3, 2, False)
+    # last W=2 of each concept: arith0 [1,1] -> 1; arith1 [1,1] -> 1
+    assert s["final_reward_per_concept"] == {"arith/arith0": 1.0, "arith/arith1": 1.0}
+    # staleness = learner_version - 0 = [0,1,0,1,0]: mean 0.4, max 1
+    assert (s["staleness"]["mean"], s["staleness"]["max"]) == (pytest.approx(0.4), 1.0)
+    # 5 trajectories over 4 s; 300 tokens over 3 s
+    assert s["trajectories_per_s"] == pytest.approx(1.25)
+    assert s["learner_tokens_per_s"] == pytest.approx(100.0)
+    assert s["forgetting"] == []
+    json.dumps(s, allow_nan=False)  # NaN-free JSON
+
+
+def test_summarize_empty_run(tmp_path):
+    s = art.summarize(tmp_path)
+    assert s["n_trajectories"] == 0 and s["recoveries"] == [] and s["staleness"]["n"] == 0
+    assert s["window"] == 64
+    pd.DataFrame(s["recoveries"])  # shape the dashboard expects
