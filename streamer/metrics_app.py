@@ -1,0 +1,249 @@
+"""The faust metrics app: `<run>.trajectories` + `<run>.learner` -> windowed `MetricPoint`s on `<run>.metrics`.
+
+Values travel as raw bytes and are decoded with msgspec (`streamer.schema.decode`), never with
+faust's codecs. Bad messages go to `<run>.dlq` as a JSON record `{"topic", "reason", "value_b64"}`
+and are counted (`metrics/dlq`). The aggregation lives in `streamer.metrics.windows` (pure);
+`MetricsState` joins it to the learner version (no I/O); `build_app` wires both to faust.
+At-least-once processing (faust's exactly-once needs idempotent producers, which Tansu lacks).
+One worker per run: every window is then complete in one process (see windows.py for why the
+windows are our own rather than faust's windowed tables).
+
+    sao metrics --bootstrap 127.0.0.1:9092 --run demo --window 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import base64
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+from streamer.config import ConfigError, load_config
+from streamer.metrics.windows import ClosedWindow, TumblingWindows, observe, window_points
+from streamer.schema import LearnerEvent, MetricPoint, SchemaError, Trajectory, decode, encode
+
+log = logging.getLogger("sao.metrics")
+
+RUN_ENV = "SAO_RUN"
+
+
+@dataclass
+class MetricsSettings:
+    run: str = "default"  # topic prefix
+    bootstrap: str = ""  # "" -> $SAO_BOOTSTRAP -> 127.0.0.1:9092
+    window_s: float = 5.0  # tumbling window length (event time: Trajectory.finished_at)
+    lateness_s: float = 1.0  # a window closes once a trajectory this much past its end arrives
+    idle_flush_s: float = 3.0  # ... or once no trajectory has arrived for this long
+    tick_s: float = 0.5  # how often the idle check runs
+    app_id: str = ""  # faust app id = consumer group; "" -> "<run>.metrics-app"
+    trajectories_partitions: int = 2  # used only if the app has to create the topic
+    max_message_bytes: int = 4 * 1024 * 1024  # larger values go to the DLQ
+    web_port: int = 0  # faust's web server; 0: off (several workers may share a machine)
+    loglevel: str = "WARNING"
+
+    def validate(self) -> None:
+        if not self.window_s > 0:
+            raise ConfigError("MetricsSettings.window_s: must be > 0 seconds")
+        if self.lateness_s < 0 or self.idle_flush_s <= 0 or self.tick_s <= 0:
+            raise ConfigError("MetricsSettings.lateness_s >= 0, idle_flush_s > 0 and tick_s > 0 are required")
+        if not self.run or any(c in self.run for c in " /\\"):
+            raise ConfigError(f"MetricsSettings.run: {self.run!r} is not a usable topic prefix")
+
+
+@dataclass(frozen=True)
+class Topics:
+    trajectories: str
+    learner: str
+    metrics: str
+    dlq: str
+
+
+def topics(run: str) -> Topics:
+    return Topics(f"{run}.trajectories", f"{run}.learner", f"{run}.metrics", f"{run}.dlq")
+
+
+def dlq_record(topic: str, reason: str, value: bytes | None) -> bytes:
+    return json.dumps({"topic": topic, "reason": reason,
+                       "value_b64": base64.b64encode(value or b"").decode("ascii")}).encode()
+
+
+@dataclass
+class MetricsState:
+    """Everything the app knows; each method returns what to publish. No I/O."""
+
+    settings: MetricsSettings
+    windows: TumblingWindows = field(init=False)
+    learner_version: int = 0
+    learner_step: int = 0
+    dlq: int = 0
+    last_arrival: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.windows = TumblingWindows(self.settings.window_s, self.settings.lateness_s)
+
+    def _check(self, value: bytes | None) -> str | None:
+        if value is None:
+            return "empty value"
+        if len(value) > self.settings.max_message_bytes:
+            return f"oversized: {len(value)} bytes > max_message_bytes {self.settings.max_message_bytes}"
+        return None
+
+    def _points(self, closed: list[ClosedWindow]) -> list[MetricPoint]:
+        pts = [p for w in closed for p in window_points(w, self.settings.window_s, self.learner_step)]
+        if closed:
+            end = (closed[-1].index + 1) * self.settings.window_s
+            pts.append(MetricPoint(name="metrics/late", value=float(self.windows.late), time=end,
+                                   trajectories=closed[-1].cumulative, learner_step=self.learner_step))
+        return pts
+
+    def _reject(self, reason: str) -> tuple[list[MetricPoint], str]:
+        self.dlq += 1
+        point = MetricPoint(name="metrics/dlq", value=float(self.dlq), time=time.time(),
+                            trajectories=self.windows.on_time, learner_step=self.learner_step)
+        return [point], reason
+
+    def on_trajectory(self, value: bytes | None, timestamp: float) -> tuple[list[MetricPoint], str | None]:
+        """(points to publish, DLQ reason or None). `timestamp`: the record's, in seconds.
+
+        A rejected value yields a cumulative `metrics/dlq` point; closed windows yield their
+        points followed by a cumulative `metrics/late` point.
+        """
+        self.last_arrival = time.monotonic()
+        reason = self._check(value)
+        if reason is None:
+            try:
+                traj = decode(value, Trajectory)
+            except SchemaError as e:
+                reason = str(e)
+        if reason is not None:
+            return self._reject(reason)
+        self.windows.add(observe(traj, self.learner_version, timestamp))
+        return self._points(self.windows.close_due()), None
+
+    def on_learner(self, value: bytes | None) -> tuple[list[MetricPoint], str | None]:
+        reason = self._check(value)
+        if reason is None:
+            try:
+                ev = decode(value, LearnerEvent)
+            except SchemaError as e:
+                reason = str(e)
+        if reason is not None:
+            return self._reject(reason)
+        # Events may be redelivered or reordered across restarts: versions only move forward.
+        self.learner_version = max(self.learner_version, ev.version)
+        self.learner_step = max(self.learner_step, ev.step)
+        point = MetricPoint(name="metrics/learner_version", value=float(self.learner_version), time=ev.time,
+                            trajectories=self.windows.on_time, learner_step=self.learner_step)
+        return [point], None
+
+    def on_tick(self, force: bool = False) -> list[MetricPoint]:
+        idle = time.monotonic() - self.last_arrival >= self.settings.idle_flush_s
+        return self._points(self.windows.flush()) if (idle or force) and self.windows.open else []
+
+
+def build_app(settings: MetricsSettings):
+    """The faust app (imported here: faust is slow to import and `sao --help` must stay fast)."""
+    import faust
+
+    from streamer.settings import default_bootstrap
+
+    names = topics(settings.run)
+    app = faust.App(
+        settings.app_id or f"{settings.run}.metrics-app",
+        broker=f"kafka://{settings.bootstrap or default_bootstrap()}",
+        value_serializer="raw",
+        key_serializer="raw",
+        processing_guarantee="at_least_once",
+        store="memory://",
+        web_enabled=settings.web_port > 0,
+        web_port=settings.web_port or 6066,
+        consumer_auto_offset_reset="earliest",  # Tansu reports end offsets wrongly: never rely on "latest"
+        broker_session_timeout=6.0,  # Tansu: group joins take ~session_timeout/2
+        broker_heartbeat_interval=1.0,
+        topic_partitions=1,
+    )
+    traj_topic = app.topic(names.trajectories, value_serializer="raw", key_serializer="raw",
+                           partitions=settings.trajectories_partitions)
+    learner_topic = app.topic(names.learner, value_serializer="raw", key_serializer="raw", partitions=1)
+    metrics_topic = app.topic(names.metrics, value_serializer="raw", key_serializer="raw", partitions=1)
+    dlq_topic = app.topic(names.dlq, value_serializer="raw", key_serializer="raw", partitions=1)
+    state = MetricsState(settings)
+    app.sao_state = state  # for introspection in tests and the launcher
+
+    async def publish(points: list[MetricPoint]) -> None:
+        for p in points:
+            await metrics_topic.send(value=encode(p))
+
+    async def to_dlq(topic: str, reason: str, value: bytes | None) -> None:
+        log.warning("DLQ %s: %s", topic, reason)
+        await dlq_topic.send(value=dlq_record(topic, reason, value))
+
+    @app.agent(traj_topic, name="sao-metrics-trajectories")
+    async def on_trajectories(stream):
+        async for event in stream.events():
+            points, reason = state.on_trajectory(event.value, event.message.timestamp)
+            if reason is not None:
+                await to_dlq(names.trajectories, reason, event.value)
+            await publish(points)
+
+    @app.agent(learner_topic, name="sao-metrics-learner")
+    async def on_learner(stream):
+        async for event in stream.events():
+            points, reason = state.on_learner(event.value)
+            if reason is not None:
+                await to_dlq(names.learner, reason, event.value)
+            await publish(points)
+
+    @app.timer(settings.tick_s)
+    async def idle_flush():
+        await publish(state.on_tick())
+
+    @app.on_before_shutdown.connect
+    async def flush_on_stop(app, **kwargs):
+        await publish(state.on_tick(force=True))
+
+    return app
+
+
+def run(settings: MetricsSettings) -> int:
+    """Run a faust worker in this process until SIGINT/SIGTERM."""
+    settings.validate()
+    import faust
+
+    app = build_app(settings)
+    worker = faust.Worker(app, loglevel=settings.loglevel, quiet=True, redirect_stdouts=False)
+    try:
+        worker.execute_from_commandline()
+    except SystemExit as e:
+        return int(e.code or 0)
+    return 0
+
+
+def parse_args(argv: list[str]) -> MetricsSettings:
+    ap = argparse.ArgumentParser(prog="sao metrics", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bootstrap", default="", help="Kafka bootstrap servers (default: $SAO_BOOTSTRAP or 127.0.0.1:9092)")
+    ap.add_argument("--run", default=os.environ.get(RUN_ENV, "") or None, help="run prefix of the topics (default: $SAO_RUN)")
+    ap.add_argument("--window", type=float, default=None, help="tumbling window in seconds (default 5)")
+    ap.add_argument("--config", default=None, help="YAML file with MetricsSettings fields")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides of MetricsSettings, e.g. lateness_s=2")
+    args = ap.parse_args(argv)
+    settings = load_config(MetricsSettings, args.config, args.overrides)
+    flags = {k: v for k, v in (("bootstrap", args.bootstrap), ("run", args.run), ("window_s", args.window)) if v}
+    settings = dataclasses.replace(settings, **flags)  # explicit flags win over the YAML file
+    settings.validate()
+    return settings
+
+
+def main(argv: list[str]) -> int:
+    try:
+        settings = parse_args(argv)
+    except ConfigError as e:
+        print(f"sao metrics: {e}", file=sys.stderr)
+        return 2
+    return run(settings)

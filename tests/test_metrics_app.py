@@ -1,0 +1,163 @@
+"""The metrics app: windowed aggregates by hand, the app state's DLQ and staleness rules, and the
+real faust app against the embedded broker, compared with a pandas computation."""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from streamer.config import ConfigError
+from streamer.metrics.windows import (
+    Aggregate, ClosedWindow, Observation, TumblingWindows, fold, levels, values, window_points,
+)
+from streamer.metrics_app import MetricsSettings, MetricsState, dlq_record, parse_args, topics
+from streamer.schema import LearnerEvent, MetricPoint, Trajectory, decode, encode
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def obs(t, reward=1.0, success=True, length=4, staleness=0, family="arith", concept="add"):
+    return Observation(family, concept, t, reward, success, length, staleness)
+
+
+def traj(i, *, family="arith", concept="add", t=1000.0, reward=1.0, success=True, length=3, policy_version=0):
+    prompt_len = 2
+    n = prompt_len + length
+    return Trajectory(traj_id=f"tr{i}", task_id=f"t{i}", family=family, concept=concept, prompt_len=prompt_len,
+                      tokens=list(range(n)), loss_mask=[0] * prompt_len + [1] * length, logprobs=[0.0] * n,
+                      reward=reward, success=success, policy_version=policy_version, finished_at=t)
+
+
+# ---------------------------------------------------------------- pure aggregation
+
+
+def test_values_of_one_window_by_hand():
+    agg = Aggregate()
+    for o in (obs(0.1, 1.0, True, 4, 0), obs(0.2, 0.0, False, 6, 2), obs(0.3, 0.5, True, 8, 1)):
+        agg = fold(agg, o)
+    v = values(agg, window_s=2.0)
+    # reward (1 + 0 + 0.5)/3 = 0.5; success 2/3; length (4+6+8)/3 = 6; staleness (0+2+1)/3 = 1, max 2;
+    # throughput 3 trajectories / 2 s = 1.5
+    assert v == pytest.approx({"reward": 0.5, "success_rate": 2 / 3, "length": 6.0, "staleness": 1.0,
+                               "staleness_max": 2.0, "throughput": 1.5})
+    assert agg.count == 3
+
+
+def test_fold_leaves_its_argument_unchanged():
+    a = Aggregate()
+    b = fold(a, obs(0.0))
+    assert a.count == 0 and b.count == 1
+
+
+def test_windows_close_on_watermark_then_late_then_flush():
+    w = TumblingWindows(window_s=1.0, lateness_s=0.5)
+    assert w.add(obs(0.2)) and w.add(obs(0.7)) and w.add(obs(1.4))
+    # watermark 1.4 < end of window 0 (1.0) + lateness 0.5 = 1.5: nothing closes yet
+    assert w.close_due() == []
+    assert w.add(obs(1.6))
+    closed = w.close_due()  # watermark 1.6 >= 1.5: window 0 closes with its 2 observations
+    assert [(c.index, sum(a.count for a in c.groups.values()), c.cumulative) for c in closed] == [(0, 2, 2)]
+    assert not w.add(obs(0.9))  # window 0 is closed: late, counted, not aggregated
+    assert w.late == 1
+    rest = w.flush()  # window 1 holds 1.4 and 1.6; cumulative 2 + 2 = 4
+    assert [(c.index, sum(a.count for a in c.groups.values()), c.cumulative) for c in rest] == [(1, 2, 4)]
+    assert w.open == {}
+
+
+def test_window_index_of_negative_and_boundary_times():
+    w = TumblingWindows(window_s=2.0)
+    w.add(obs(4.0))  # a boundary belongs to the window it starts: [4, 6) -> index 2
+    w.add(obs(-0.5))  # floor(-0.25) = -1
+    assert sorted(w.open) == [-1, 2]
+
+
+def test_levels_family_and_total():
+    a1 = fold(Aggregate(), obs(0, reward=1.0))
+    a2 = fold(fold(Aggregate(), obs(0, reward=0.0, concept="sub")), obs(0, reward=0.0, concept="sub"))
+    b = fold(Aggregate(), obs(0, reward=0.5, family="tool", concept="v1"))
+    lv = {tuple(sorted(lab.items())): agg for lab, agg in levels({("arith", "add"): a1, ("arith", "sub"): a2,
+                                                                  ("tool", "v1"): b})}
+    assert lv[(("family", "arith"),)].count == 3
+    assert lv[(("family", "arith"),)].reward_sum == 1.0  # 1 + 0 + 0
+    assert lv[()].count == 4 and lv[()].reward_sum == 1.5  # 1 + 0 + 0 + 0.5
+    assert len(lv) == 3 + 2 + 1
+
+
+def test_window_points_names_time_and_counts():
+    win = ClosedWindow(index=3, groups={("arith", "add"): fold(Aggregate(), obs(6.5))}, cumulative=9)
+    pts = window_points(win, window_s=2.0, learner_step=4)
+    assert len(pts) == 6 * 3  # six metrics at three label levels
+    assert {p.time for p in pts} == {8.0}  # end of [6, 8)
+    assert {p.name for p in pts} == {f"metrics/{m}" for m in
+                                    ("reward", "success_rate", "length", "staleness", "staleness_max", "throughput")}
+    assert all(p.count == 1 and p.trajectories == 9 and p.learner_step == 4 and p.window == 2.0 for p in pts)
+
+
+def test_windows_refuse_bad_sizes():
+    with pytest.raises(ValueError, match="window_s"):
+        TumblingWindows(window_s=0)
+
+
+# ---------------------------------------------------------------- app state (no broker)
+
+
+def state(**kw) -> MetricsState:
+    return MetricsState(MetricsSettings(run="t", **kw))
+
+
+def test_staleness_uses_latest_learner_version_and_never_goes_back():
+    s = state(window_s=10.0)
+    s.on_learner(encode(LearnerEvent(step=5, version=4, time=1.0, n_trajectories=0, n_tokens=0)))
+    s.on_learner(encode(LearnerEvent(step=3, version=2, time=0.5, n_trajectories=0, n_tokens=0)))  # redelivered
+    assert (s.learner_version, s.learner_step) == (4, 5)
+    s.on_trajectory(encode(traj(0, t=1.0, policy_version=1)), timestamp=0.0)
+    s.on_trajectory(encode(traj(1, t=2.0, policy_version=4)), timestamp=0.0)
+    s.on_trajectory(encode(traj(2, t=3.0, policy_version=6)), timestamp=0.0)  # newer than the learner: 0
+    pts = {p.name: p for p in s.on_tick(force=True) if p.labels == {}}
+    # staleness 4-1 = 3, 4-4 = 0, max(0, 4-6) = 0 -> mean 1, max 3
+    assert pts["metrics/staleness"].value == 1.0 and pts["metrics/staleness_max"].value == 3.0
+    assert pts["metrics/reward"].learner_step == 5
+
+
+def test_bad_messages_are_rejected_with_reasons_and_counted():
+    s = state(max_message_bytes=10_000)
+    pts, reason = s.on_trajectory(b"\x00not msgpack", 0.0)
+    assert "Trajectory" in reason and pts[0].name == "metrics/dlq" and pts[0].value == 1.0
+    wrong_version = encode(traj(1)).replace(b"\xa1v\x01", b"\xa1v\x63", 1)  # msgpack "v": 1 -> "v": 99
+    _, reason = s.on_trajectory(wrong_version, 0.0)
+    assert "schema version 99" in reason
+    _, reason = s.on_trajectory(b"x" * 10_001, 0.0)
+    assert "oversized" in reason
+    _, reason = s.on_learner(encode(traj(2)))  # a trajectory on the learner topic
+    assert "LearnerEvent" in reason
+    assert s.dlq == 4 and s.windows.open == {}
+
+
+def test_timestamp_stands_in_for_missing_finished_at():
+    s = state(window_s=1.0)
+    s.on_trajectory(encode(traj(0, t=0.0)), timestamp=42.5)
+    assert list(s.windows.open) == [42]
+
+
+def test_dlq_record_is_json_with_the_original_bytes():
+    rec = json.loads(dlq_record("r.trajectories", "bad", b"\xff\x00"))
+    assert rec == {"topic": "r.trajectories", "reason": "bad", "value_b64": "/wA="}
+
+
+def test_parse_args_flags_win_and_bad_values_are_named(tmp_path):
+    cfg = tmp_path / "m.yaml"
+    cfg.write_text("window_s: 7\nrun: fromfile\nlateness_s: 2\n")
+    s = parse_args(["--config", str(cfg), "--run", "demo", "idle_flush_s=4"])
+    assert (s.run, s.window_s, s.lateness_s, s.idle_flush_s) == ("demo", 7.0, 2.0, 4.0)
+    with pytest.raises(ConfigError, match="window_s"):
+        parse_args(["--run", "x", "window_s=-1"])
+    assert topics("demo").metrics == "demo.metrics"
