@@ -1,0 +1,212 @@
+"""The megatron learner: policy (and critic) as megatron GPTModels, one optimizer step per call.
+
+Each rank of a torchrun/Ray job builds one `MegatronLearner` from the same HF-format weights and
+feeds it its own share of the batch (data parallel); experts are split over `expert_parallel`
+ranks. The trainer (`learner/train.py`, `--backend megatron`) calls:
+
+    lrn = make_megatron_learner(cfg, policy, value, MegatronOptions(expert_parallel=2))
+    logp = lrn.forward_logprobs(ids, attn)                # [B, T], grad-enabled
+    v = lrn.values(ids, attn)                            # [B, T]
+    stats = lrn.policy_step(batch)                       # SAO/PPO/... loss, all-reduce, clip, AdamW
+    stats = lrn.value_step(batch)                        # clipped value loss on the critic
+    sd = lrn.policy_state_dict()                         # full HF state dict (collective)
+
+`batch` keys: input_ids, attention_mask [B, T]; old_logp, advantages, loss_mask [B, T] for the
+policy; old_values, returns, loss_mask for the critic. Alignment as learner.models.scoring:
+column t belongs to token t. The objective is the mean over ranks of each rank's loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from learner.backends.megatron import convert, grads, parallel
+from learner.backends.megatron.model import MegatronValueModel, build_gpt
+
+PolicyLossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
+
+
+@dataclass
+class MegatronOptions:
+    expert_parallel: int = 1  # ranks that split the experts (must divide world size and num_experts)
+
+
+@dataclass
+class OptimSettings:
+    lr: float = 3e-4
+    value_lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float | None = 1.0
+
+
+def attention_mask_4d(mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] 1 = real token -> megatron's [B, 1, T, T] bool, True = may NOT attend.
+
+    Causal and key padding together, so either padding side works."""
+    t = mask.shape[1]
+    causal = torch.triu(torch.ones(t, t, dtype=torch.bool, device=mask.device), diagonal=1)
+    return causal[None, None] | ~mask.bool()[:, None, None, :]
+
+
+def position_ids(mask: torch.Tensor) -> torch.Tensor:
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)  # as learner.models.scoring
+
+
+def megatron_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+    """[B, T, V] fp32 logits of a megatron policy."""
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    return model(input_ids, position_ids(mask), attention_mask_4d(mask)).float()
+
+
+class MegatronLearner:
+    def __init__(self, hf_policy, hf_value=None, options: MegatronOptions | None = None,
+                 optim: OptimSettings | None = None, policy_loss: PolicyLossFn | None = None,
+                 value_loss_fn: Callable | None = None, seed: int = 0):
+        self.options = options or MegatronOptions()
+        self.optim_cfg = optim or OptimSettings()
+        if not dist.is_initialized() or not _ep_matches(self.options.expert_parallel):
+            parallel.init(self.options.expert_parallel, seed)
+        self.hf_config = hf_policy.config
+        self.ep_rank, self.ep_size = parallel.ep_rank_size()
+        self.policy = build_gpt(self.hf_config)
+        load_megatron(self.policy, convert.hf_to_megatron(
+            hf_policy.state_dict(), self.hf_config, self.ep_rank, self.ep_size))
+        self.policy_loss = policy_loss
+        self.opt = _adamw(self.policy, self.optim_cfg.lr, self.optim_cfg)
+        self.value = None
+        self.value_loss_fn = value_loss_fn
+        if hf_value is not None:
+            self.value = MegatronValueModel(hf_value.config)
+            load_value(self.value, hf_value.state_dict(), hf_value.config, self.ep_rank, self.ep_size)
+            self.value_opt = _adamw(self.value, self.optim_cfg.value_lr, self.optim_cfg)
+
+    # ---- forward passes
+    def forward_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+        from learner.models.scoring import logprobs_from_logits
+
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        return logprobs_from_logits(megatron_logits(self.policy, input_ids, mask), input_ids, mask)
+
+    def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+        if self.value is None:
+            raise RuntimeError("MegatronLearner.values: built without a value model (pass hf_value)")
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        return self.value(input_ids, position_ids(mask), attention_mask_4d(mask))
+
+    # ---- optimizer steps
+    def policy_step(self, batch: dict) -> dict[str, float]:
+        if self.policy_loss is None:
+            raise RuntimeError("MegatronLearner.policy_step: no policy loss given")
+        self.policy.train()
+        self.opt.zero_grad(set_to_none=True)
+        logp = self.forward_logprobs(batch["input_ids"], batch.get("attention_mask"))
+        loss, stats = self.policy_loss(logp, batch)
+        loss.backward()
+        return {**stats, **_reduce_and_step(self.policy, self.opt, self.optim_cfg.grad_clip)}
+
+    def value_step(self, batch: dict) -> dict[str, float]:
+        if self.value is None or self.value_loss_fn is None:
+            raise RuntimeError("MegatronLearner.value_step: needs hf_value and value_loss_fn")
+        self.value.train()
+        self.value_opt.zero_grad(set_to_none=True)
+        v = self.values(batch["input_ids"], batch.get("attention_mask"))
+        loss, stats = self.value_loss_fn(v, batch)
+        loss.backward()
+        return {**stats, **_reduce_and_step(self.value, self.value_opt, self.optim_cfg.grad_clip)}
+
+    # ---- weights out
+    def policy_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full HF-format policy state dict on every rank (a collective over the EP group)."""
+        from megatron.core import parallel_state as ps
+
+        local = convert.megatron_to_hf(megatron_params(self.policy), self.hf_config,
+                                       self.ep_rank, self.ep_size)
+        return convert.gather_experts(local, self.hf_config, ps.get_expert_model_parallel_group())
+
+    def value_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full value model in H2's ValueModel layout (backbone.*, head.*); collective."""
+        from megatron.core import parallel_state as ps
+
+        if self.value is None:
+            raise RuntimeError("MegatronLearner.value_state_dict: built without a value model")
+        local = convert.megatron_to_hf(megatron_params(self.value.backbone), self.hf_config,
+                                       self.ep_rank, self.ep_size, prefix="backbone.", with_output=False)
+        local.pop("lm_head.weight", None)
+        vh = self.value.value_head
+        local.update({"backbone.norm.weight": vh.norm.weight.detach(),
+                      "head.weight": vh.head.weight.detach(), "head.bias": vh.head.bias.detach()})
+        return convert.gather_experts(local, self.hf_config, ps.get_expert_model_parallel_group())
+
+
+def _ep_matches(ep: int) -> bool:
+    from megatron.core import parallel_state as ps
+
+    return ps.model_parallel_is_initialized() and ps.get_expert_model_parallel_world_size() == ep
+
+
+def _adamw(module: torch.nn.Module, lr: float, o: OptimSettings) -> torch.optim.Optimizer:
+    # A plain torch optimizer: megatron's distributed/bf16 optimizers assert CUDA tensors. Every
+    # rank steps its own copy of the dense weights with identical all-reduced grads.
+    return torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=lr,
+                             betas=tuple(o.betas), weight_decay=o.weight_decay)
+
+
+def _reduce_and_step(module, opt, grad_clip: float | None) -> dict[str, float]:
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    grads.allreduce_grads(named)
+    norm = grads.clip_grads(named, grad_clip) if grad_clip else grads.global_grad_norm(named)
+    opt.step()
+    return {"grad_norm": norm}
+
+
+def megatron_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach() for n, p in module.named_parameters()}
+
+
+def load_megatron(module: torch.nn.Module, sd: dict[str, torch.Tensor]) -> None:
+    """Copy `sd` into `module`'s parameters; the two name sets must be equal."""
+    params = dict(module.named_parameters())
+    missing, extra = sorted(set(params) - set(sd)), sorted(set(sd) - set(params))
+    if missing or extra:
+        raise KeyError(f"megatron load: missing {missing[:4]}, unexpected {extra[:4]}")
+    with torch.no_grad():
+        for n, p in params.items():
+            if p.shape != sd[n].shape:
+                raise ValueError(f"megatron load: '{n}' has shape {tuple(p.shape)}, got {tuple(sd[n].shape)}")
+            p.copy_(sd[n])
+
+
+def load_value(vm: MegatronValueModel, hf_sd: dict[str, torch.Tensor], hf_cfg, ep_rank: int,
+               ep_size: int) -> None:
+    """H2's ValueModel state dict (backbone.*, head.*) -> MegatronValueModel on this rank."""
+    load_megatron(vm.backbone, convert.hf_to_megatron(hf_sd, hf_cfg, ep_rank, ep_size,
+                                                      prefix="backbone.", with_output=False))
+    with torch.no_grad():
+        vm.value_head.norm.weight.copy_(hf_sd["backbone.norm.weight"])
+        vm.value_head.head.weight.copy_(hf_sd["head.weight"])
+        vm.value_head.head.bias.copy_(hf_sd["head.bias"])
+
+
+def make_megatron_learner(cfg, hf_policy, hf_value=None,
+                          options: MegatronOptions | None = None) -> MegatronLearner:
+    """A learner configured from `learner.config.LearnerConfig` (loss, optim, value, seed)."""
+    from learner.algorithms import policy_loss, value_loss
+
+    name, params = cfg.loss.name, cfg.loss.params()
+
+    def pl(logp, b):
+        return policy_loss(name, logp, b["old_logp"], b["advantages"], b["loss_mask"], **params)
+
+    def vl(v, b):
+        return value_loss(v, b["old_values"], b["returns"], b["loss_mask"],
+                          clip=cfg.value.value_clip, agg=cfg.value.agg)
+
+    o = cfg.optim
+    optim = OptimSettings(lr=o.lr, value_lr=o.value_lr, weight_decay=o.weight_decay,
+                          betas=tuple(o.betas), grad_clip=o.grad_clip)
+    return MegatronLearner(hf_policy, hf_value, options, optim, pl, vl, seed=cfg.seed)

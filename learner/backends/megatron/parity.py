@@ -1,0 +1,196 @@
+"""Parity check of the megatron backend against the HF/torch model, run under torchrun.
+
+    python -m torch.distributed.run --nproc_per_node 2 -m learner.backends.megatron.parity \
+        --out parity.json [--ep 2]
+
+Every rank builds the same HF policy (seeded) and its own batch (data parallel). Measured, and
+written by rank 0 as JSON (max abs / relative differences; the tests set the thresholds):
+  logits_ep{N}_vs_hf   megatron logits (EP=N) vs HF logits on the rank's batch, real tokens
+  logits_ep1_vs_epN    EP=1 vs EP=N megatron logits
+  values_vs_hf         megatron critic vs H2's ValueModel
+  grad_rel             per-tensor ||g_megatron - g_hf|| / ||g_hf|| of the mean-over-ranks loss
+  step_sgd / step_adamw  max |w_megatron - w_torch| after one SAO step (torch: HF model, same
+                       loss = mean over the ranks' SAO losses, same optimizer, clip 1.0)
+  roundtrip_exact      HF -> megatron (EP=N) -> gathered HF is bit-identical
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from learner.backends.megatron import convert, parallel
+from learner.backends.megatron.learner import (MegatronLearner, OptimSettings, megatron_logits,
+                                               megatron_params)
+
+B, T = 3, 14  # sequences per rank, tokens per sequence
+
+
+def batch_for(rank: int, vocab: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + rank)
+    ids = torch.randint(4, vocab, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, T - 4:] = 0  # right padding
+    mask[2, :3] = 0  # left padding
+    ids = torch.where(mask.bool(), ids, torch.zeros_like(ids))
+    loss_mask = mask.clone()
+    loss_mask[:, :5] = 0  # prompt
+    return {"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask,
+            "advantages": torch.randn(B, T, generator=g),
+            # behaviour log-probs near the model's (~ -log V), spread so some ratios leave the band
+            "old_logp": -4.3 + 0.12 * torch.randn(B, T, generator=g)}
+
+
+def sao(logp, b):
+    from learner.algorithms import policy_loss
+
+    return policy_loss("sao", logp, b["old_logp"], b["advantages"], b["loss_mask"])
+
+
+def _hf_models(seed: int = 0):
+    from learner.models.policy import build_policy
+    from learner.models.value import ValueModel
+
+    policy = build_policy(seed=seed)
+    return policy, ValueModel.from_policy(policy, seed=seed + 1)
+
+
+def _max_abs(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = None) -> float:
+    d = (a - b).abs()
+    if mask is not None:
+        d = d[mask.bool()]
+    return float(d.max()) if d.numel() else 0.0
+
+
+def _all_max(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _hf_grads(policy, batches, loss_fn) -> dict[str, torch.Tensor]:
+    from learner.models.scoring import token_logprobs
+
+    policy.zero_grad(set_to_none=True)
+    losses = [loss_fn(token_logprobs(policy, b["input_ids"], b["attention_mask"]), b)[0] for b in batches]
+    (sum(losses) / len(losses)).backward()
+    return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+            for n, p in policy.named_parameters()}
+
+
+def _megatron_grads(lrn: MegatronLearner) -> dict[str, torch.Tensor]:
+    from megatron.core import parallel_state as ps
+
+    g = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in lrn.policy.named_parameters()}
+    local = convert.megatron_to_hf(g, lrn.hf_config, lrn.ep_rank, lrn.ep_size)
+    return convert.gather_experts(local, lrn.hf_config, ps.get_expert_model_parallel_group())
+
+
+def check_forward_and_grads(ep: int, out: dict) -> dict[str, torch.Tensor]:
+    from learner.backends.megatron import grads
+    from learner.models.scoring import policy_logits
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    policy, value = _hf_models()
+    vocab = policy.config.vocab_size
+    batches = [batch_for(r, vocab) for r in range(world)]
+    mine = batches[rank]
+    lrn = MegatronLearner(policy, value, _opts(ep), OptimSettings(lr=1e-3, grad_clip=None), sao)
+    with torch.no_grad():
+        m_logits = megatron_logits(lrn.policy, mine["input_ids"], mine["attention_mask"])
+        h_logits = policy_logits(policy, mine["input_ids"], mine["attention_mask"])
+        out[f"logits_ep{ep}_vs_hf"] = _all_max(_max_abs(m_logits, h_logits, mine["attention_mask"]))
+        m_v = lrn.values(mine["input_ids"], mine["attention_mask"])
+        h_v = value(mine["input_ids"], mine["attention_mask"])
+        out[f"values_ep{ep}_vs_hf"] = _all_max(_max_abs(m_v, h_v, mine["attention_mask"]))
+    # gradients of the mean over ranks of the SAO loss
+    logp = lrn.forward_logprobs(mine["input_ids"], mine["attention_mask"])
+    sao(logp, mine)[0].backward()
+    grads.allreduce_grads(list(lrn.policy.named_parameters()))
+    gm, gh = _megatron_grads(lrn), _hf_grads(policy, batches, sao)
+    rel, zero_mismatch = 0.0, 0
+    for n, h in gh.items():
+        if n == "lm_head.weight":
+            continue  # tied: the same tensor as the embedding in HF
+        hn = float(h.norm())
+        if hn == 0.0:
+            zero_mismatch += int(float(gm[n].norm()) != 0.0)
+            continue
+        rel = max(rel, float((gm[n] - h).norm()) / hn)
+    out[f"grad_rel_ep{ep}"] = _all_max(rel)
+    out[f"grad_zero_mismatch_ep{ep}"] = int(_all_max(zero_mismatch))
+    out[f"grad_tensors_ep{ep}"] = len(gh) - 1
+    hf_sd = policy.state_dict()
+    round_trip = lrn.policy_state_dict()
+    out[f"roundtrip_exact_ep{ep}"] = bool(_all_max(float(
+        set(round_trip) != set(hf_sd) or any(not torch.equal(round_trip[k], hf_sd[k]) for k in hf_sd))) == 0.0)
+    vsd = value.state_dict()
+    v_round = lrn.value_state_dict()
+    out[f"value_roundtrip_exact_ep{ep}"] = bool(_all_max(float(
+        set(v_round) != set(vsd) or any(not torch.equal(v_round[k], vsd[k]) for k in vsd))) == 0.0)
+    return m_logits.detach()
+
+
+def check_step(ep: int, opt_name: str, out: dict) -> None:
+    """One SAO step on megatron vs the same step on the HF model with torch's optimizer."""
+    from learner.models.scoring import token_logprobs
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    policy, _ = _hf_models()
+    batches = [batch_for(r, policy.config.vocab_size) for r in range(world)]
+    lr = 1e-3 if opt_name == "adamw" else 0.5
+    lrn = MegatronLearner(policy, None, _opts(ep), OptimSettings(lr=lr, grad_clip=1.0), sao)
+    if opt_name == "sgd":
+        lrn.opt = torch.optim.SGD(lrn.policy.parameters(), lr=lr)
+    stats = lrn.policy_step(batches[rank])
+    after_m = lrn.policy_state_dict()
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    opt = (torch.optim.AdamW(policy.parameters(), lr=lr, betas=(0.9, 0.999), weight_decay=0.0)
+           if opt_name == "adamw" else torch.optim.SGD(policy.parameters(), lr=lr))
+    opt.zero_grad()
+    losses = [sao(token_logprobs(policy, b["input_ids"], b["attention_mask"]), b)[0] for b in batches]
+    (sum(losses) / len(losses)).backward()
+    torch_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0))
+    opt.step()
+    after_t = policy.state_dict()
+    out[f"step_{opt_name}_ep{ep}_max_abs"] = _all_max(max(_max_abs(after_m[k], after_t[k]) for k in after_t))
+    out[f"step_{opt_name}_ep{ep}_max_update"] = max(_max_abs(after_t[k], before[k]) for k in after_t)
+    out[f"step_{opt_name}_ep{ep}_grad_norm"] = [stats["grad_norm"], torch_norm]
+    out[f"step_{opt_name}_ep{ep}_clip_frac"] = stats.get("clip_frac", 0.0)
+
+
+def _opts(ep: int):
+    from learner.backends.megatron.learner import MegatronOptions
+
+    return MegatronOptions(expert_parallel=ep)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--ep", type=int, default=2)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("SAO_TEST_THREADS", "1")))
+    torch.manual_seed(0)
+    parallel.init(args.ep)
+    out: dict = {"world_size": dist.get_world_size(), "ep": args.ep}
+    logits_ep = check_forward_and_grads(args.ep, out)
+    check_step(args.ep, "sgd", out)
+    check_step(args.ep, "adamw", out)
+    if args.ep > 1:
+        parallel.init(1)
+        logits_1 = check_forward_and_grads(1, out)
+        out[f"logits_ep1_vs_ep{args.ep}"] = _all_max(_max_abs(logits_1, logits_ep))
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=2)
+    parallel.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
