@@ -229,12 +229,22 @@ def _read_part(path: Path) -> pd.DataFrame:
     return pq.read_table(path).to_pandas()
 
 
-def read_table_dir(parts: Path) -> pd.DataFrame:
+def table_files(run_dir: str | Path, table: str) -> list[Path]:
+    """The files holding a table now: the single file when compacted, else its parts in order.
+    Parts never change once written, so a reader may cache each one by path."""
+    single, parts = table_paths(run_dir, table)
+    if single.exists():
+        return [single]
+    return [parts / n for n in sorted(p.name for p in parts.iterdir() if _PART.match(p.name))] if parts.is_dir() else []
+
+
+def read_table_dir(parts: Path, read_part=_read_part) -> pd.DataFrame:
+    """Concatenate the parts of a table directory (`read_part(path)` may be a caching reader)."""
     frames = []
     names = sorted(p.name for p in parts.iterdir() if _PART.match(p.name)) if parts.is_dir() else []
     for name in names:
         try:
-            frames.append(_read_part(parts / name))
+            frames.append(read_part(parts / name))
         except FileNotFoundError:
             continue  # compacted away while we listed
         except (OSError, pa.ArrowException) as e:
@@ -243,14 +253,14 @@ def read_table_dir(parts: Path) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
-def read_table(run_dir: str | Path, table: str) -> pd.DataFrame:
+def read_table(run_dir: str | Path, table: str, read_part=_read_part) -> pd.DataFrame:
     """All rows of a table so far (empty DataFrame when none)."""
     single, parts = table_paths(run_dir, table)
     for _ in range(3):  # a compaction running between our listing and reading: read again
         try:
             if single.exists():
-                return _read_part(single)
-            return read_table_dir(parts)
+                return read_part(single)
+            return read_table_dir(parts, read_part)
         except FileNotFoundError:
             continue
         except (OSError, pa.ArrowException) as e:
@@ -340,7 +350,7 @@ def summarize(run_dir: str | Path, window: int = ad.DEFAULT_WINDOW, delta: float
     if len(learner):
         out["learner_tokens_per_s"] = ad.rate(learner["time"], learner["n_tokens"])
         out["learner_steps_per_s"] = ad.rate(learner["time"])
-    out["forgetting"] = _forgetting(metrics, drift, traj)
+    out["forgetting"] = forgetting_rows(metrics, drift, traj)
     return _finite(out)
 
 
@@ -361,7 +371,7 @@ def eval_points(metrics: pd.DataFrame) -> pd.DataFrame:
     return ev[cols].reset_index(drop=True)
 
 
-def _forgetting(metrics: pd.DataFrame, drift: list[dict], traj: pd.DataFrame) -> list[dict]:
+def forgetting_rows(metrics: pd.DataFrame, drift: list[dict], traj: pd.DataFrame) -> list[dict]:
     ev = eval_points(metrics)
     if not len(ev) or not drift:
         return []

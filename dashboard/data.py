@@ -1,0 +1,229 @@
+"""The dashboard's data: a run's tables, and the frames each view plots (pure functions, no Streamlit).
+
+Every view frame carries three x columns so the x-axis can be switched without recomputing:
+`x_time` (seconds since the run's first event), `x_traj` (trajectories finished so far) and
+`x_step` (learner steps done so far).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pandas as pd
+
+from streamer import adaptation as ad
+from streamer import artifacts as art
+
+X_AXES = {"wall time (s)": "x_time", "trajectories": "x_traj", "learner steps": "x_step"}
+
+# Learner metric columns per view, matched on the last path segment of the column name
+# ("learner/clip_frac_low" and "clip_frac_low" both match), so namespaces may change.
+VIEW_METRICS: dict[str, str] = {
+    "clip": r"^(clip|mask(ed)?)_frac_(low|high)$",
+    "value": r"^(value_loss|explained_var(iance)?)$",
+    "kl_entropy": r"^(kl(_k[123])?|entropy)$",
+    "idle": r"^idle(_s|_seconds|_frac(tion)?)?$",
+}
+
+
+@dataclasses.dataclass
+class RunData:
+    name: str
+    trajectories: pd.DataFrame
+    learner: pd.DataFrame
+    metrics: pd.DataFrame
+    drift: list[dict[str, Any]]
+    config: dict[str, Any] | None = None
+    summary: dict[str, Any] | None = None
+
+    @property
+    def empty(self) -> bool:
+        return not (len(self.trajectories) or len(self.learner) or len(self.metrics) or self.drift)
+
+
+def load_run(run_dir: str | Path, read_part: Callable[[Path], pd.DataFrame] | None = None) -> RunData:
+    """Read a run directory (finished or being written)."""
+    kw = {"read_part": read_part} if read_part else {}
+    d = Path(run_dir)
+    return RunData(name=d.name, trajectories=art.read_table(d, "trajectories", **kw),
+                   learner=art.read_table(d, "learner", **kw), metrics=art.read_table(d, "metrics", **kw),
+                   drift=[_builtins(e) for e in art.read_drift(d)], config=art.read_config(d),
+                   summary=art.read_summary(d))
+
+
+def _builtins(e) -> dict[str, Any]:
+    import msgspec
+
+    return msgspec.to_builtins(e)
+
+
+def start_time(run: RunData) -> float:
+    """The run's first event time (the zero of the wall-time axis)."""
+    candidates = []
+    for df, col in ((run.trajectories, "created_at"), (run.trajectories, "finished_at"),
+                    (run.learner, "time"), (run.metrics, "time")):
+        if len(df) and col in df:
+            v = pd.to_numeric(df[col], errors="coerce")
+            v = v[v > 0]
+            if len(v):
+                candidates.append(float(v.min()))
+    candidates += [float(e["time"]) for e in run.drift if e.get("time")]
+    return min(candidates) if candidates else 0.0
+
+
+class Axes:
+    """Maps wall times to the three x-axes of one run."""
+
+    def __init__(self, run: RunData):
+        self.t0 = start_time(run)
+        if len(run.trajectories) and "finished_at" in run.trajectories:
+            self.traj_t = np.sort(run.trajectories["finished_at"].to_numpy(float))
+            self.traj_n = np.arange(1, len(self.traj_t) + 1, dtype=float)
+        else:  # live topics carry no trajectories: use the metrics' running count
+            m = run.metrics
+            ok = len(m) and {"time", "trajectories"} <= set(m.columns)
+            m = m.sort_values("time") if ok else pd.DataFrame({"time": [], "trajectories": []})
+            self.traj_t = m["time"].to_numpy(float)
+            self.traj_n = np.maximum.accumulate(m["trajectories"].to_numpy(float)) if len(m) else np.zeros(0)
+        self.step_t = np.sort(run.learner["time"].to_numpy(float)) if len(run.learner) else np.zeros(0)
+
+    def traj_at(self, t) -> np.ndarray:
+        k = np.searchsorted(self.traj_t, np.asarray(t, float), side="right")
+        return np.where(k > 0, self.traj_n[np.maximum(k - 1, 0)] if len(self.traj_n) else 0, 0).astype(float)
+
+    def step_at(self, t) -> np.ndarray:
+        return np.searchsorted(self.step_t, np.asarray(t, float), side="right").astype(float)
+
+    def add(self, df: pd.DataFrame, time_col: str) -> pd.DataFrame:
+        t = df[time_col].to_numpy(float)
+        out = df.assign(x_time=t - self.t0, x_traj=self.traj_at(t), x_step=self.step_at(t))
+        return out
+
+
+def reward_frame(run: RunData, window: int) -> pd.DataFrame:
+    """Online reward per family: windowed over W trajectories of the family (adaptation.online_reward),
+    or, without trajectory rows (live topics), the metrics app's `metrics/reward` points."""
+    axes = Axes(run)
+    if len(run.trajectories):
+        df = ad.online_reward(run.trajectories, window, by="family")
+        df = axes.add(df, "finished_at")
+        df["x_traj"] = df["n"].astype(float)
+        return df.assign(run=run.name)[["run", "family", "reward_w", "x_time", "x_traj", "x_step"]]
+    m = run.metrics
+    if len(m) and "name" in m:
+        pts = m[m["name"] == "metrics/reward"].sort_values("time")
+        if len(pts):
+            fam = pts["family"] if "family" in pts else pd.Series("all", index=pts.index)
+            df = axes.add(pts.assign(family=fam.fillna("all"), reward_w=pts["value"]), "time")
+            if "learner_step" in pts and (pts["learner_step"] > 0).any():
+                df["x_step"] = pts["learner_step"].to_numpy(float)
+            df["x_traj"] = pts["trajectories"].to_numpy(float)
+            return df.assign(run=run.name)[["run", "family", "reward_w", "x_time", "x_traj", "x_step"]]
+    return pd.DataFrame(columns=["run", "family", "reward_w", "x_time", "x_traj", "x_step"])
+
+
+def recovery_frame(run: RunData, window: int, delta: float) -> pd.DataFrame:
+    """Recovery of every (drift event, family), from the trajectories (adaptation.drift_recoveries)."""
+    if not run.drift or not len(run.trajectories):
+        cols = ["run", "phase", "name", "family", "prev_concept", "concept", "time", "trajectories",
+                "learner_steps", "censored", "pre_level"]
+        rows = [{"run": run.name, "phase": e["phase"], "name": e.get("name", ""), "family": f,
+                 "prev_concept": e.get("prev_concepts", {}).get(f, ""), "concept": e.get("concepts", {}).get(f, ""),
+                 "time": e.get("time", math.nan), "trajectories": None, "learner_steps": None, "censored": True,
+                 "pre_level": math.nan} for e in run.drift for f in (e.get("families") or [""])]
+        return pd.DataFrame(rows, columns=cols)
+    times = run.learner["time"].to_numpy(float) if len(run.learner) else ()
+    rec = ad.drift_recoveries(run.trajectories, run.drift, times, window, delta)
+    return rec.assign(run=run.name)
+
+
+def drift_marks(run: RunData, recoveries: pd.DataFrame) -> pd.DataFrame:
+    """One mark per drift event at its time, labelled with its phase name and each family's recovery."""
+    axes = Axes(run)
+    rows = []
+    for e in run.drift:
+        rec = recoveries[recoveries["phase"] == e["phase"]] if len(recoveries) else recoveries
+        parts = [f"{r.family}: {_rec_text(r)}" for r in rec.itertuples()] if len(rec) else []
+        label = f"{e.get('name') or 'phase ' + str(e['phase'])}" + (f" ({'; '.join(parts)})" if parts else "")
+        rows.append({"run": run.name, "phase": e["phase"], "time": float(e.get("time", 0.0)), "label": label})
+    df = pd.DataFrame(rows, columns=["run", "phase", "time", "label"])
+    return axes.add(df, "time") if len(df) else df.assign(x_time=[], x_traj=[], x_step=[])
+
+
+def _rec_text(r) -> str:
+    if r.trajectories is None or (isinstance(r.trajectories, float) and math.isnan(r.trajectories)):
+        return "no data"
+    steps = "" if r.learner_steps is None or pd.isna(r.learner_steps) else f", {int(r.learner_steps)} steps"
+    return f"{'censored ≥' if r.censored else 'recovered in '}{int(r.trajectories)} traj{steps}"
+
+
+def learner_metrics(run: RunData, view: str) -> pd.DataFrame:
+    """Long frame (run, metric, value, x_*) of the learner columns a view shows (see VIEW_METRICS)."""
+    pat = re.compile(VIEW_METRICS[view])
+    cols = [c for c in run.learner.columns if pat.match(str(c).rsplit("/", 1)[-1])] if len(run.learner) else []
+    if not cols:
+        return pd.DataFrame(columns=["run", "metric", "value", "x_time", "x_traj", "x_step"])
+    df = Axes(run).add(run.learner.sort_values("time"), "time")
+    long = df.melt(id_vars=["x_time", "x_traj", "x_step"], value_vars=cols, var_name="metric", value_name="value")
+    return long.dropna(subset=["value"]).assign(run=run.name)
+
+
+def staleness_counts(run: RunData) -> pd.DataFrame:
+    """Trajectories per staleness value: from the trajectory rows (learner version at training time
+    minus behaviour version) when known, else from the learner events' histograms."""
+    t = run.trajectories
+    vals = np.zeros(0)
+    if len(t) and "learner_version" in t and t["learner_version"].notna().any():
+        vals = (t["learner_version"] - t["policy_version"]).dropna().to_numpy(float)
+    elif len(run.learner) and "staleness" in run.learner:
+        vals = ad.staleness_from_histograms(json.loads(s) if isinstance(s, str) else s for s in run.learner["staleness"])
+    if not vals.size:
+        return pd.DataFrame(columns=["run", "staleness", "count"])
+    s, c = np.unique(vals.astype(int), return_counts=True)
+    return pd.DataFrame({"run": run.name, "staleness": s, "count": c})
+
+
+def throughput(run: RunData, bucket_s: float = 5.0) -> pd.DataFrame:
+    """Long frame of trajectories/s (finish times bucketed by `bucket_s`) and learner tokens/s
+    (each step's tokens over the time since the previous step)."""
+    axes = Axes(run)
+    frames = []
+    if len(run.trajectories):
+        t = np.sort(run.trajectories["finished_at"].to_numpy(float))
+        b = np.floor((t - t[0]) / bucket_s)
+        edges, counts = np.unique(b, return_counts=True)
+        tt = t[0] + (edges + 1) * bucket_s  # bucket end
+        frames.append(axes.add(pd.DataFrame({"time": tt, "metric": "trajectories/s", "value": counts / bucket_s}), "time"))
+    if len(run.learner) >= 2:
+        lr = run.learner.sort_values("time")
+        dt = lr["time"].diff().to_numpy(float)
+        tok = lr["n_tokens"].to_numpy(float) / np.where(dt > 0, dt, np.nan)
+        frames.append(axes.add(pd.DataFrame({"time": lr["time"].to_numpy(float)[1:], "metric": "learner tokens/s",
+                                             "value": tok[1:]}), "time"))
+    if not frames:
+        return pd.DataFrame(columns=["run", "metric", "value", "x_time", "x_traj", "x_step"])
+    return pd.concat(frames, ignore_index=True).dropna(subset=["value"]).assign(run=run.name)
+
+
+def eval_frame(run: RunData) -> pd.DataFrame:
+    """Eval reward per concept: `eval/reward` metric points labelled with a concept."""
+    ev = art.eval_points(run.metrics)
+    if not len(ev):
+        return pd.DataFrame(columns=["run", "concept", "value", "x_time", "x_traj", "x_step"])
+    df = Axes(run).add(ev.sort_values("time"), "time")
+    if "family" in df:
+        df["concept"] = df["family"].fillna("") + "/" + df["concept"].astype(str)
+    return df.assign(run=run.name)
+
+
+def forgetting_frame(run: RunData) -> pd.DataFrame:
+    """Forgetting of each recurring concept (artifacts.summarize's definition, via adaptation.forgetting)."""
+    rows = art.forgetting_rows(run.metrics, run.drift, run.trajectories) if run.drift else []
+    return pd.DataFrame(rows).assign(run=run.name) if rows else pd.DataFrame(
+        columns=["run", "family", "concept", "left_at", "recurs_at", "before", "after", "forgetting"])
