@@ -1,0 +1,26 @@
+"""Models: char tokenizer, tiny Qwen3-MoE policy, value model, per-token scoring helpers."""
+
+from learner.models.config import ModelConfig, from_hf_config, to_hf_config
+from learner.models.policy import build_policy, count_params, load_policy, save_policy
+from learner.models.scoring import (
+    expert_counts,
+    load_balancing_loss,
+    logprobs_and_entropy,
+    logprobs_from_logits,
+    entropy_from_logits,
+    policy_logits,
+    position_ids_from_mask,
+    router_logits,
+    token_entropy,
+    token_logprobs,
+    values,
+)
+from learner.models.tokenizer import CharTokenizer
+from learner.models.value import ValueModel
+
+__all__ = [
+    "CharTokenizer", "ModelConfig", "ValueModel", "build_policy", "count_params", "entropy_from_logits",
+    "expert_counts", "from_hf_config", "load_balancing_loss", "load_policy", "logprobs_and_entropy",
+    "logprobs_from_logits", "policy_logits", "position_ids_from_mask", "router_logits", "save_policy",
+    "to_hf_config", "token_entropy", "token_logprobs", "values",
+]

@@ -1,0 +1,57 @@
+"""The policy: a tiny `Qwen3MoeForCausalLM` built from `ModelConfig`, saved as a plain HF directory.
+
+A saved directory holds `config.json`, `generation_config.json`, `model.safetensors` (no pickle)
+and, when a tokenizer is given, `sao_tokenizer.json`; `transformers.AutoModelForCausalLM
+.from_pretrained(dir)` loads it as is.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM
+
+from learner.models.config import ModelConfig, to_hf_config
+from learner.models.tokenizer import CharTokenizer
+
+
+def build_policy(cfg: ModelConfig | None = None, vocab_size: int | None = None, seed: int | None = 0) -> Qwen3MoeForCausalLM:
+    """A freshly initialised fp32 policy; `vocab_size` defaults to the char tokenizer's."""
+    cfg = cfg or ModelConfig()
+    vocab_size = vocab_size or CharTokenizer().vocab_size
+    hf = to_hf_config(cfg, vocab_size)
+    if seed is None:
+        model = Qwen3MoeForCausalLM(hf)
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = Qwen3MoeForCausalLM(hf)
+    return model.float().eval()
+
+
+def save_policy(model: Qwen3MoeForCausalLM, path: str | Path, tokenizer: CharTokenizer | None = None) -> Path:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save(path)
+    return path
+
+
+def load_policy(path: str | Path, attn_implementation: str = "sdpa") -> Qwen3MoeForCausalLM:
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path}: not a policy directory (no config.json)")
+    if "sao_model" in json.loads((path / "config.json").read_text()):
+        raise ValueError(f"{path}: this is a value-model directory; load it with ValueModel.load")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+    if not isinstance(model, Qwen3MoeForCausalLM):
+        raise TypeError(f"{path}: expected a qwen3_moe causal LM, got {type(model).__name__}")
+    return model.eval()
+
+
+def count_params(model: torch.nn.Module) -> int:
+    """Unique parameters (a tied embedding counts once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

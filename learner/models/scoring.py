@@ -1,0 +1,124 @@
+"""Per-token quantities the trainer and the warm start need: log-probs, entropies, values.
+
+Shapes: `input_ids`, `attention_mask` are [B, T] (1 = real token, either padding side works:
+positions are counted from the mask); every output is [B, T] aligned with the input tokens,
+so `out[:, t]` belongs to token t. Padded positions hold 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Qwen3MoeForCausalLM
+
+from learner.models.value import ValueModel
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """0, 1, 2, ... over the real tokens of each row, so left padding does not shift RoPE positions."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _check(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids: expected [B, T], got shape {tuple(input_ids.shape)}")
+    if attention_mask is None:
+        return torch.ones_like(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} does not match input_ids {tuple(input_ids.shape)}")
+    return attention_mask
+
+
+def policy_logits(model: Qwen3MoeForCausalLM, input_ids: torch.Tensor,
+                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T, V] fp32 logits; logits[:, t] predicts token t+1."""
+    mask = _check(input_ids, attention_mask)
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
+                use_cache=False, output_router_logits=False)
+    return out.logits.float()
+
+
+def _shift(per_pred: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[B, T-1] quantities of predictions 0..T-2 -> [B, T] aligned with tokens 1..T-1 (token 0 gets 0)."""
+    out = F.pad(per_pred, (1, 0))
+    # Token t is scored only if it and the token before it are real (the first real token has no context).
+    prev_real = F.pad(mask[:, :-1], (1, 0)).bool()
+    return torch.where(mask.bool() & prev_real, out, torch.zeros_like(out))
+
+
+def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    picked = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return _shift(picked, mask)
+
+
+def entropy_from_logits(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    return _shift(ent, mask)
+
+
+def token_logprobs(model: Qwen3MoeForCausalLM, input_ids: torch.Tensor,
+                   attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T]: log pi(token t | tokens < t) at temperature 1; 0 at the first real token and at padding."""
+    mask = _check(input_ids, attention_mask)
+    return logprobs_from_logits(policy_logits(model, input_ids, mask), input_ids, mask)
+
+
+def token_entropy(model: Qwen3MoeForCausalLM, input_ids: torch.Tensor,
+                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T]: entropy of the distribution that token t was drawn from (same alignment as token_logprobs)."""
+    mask = _check(input_ids, attention_mask)
+    return entropy_from_logits(policy_logits(model, input_ids, mask), mask)
+
+
+def logprobs_and_entropy(model: Qwen3MoeForCausalLM, input_ids: torch.Tensor,
+                         attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both from one forward pass (the trainer's usual call)."""
+    mask = _check(input_ids, attention_mask)
+    logits = policy_logits(model, input_ids, mask)
+    return logprobs_from_logits(logits, input_ids, mask), entropy_from_logits(logits, mask)
+
+
+def values(value_model: ValueModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T]: V(prefix ending at token t); 0 at padding."""
+    mask = _check(input_ids, attention_mask)
+    v = value_model(input_ids, mask, position_ids_from_mask(mask))
+    return torch.where(mask.bool(), v, torch.zeros_like(v))
+
+
+def router_logits(model: nn.Module, input_ids: torch.Tensor,
+                  attention_mask: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Per MoE layer, the [B*T, E] router logits of one forward (hooked, so it works for policy and value)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    mask = _check(input_ids, attention_mask)
+    found: list[torch.Tensor] = []
+    hooks = [m.register_forward_hook(lambda _m, _i, out: found.append(out[1]))
+             for m in model.modules() if isinstance(m, Qwen3MoeSparseMoeBlock)]
+    try:
+        backbone = model.model if isinstance(model, Qwen3MoeForCausalLM) else model.backbone
+        backbone(input_ids=input_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return found
+
+
+def expert_counts(router: list[torch.Tensor], top_k: int, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[L, E] number of (real) tokens routed to each expert in each layer."""
+    counts = []
+    for logits in router:
+        sel = logits.topk(top_k, dim=-1).indices  # softmax is monotone: same choice as the block's
+        if attention_mask is not None:
+            sel = sel[attention_mask.reshape(-1).bool()]
+        counts.append(torch.bincount(sel.reshape(-1), minlength=logits.shape[-1]))
+    return torch.stack(counts)
+
+
+def load_balancing_loss(router: list[torch.Tensor], top_k: int, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Switch/Qwen3-MoE auxiliary loss E * sum_e f_e * P_e over real tokens (transformers' formula)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    return load_balancing_loss_func(tuple(router), router[0].shape[-1], top_k, attention_mask)
