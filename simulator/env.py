@@ -1,0 +1,94 @@
+"""The environment an agent talks to: `make_env(task).step(text)` until `done`.
+
+Single-turn families are done after one step. The tool family is multi-turn: a step whose text
+holds `<call>...</call>` gets an `<obs>...</obs>` observation (after the simulated tool latency,
+slept here), any other text is the final answer. Everything is rebuilt from the Task alone.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+from streamer.schema import Task
+from simulator.families import get_family
+from simulator.families.tools import episode_reward, observe
+from simulator.latency import LatencyConfig, latency_from_dict, sample_latency
+from simulator.text import clean_answer, rejected, to_text
+
+CALL_OPEN, CALL_CLOSE, OBS_OPEN, OBS_CLOSE = "<call>", "</call>", "<obs>", "</obs>"
+
+
+@dataclass
+class Step:
+    observation: str
+    done: bool
+    reward: float
+    parts: dict[str, float] = field(default_factory=dict)
+    success: bool = False
+    latency_s: float = 0.0
+
+
+class Env:
+    """One episode of one task. `stop`: strings after which the agent hands its text to `step` (eos always stops)."""
+
+    def __init__(self, task: Task, latency: LatencyConfig | None = None) -> None:
+        self.task = task
+        self.family = get_family(task.family)
+        self.latency = latency or latency_from_dict(task.spec.get("latency")) or LatencyConfig()
+        self.stop: list[str] = [CALL_CLOSE] if self.family.multi_turn else []
+        self.done = False
+        self.n_calls = 0
+        self.n_errors = 0
+        self.env_seconds = 0.0
+        self._rng = random.Random(f"latency-{task.task_id}")
+
+    def prompt(self) -> str:
+        return self.task.prompt
+
+    def step(self, action_text: object) -> Step:
+        if self.done:
+            raise RuntimeError(f"task {self.task.task_id}: step() after the episode ended")
+        text = to_text(action_text)
+        if self.family.multi_turn and text is not None and CALL_OPEN in text:
+            return self._tool_step(text)
+        return self._final(action_text)
+
+    def _final(self, answer: object) -> Step:
+        self.done = True
+        verdict = self.family.verify(self.task, answer)
+        if not self.family.multi_turn:
+            return Step("", True, verdict.reward, dict(verdict.parts), verdict.success)
+        penalty = float(self.task.spec.get("error_penalty", 0.0))
+        reward = episode_reward(verdict.success, self.n_errors, penalty)
+        parts = {**verdict.parts, "tool_calls": float(self.n_calls), "tool_errors": float(self.n_errors)}
+        return Step("", True, reward, parts, verdict.success)
+
+    def _tool_step(self, text: str) -> Step:
+        max_turns = int(self.task.spec.get("max_turns", 3))
+        if self.n_calls >= max_turns:
+            self.done = True
+            parts = {"correct": 0.0, "turn_limit": 1.0, "tool_calls": float(self.n_calls),
+                     "tool_errors": float(self.n_errors)}
+            return Step("", True, 0.0, parts, False)
+        self.n_calls += 1
+        obs, ok = self._call(text)
+        self.n_errors += not ok
+        delay = sample_latency(self.latency, self._rng)
+        if self.latency.sleep and delay > 0:
+            time.sleep(delay)
+        self.env_seconds += delay
+        return Step(f"{OBS_OPEN}{obs}{OBS_CLOSE}", False, 0.0, {}, False, delay)
+
+    def _call(self, text: str) -> tuple[str, bool]:
+        start = text.rfind(CALL_OPEN) + len(CALL_OPEN)
+        end = text.find(CALL_CLOSE, start)
+        inner = text[start:end] if end >= 0 else text[start:]
+        if end < 0 or len(inner) > 40 or clean_answer(inner.strip() or "x")[0] is None:
+            return observe(self.task.spec, "")[0], False
+        return observe(self.task.spec, inner)
+
+
+def make_env(task: Task, latency: LatencyConfig | None = None) -> Env:
+    return Env(task, latency)
