@@ -1,8 +1,8 @@
 """The faust metrics app: `<run>.trajectories` + `<run>.learner` -> windowed `MetricPoint`s on `<run>.metrics`.
 
 Values travel as raw bytes and are decoded with msgspec (`streamer.schema.decode`), never with
-faust's codecs. Bad messages go to `<run>.dlq` as a JSON record `{"topic", "reason", "value_b64"}`
-and are counted (`metrics/dlq`). The aggregation lives in `streamer.metrics.windows` (pure);
+faust's codecs. Bad messages go to `<run>.dlq` as a `streamer.bus.DeadLetter` (reason + original
+bytes) and are counted (`metrics/dlq`). The aggregation lives in `streamer.metrics.windows` (pure);
 `MetricsState` joins it to the learner version (no I/O); `build_app` wires both to faust.
 At-least-once processing (faust's exactly-once needs idempotent producers, which Tansu lacks).
 One worker per run: every window is then complete in one process (see windows.py for why the
@@ -15,17 +15,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import base64
-import json
 import logging
 import os
 import sys
 import time
 from dataclasses import dataclass, field
 
+from streamer.bus import DLQ_MAX_VALUE_BYTES, DeadLetter
 from streamer.config import ConfigError, load_config
 from streamer.metrics.windows import ClosedWindow, TumblingWindows, observe, window_points
 from streamer.schema import LearnerEvent, MetricPoint, SchemaError, Trajectory, decode, encode
+from streamer.topics import Topics, check_run, partitions_by_topic
 
 log = logging.getLogger("sao.metrics")
 
@@ -41,7 +41,6 @@ class MetricsSettings:
     idle_flush_s: float = 3.0  # ... or once no trajectory has arrived for this long
     tick_s: float = 0.5  # how often the idle check runs
     app_id: str = ""  # faust app id = consumer group; "" -> "<run>.metrics-app"
-    trajectories_partitions: int = 2  # used only if the app has to create the topic
     max_message_bytes: int = 4 * 1024 * 1024  # larger values go to the DLQ
     web_port: int = 0  # faust's web server; 0: off (several workers may share a machine)
     loglevel: str = "WARNING"
@@ -51,25 +50,19 @@ class MetricsSettings:
             raise ConfigError("MetricsSettings.window_s: must be > 0 seconds")
         if self.lateness_s < 0 or self.idle_flush_s <= 0 or self.tick_s <= 0:
             raise ConfigError("MetricsSettings.lateness_s >= 0, idle_flush_s > 0 and tick_s > 0 are required")
-        if not self.run or any(c in self.run for c in " /\\"):
-            raise ConfigError(f"MetricsSettings.run: {self.run!r} is not a usable topic prefix")
+        try:
+            check_run(self.run)
+        except ValueError as e:
+            raise ConfigError(f"MetricsSettings.run: {e}") from None
 
 
-@dataclass(frozen=True)
-class Topics:
-    trajectories: str
-    learner: str
-    metrics: str
-    dlq: str
-
-
-def topics(run: str) -> Topics:
-    return Topics(f"{run}.trajectories", f"{run}.learner", f"{run}.metrics", f"{run}.dlq")
-
-
-def dlq_record(topic: str, reason: str, value: bytes | None) -> bytes:
-    return json.dumps({"topic": topic, "reason": reason,
-                       "value_b64": base64.b64encode(value or b"").decode("ascii")}).encode()
+def dead_letter(topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None,
+                reason: str, expected: str) -> bytes:
+    """The DLQ record every consumer of the project writes (`streamer.bus.DeadLetter`), msgpack-encoded."""
+    value = value or b""
+    return encode(DeadLetter(topic=topic, partition=partition, offset=offset, key=key,
+                             value=value[:DLQ_MAX_VALUE_BYTES], value_len=len(value), reason=reason,
+                             expected=expected, consumer="metrics-app", time=time.time()))
 
 
 @dataclass
@@ -146,16 +139,14 @@ class MetricsState:
         return self._points(self.windows.flush()) if (idle or force) and self.windows.open else []
 
 
-def build_app(settings: MetricsSettings):
+def build_app(settings: MetricsSettings, bootstrap: str):
     """The faust app (imported here: faust is slow to import and `sao --help` must stay fast)."""
     import faust
 
-    from streamer.settings import default_bootstrap
-
-    names = topics(settings.run)
+    names = Topics(settings.run)
     app = faust.App(
         settings.app_id or f"{settings.run}.metrics-app",
-        broker=f"kafka://{settings.bootstrap or default_bootstrap()}",
+        broker=f"kafka://{bootstrap}",
         value_serializer="raw",
         key_serializer="raw",
         processing_guarantee="at_least_once",
@@ -165,39 +156,37 @@ def build_app(settings: MetricsSettings):
         consumer_auto_offset_reset="earliest",  # Tansu reports end offsets wrongly: never rely on "latest"
         broker_session_timeout=6.0,  # Tansu: group joins take ~session_timeout/2
         broker_heartbeat_interval=1.0,
-        topic_partitions=1,
     )
-    traj_topic = app.topic(names.trajectories, value_serializer="raw", key_serializer="raw",
-                           partitions=settings.trajectories_partitions)
-    learner_topic = app.topic(names.learner, value_serializer="raw", key_serializer="raw", partitions=1)
-    metrics_topic = app.topic(names.metrics, value_serializer="raw", key_serializer="raw", partitions=1)
-    dlq_topic = app.topic(names.dlq, value_serializer="raw", key_serializer="raw", partitions=1)
+
+    def raw_topic(name: str):
+        return app.topic(name, value_serializer="raw", key_serializer="raw")
+
+    traj_topic, learner_topic = raw_topic(names.trajectories), raw_topic(names.learner)
+    metrics_topic, dlq_topic = raw_topic(names.metrics), raw_topic(names.dlq)
     state = MetricsState(settings)
-    app.sao_state = state  # for introspection in tests and the launcher
+    app.sao_state = state  # for introspection
 
     async def publish(points: list[MetricPoint]) -> None:
         for p in points:
             await metrics_topic.send(value=encode(p))
 
-    async def to_dlq(topic: str, reason: str, value: bytes | None) -> None:
-        log.warning("DLQ %s: %s", topic, reason)
-        await dlq_topic.send(value=dlq_record(topic, reason, value))
-
-    @app.agent(traj_topic, name="sao-metrics-trajectories")
-    async def on_trajectories(stream):
+    async def consume(stream, handle, expected: str) -> None:
         async for event in stream.events():
-            points, reason = state.on_trajectory(event.value, event.message.timestamp)
+            msg = event.message
+            points, reason = handle(event.value, msg.timestamp)
             if reason is not None:
-                await to_dlq(names.trajectories, reason, event.value)
+                log.warning("%s[%d]@%d -> DLQ: %s", msg.topic, msg.partition, msg.offset, reason)
+                await dlq_topic.send(key=msg.key, value=dead_letter(msg.topic, msg.partition, msg.offset, msg.key,
+                                                                    event.value, reason, expected))
             await publish(points)
 
-    @app.agent(learner_topic, name="sao-metrics-learner")
-    async def on_learner(stream):
-        async for event in stream.events():
-            points, reason = state.on_learner(event.value)
-            if reason is not None:
-                await to_dlq(names.learner, reason, event.value)
-            await publish(points)
+    @app.agent(traj_topic)
+    async def trajectories(stream):
+        await consume(stream, state.on_trajectory, "Trajectory")
+
+    @app.agent(learner_topic)
+    async def learner_events(stream):
+        await consume(stream, lambda value, _ts: state.on_learner(value), "LearnerEvent")
 
     @app.timer(settings.tick_s)
     async def idle_flush():
@@ -215,7 +204,12 @@ def run(settings: MetricsSettings) -> int:
     settings.validate()
     import faust
 
-    app = build_app(settings)
+    from streamer.bus import KafkaBus
+
+    bus = KafkaBus(settings.bootstrap or None)
+    # Create the run's topics with the project's partition counts before faust would guess them.
+    bus.create_topics(partitions_by_topic(settings.run))
+    app = build_app(settings, bus.bootstrap)
     worker = faust.Worker(app, loglevel=settings.loglevel, quiet=True, redirect_stdouts=False)
     try:
         worker.execute_from_commandline()

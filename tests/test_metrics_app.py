@@ -3,7 +3,6 @@ real faust app against the embedded broker, compared with a pandas computation."
 
 from __future__ import annotations
 
-import json
 import math
 import signal
 import subprocess
@@ -19,7 +18,8 @@ from streamer.config import ConfigError
 from streamer.metrics.windows import (
     Aggregate, ClosedWindow, Observation, TumblingWindows, fold, levels, values, window_points,
 )
-from streamer.metrics_app import MetricsSettings, MetricsState, dlq_record, parse_args, topics
+from streamer.bus import DeadLetter
+from streamer.metrics_app import MetricsSettings, MetricsState, dead_letter, parse_args
 from streamer.schema import LearnerEvent, MetricPoint, Trajectory, decode, encode
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,9 +148,10 @@ def test_timestamp_stands_in_for_missing_finished_at():
     assert list(s.windows.open) == [42]
 
 
-def test_dlq_record_is_json_with_the_original_bytes():
-    rec = json.loads(dlq_record("r.trajectories", "bad", b"\xff\x00"))
-    assert rec == {"topic": "r.trajectories", "reason": "bad", "value_b64": "/wA="}
+def test_dead_letter_keeps_the_original_bytes_and_reason():
+    rec = decode(dead_letter("r.trajectories", 1, 7, b"k", b"\xff\x00", "bad", "Trajectory"), DeadLetter)
+    assert (rec.topic, rec.partition, rec.offset, rec.key, rec.value, rec.value_len, rec.reason, rec.expected) == \
+        ("r.trajectories", 1, 7, b"k", b"\xff\x00", 2, "bad", "Trajectory")
 
 
 def test_parse_args_flags_win_and_bad_values_are_named(tmp_path):
@@ -160,4 +161,114 @@ def test_parse_args_flags_win_and_bad_values_are_named(tmp_path):
     assert (s.run, s.window_s, s.lateness_s, s.idle_flush_s) == ("demo", 7.0, 2.0, 4.0)
     with pytest.raises(ConfigError, match="window_s"):
         parse_args(["--run", "x", "window_s=-1"])
-    assert topics("demo").metrics == "demo.metrics"
+    with pytest.raises(ConfigError, match="run"):
+        parse_args(["--run", "a.b"])
+
+
+# ---------------------------------------------------------------- the faust app on the real broker
+
+W = 2.0  # window of the integration test, seconds of event time
+LEARNER_VERSION = 3
+
+
+def make_stream(n: int = 120, seed: int = 0) -> list[Trajectory]:
+    """Trajectories over 6 windows of event time, 2 families x 2 concepts, random rewards and versions."""
+    rng = np.random.default_rng(seed)
+    base = 1_800_000_000.0  # a window boundary: 1.8e9 / 2 is whole
+    out = []
+    for i in range(n):
+        fam = ("arith", "tool")[i % 2]
+        con = (f"{fam}-a", f"{fam}-b")[int(rng.integers(2))]
+        out.append(traj(i, family=fam, concept=con, t=base + i * 0.1 + float(rng.uniform(0, 0.05)),
+                        reward=round(float(rng.uniform()), 3), success=bool(rng.integers(2)),
+                        length=int(rng.integers(1, 9)), policy_version=int(rng.integers(0, 5))))
+    return out
+
+
+def expected_frame(trajs: list[Trajectory]) -> pd.DataFrame:
+    """The same aggregates computed by pandas, one row per (window end, labels)."""
+    df = pd.DataFrame({"family": t.family, "concept": t.concept, "t": t.finished_at, "reward": t.reward,
+                       "success": float(t.success), "length": len(t.tokens) - t.prompt_len,
+                       "staleness": max(0, LEARNER_VERSION - t.policy_version)} for t in trajs)
+    df["end"] = (np.floor(df["t"] / W) + 1) * W
+    aggs = dict(reward=("reward", "mean"), success_rate=("success", "mean"), length=("length", "mean"),
+                staleness=("staleness", "mean"), staleness_max=("staleness", "max"), count=("reward", "size"))
+    frames = []
+    for keys in (["end", "family", "concept"], ["end", "family"], ["end"]):
+        g = df.groupby(keys).agg(**aggs).reset_index()
+        g["labels"] = [tuple((k, row[k]) for k in keys[1:]) for _, row in g.iterrows()]
+        frames.append(g)
+    out = pd.concat(frames, ignore_index=True)
+    out["throughput"] = out["count"] / W
+    return out.set_index(["end", "labels"]).sort_index()
+
+
+def read_points(consumer, until, timeout_s: float) -> list[MetricPoint]:
+    got: list[MetricPoint] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not until(got):
+        got += [m.msg for m in consumer.poll(max_records=1000, timeout=0.5)]
+    return got
+
+
+@pytest.mark.kafka
+def test_faust_app_aggregates_equal_pandas(kafka_bus, kafka_run, tmp_path):
+    from streamer.topics import Topics, partitions_by_topic
+
+    names = Topics(kafka_run)
+    kafka_bus.create_topics(partitions_by_topic(kafka_run))
+    prod = kafka_bus.producer()
+    prod.send(names.learner, LearnerEvent(step=11, version=LEARNER_VERSION, time=time.time(), n_trajectories=0,
+                                          n_tokens=0))
+    prod.flush()
+    log = open(tmp_path / "metrics.log", "wb")
+    # lateness covers the whole stream: the two partitions interleave arbitrarily, so every window
+    # closes by the idle flush and none is late.
+    proc = subprocess.Popen([sys.executable, "-m", "streamer.cli", "metrics", "--bootstrap", kafka_bus.bootstrap,
+                             "--run", kafka_run, "--window", str(W), "lateness_s=100", "idle_flush_s=2",
+                             "loglevel=INFO"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        cons = kafka_bus.consumer({names.metrics: MetricPoint})
+        # wait until the app has the learner version, so staleness is deterministic
+        got = read_points(cons, lambda g: any(p.name == "metrics/learner_version" for p in g), 60)
+        assert any(p.name == "metrics/learner_version" and p.value == LEARNER_VERSION for p in got), \
+            (tmp_path / "metrics.log").read_text()[-3000:]
+        trajs = make_stream()
+        for t in trajs:
+            prod.send(names.trajectories, t, key=t.task_id)  # keyed: both partitions get work
+        prod.send_raw(names.trajectories, b"\x00 not a trajectory")
+        prod.flush()
+        want = expected_frame(trajs)
+        n_windows = want.index.get_level_values("end").nunique()
+        done = lambda g: sum(p.name == "metrics/reward" and p.labels == {} for p in g) >= n_windows and \
+            any(p.name == "metrics/dlq" for p in g)
+        got += read_points(cons, done, 60)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(30)
+    assert rc == 0, (tmp_path / "metrics.log").read_text()[-3000:]
+
+    windowed = [p for p in got if p.window == W]
+    assert {p.name for p in windowed} == {f"metrics/{m}" for m in
+                                         ("reward", "success_rate", "length", "staleness", "staleness_max", "throughput")}
+    seen = {}
+    for p in windowed:
+        key = (p.time, tuple(sorted(p.labels.items(), key=lambda kv: kv[0] != "family")), p.name)
+        assert key not in seen, f"window emitted twice: {key}"
+        seen[key] = p
+    assert len(seen) == len(want) * 6
+    for (end, labels), row in want.iterrows():
+        for m in ("reward", "success_rate", "length", "staleness", "staleness_max", "throughput"):
+            p = seen[(end, labels, f"metrics/{m}")]
+            assert p.value == pytest.approx(row[m], rel=1e-9), (end, labels, m)
+            assert p.count == row["count"]
+    # x-axis: on-time trajectories up to each window, the running sum of the window counts
+    totals = want.xs((), level="labels")["count"].cumsum()
+    for end, cum in totals.items():
+        assert seen[(end, (), "metrics/reward")].trajectories == cum
+        assert seen[(end, (), "metrics/reward")].learner_step == 11
+    assert max(p.value for p in got if p.name == "metrics/dlq") == 1.0
+    assert all(p.value == 0.0 for p in got if p.name == "metrics/late")
+    dead = [m.msg for m in kafka_bus.consumer({names.dlq: DeadLetter}).poll(max_records=10, timeout=5.0)]
+    assert [(d.topic, d.value, d.expected) for d in dead] == [(names.trajectories, b"\x00 not a trajectory",
+                                                                "Trajectory")]
