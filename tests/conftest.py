@@ -17,3 +17,6 @@ def pytest_sessionfinish(session, exitstatus):
     ran = len(reporter.stats.get("passed", [])) + len(reporter.stats.get("failed", []))
     if ran == 0 and exitstatus == 0:
         session.exitstatus = pytest.ExitCode.NO_TESTS_COLLECTED
+
+# Embedded-broker fixtures for `@pytest.mark.kafka` tests (owned by the streaming plane).
+from kafka_fixtures import bootstrap, kafka_broker, kafka_bus, kafka_run  # noqa: E402,F401

@@ -1,0 +1,50 @@
+"""Fixtures for integration tests against the real embedded broker (Tansu), one per test session.
+
+Tests that use them are marked `@pytest.mark.kafka`. Each test gets its own run name, so its
+topics (`<run>.tasks`, ...) never mix with another test's on the shared broker.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+
+from streamer.broker import EmbeddedBroker
+from streamer.bus import KafkaBus
+from streamer.settings import BrokerSettings, ClientSettings
+
+_runs = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def kafka_broker(tmp_path_factory):
+    """A Tansu broker on a free loopback port ($SAO_TEST_BOOTSTRAP: use that broker instead)."""
+    external = os.environ.get("SAO_TEST_BOOTSTRAP")
+    if external:
+        yield external
+        return
+    log_path = tmp_path_factory.mktemp("broker") / "tansu.log"
+    broker = EmbeddedBroker(BrokerSettings(port=0, log_path=str(log_path))).start()
+    try:
+        yield broker.bootstrap
+    finally:
+        broker.stop()
+
+
+@pytest.fixture
+def bootstrap(kafka_broker) -> str:
+    return kafka_broker
+
+
+@pytest.fixture
+def kafka_bus(bootstrap) -> KafkaBus:
+    return KafkaBus(bootstrap, ClientSettings(client_id="sao-test"))
+
+
+@pytest.fixture
+def kafka_run(request) -> str:
+    """A run name unique within the session: 't<n>-<test name>' (topic-safe)."""
+    name = "".join(c if c.isalnum() else "-" for c in request.node.name)[:60]
+    return f"t{next(_runs)}-{os.getpid()}-{name}".strip("-")

@@ -1,0 +1,49 @@
+"""The embedded Tansu broker: starts on a free port, answers Kafka requests, stops on SIGINT."""
+
+from __future__ import annotations
+
+import pytest
+
+from streamer.broker import BrokerError, EmbeddedBroker, free_port, probe
+from streamer.bus import KafkaBus
+from streamer.schema import Task
+from streamer.settings import BrokerSettings
+
+pytestmark = pytest.mark.kafka
+
+
+def test_broker_starts_answers_metadata_and_stops_on_sigint(tmp_path):
+    log_path = tmp_path / "tansu.log"
+    broker = EmbeddedBroker(BrokerSettings(port=0, log_path=str(log_path))).start()
+    try:
+        assert probe("127.0.0.1", broker.port)
+        bus = KafkaBus(broker.bootstrap)
+        assert bus.create_topics({"b.tasks": 2}) == ["b.tasks"]
+        assert bus.create_topics({"b.tasks": 2}) == []  # idempotent
+        prod = bus.producer()
+        prod.send("b.tasks", Task(task_id="x", family="arith", concept="add", prompt="1+1=", answer="2"), key="x")
+        prod.flush()
+        prod.close()
+        cons = bus.consumer({"b.tasks": Task})  # no group: all partitions from the start
+        got = []
+        for _ in range(20):
+            got += cons.poll(10, 0.5)
+            if got:
+                break
+        cons.close()
+        assert [p.msg.task_id for p in got] == ["x"]
+    finally:
+        code = broker.stop()
+    assert code == 0  # Tansu exits cleanly on SIGINT
+    assert not probe("127.0.0.1", broker.port, timeout=0.3)
+    assert "listening on" in log_path.read_text()
+
+
+def test_probe_is_false_where_nothing_listens():
+    assert not probe("127.0.0.1", free_port(), timeout=0.3)
+
+
+def test_second_broker_on_a_busy_port_is_refused(kafka_broker):
+    port = int(kafka_broker.rsplit(":", 1)[1])
+    with pytest.raises(BrokerError, match="already answers"):
+        EmbeddedBroker(BrokerSettings(port=port)).start()
