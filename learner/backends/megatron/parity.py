@@ -41,8 +41,16 @@ def batch_for(rank: int, vocab: int) -> dict[str, torch.Tensor]:
     loss_mask[:, :5] = 0  # prompt
     return {"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask,
             "advantages": torch.randn(B, T, generator=g),
-            # behaviour log-probs near the model's (~ -log V), spread so some ratios leave the band
-            "old_logp": -4.3 + 0.12 * torch.randn(B, T, generator=g)}
+            "noise": torch.randn(B, T, generator=g)}
+
+
+def with_behaviour(batches: list[dict], policy) -> list[dict]:
+    """Behaviour log-probs = the model's own + N(0, 0.15^2) noise: ~20% of ratios leave the band."""
+    from learner.models.scoring import token_logprobs
+
+    with torch.no_grad():
+        return [{**b, "old_logp": token_logprobs(policy, b["input_ids"], b["attention_mask"])
+                 + 0.15 * b["noise"]} for b in batches]
 
 
 def sao(logp, b):
@@ -97,7 +105,7 @@ def check_forward_and_grads(ep: int, out: dict) -> dict[str, torch.Tensor]:
     rank, world = dist.get_rank(), dist.get_world_size()
     policy, value = _hf_models()
     vocab = policy.config.vocab_size
-    batches = [batch_for(r, vocab) for r in range(world)]
+    batches = with_behaviour([batch_for(r, vocab) for r in range(world)], policy)
     mine = batches[rank]
     lrn = MegatronLearner(policy, value, _opts(ep), OptimSettings(lr=1e-3, grad_clip=None), sao)
     with torch.no_grad():
@@ -141,7 +149,7 @@ def check_step(ep: int, opt_name: str, out: dict) -> None:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     policy, _ = _hf_models()
-    batches = [batch_for(r, policy.config.vocab_size) for r in range(world)]
+    batches = with_behaviour([batch_for(r, policy.config.vocab_size) for r in range(world)], policy)
     lr = 1e-3 if opt_name == "adamw" else 0.5
     lrn = MegatronLearner(policy, None, _opts(ep), OptimSettings(lr=lr, grad_clip=1.0), sao)
     if opt_name == "sgd":
@@ -158,6 +166,11 @@ def check_step(ep: int, opt_name: str, out: dict) -> None:
     opt.step()
     after_t = policy.state_dict()
     out[f"step_{opt_name}_ep{ep}_max_abs"] = _all_max(max(_max_abs(after_m[k], after_t[k]) for k in after_t))
+    # Adam's first update is lr * g / (|g| + eps): where |g| is near eps, fp32 noise in g moves it
+    # by up to lr. Away from that region the two updates must agree to fp32 rounding.
+    grads_t = {n: p.grad for n, p in policy.named_parameters() if p.grad is not None}
+    out[f"step_{opt_name}_ep{ep}_max_abs_grad_gt_1e-5"] = _all_max(max(
+        _max_abs(after_m[k], after_t[k], grads_t[k].abs() > 1e-5) for k in grads_t))
     out[f"step_{opt_name}_ep{ep}_max_update"] = max(_max_abs(after_t[k], before[k]) for k in after_t)
     out[f"step_{opt_name}_ep{ep}_grad_norm"] = [stats["grad_norm"], torch_norm]
     out[f"step_{opt_name}_ep{ep}_clip_frac"] = stats.get("clip_frac", 0.0)
