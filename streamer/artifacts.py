@@ -125,12 +125,21 @@ class TableWriter:
         self.last_flush = time.monotonic()
         if not self.rows:
             return None
+        path = self._write_part(pd.DataFrame(self.rows))
+        self.rows = []
+        return path
+
+    def _write_part(self, df: pd.DataFrame) -> Path:
         self.seq += 1
         suffix = f"-{self.writer_id}" if self.writer_id else ""
         path = self.parts / f"part-{self.seq:05d}{suffix}.parquet"
-        _write_atomic(pd.DataFrame(self.rows), path)
-        self.rows = []
+        _write_atomic(df, path)
         return path
+
+    def write_frame(self, df: pd.DataFrame) -> Path:
+        """Flush the buffer, then write `df` (rows of this table) as one part of its own."""
+        self.flush()
+        return self._write_part(df)
 
     def compact(self) -> Path:
         """Flush, then merge every part into the single file and remove the parts."""
