@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 import msgspec
@@ -51,6 +52,9 @@ def table_row(msg: Task | DriftEvent) -> dict[str, Any]:
 
 def _schema_field(e: Exception) -> str:
     text = str(e)
+    m = re.search(r"missing required field `([^`]+)`", text)
+    if m:
+        return m.group(1)
     return text.rsplit("$.", 1)[1].rstrip("`") if "$." in text else "?"
 
 

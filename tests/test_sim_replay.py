@@ -1,0 +1,121 @@
+"""Record -> replay: order, content and scaled timing survive; bad rows are reported by row and field."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from simulator.generator import generate
+from simulator.replay import ReplayError, main as replay_main, replay
+from simulator.run import main as simulate_main, simulate
+from simulator.scenario import Phase, Scenario, validate_scenario
+from simulator.sinks import JsonlSink, QueueSink, file_sink
+from streamer.schema import DriftEvent, Task, to_dict
+
+
+def _scenario(n: int, rate: float = 200.0) -> Scenario:
+    mix = {"arith": 1.0, "string": 1.0, "format": 1.0, "tool": 1.0}
+    first = Phase(name="a", duration_tasks=n // 2, families=mix,
+                  concepts={"arith": "add10", "string": "reverse", "format": "brackets", "tool": "look/plain/0"})
+    second = Phase(name="b", duration_tasks=n - n // 2, concepts={"string": "sort", "tool": "find/key/1"})
+    scn = Scenario(name="r", rate=rate, arrival="poisson", phases=[first, second])
+    validate_scenario(scn)
+    return scn
+
+
+def _record(path, n: int, rate: float = 200.0) -> list[Task | DriftEvent]:
+    scn = _scenario(n, rate)
+    simulate(scn, file_sink(path), seed=1, t0=1000.0)
+    return list(generate(scn, seed=1, t0=1000.0))
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet", "csv"])
+def test_round_trip_preserves_order_and_content(tmp_path, fmt):
+    src = tmp_path / f"rec.{fmt}"
+    original = _record(src, 400)
+    out = tmp_path / "out.jsonl"
+    stats = replay(src, JsonlSink(out), speed=0)
+    assert (stats.tasks, stats.drift_events, stats.bad) == (400, 1, 0)
+    back = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [{k: v for k, v in r.items() if k != "kind"} for r in back] == [to_dict(m) for m in original]
+
+
+def test_replay_keeps_scaled_timing(tmp_path):
+    src = tmp_path / "rec.jsonl"
+    original = [m for m in _record(src, 120, rate=100.0) if isinstance(m, Task)]  # ~1.2 s of stream
+    sink = QueueSink()
+    replay(src, sink, speed=2.0, restamp=True)
+    sent = [m for m in sink.drain() if isinstance(m, Task)]
+    assert [t.task_id for t in sent] == [t.task_id for t in original]
+    t0, s0 = original[0].created_at, sent[0].created_at
+    for o, s in zip(original, sent):
+        target = (o.created_at - t0) / 2.0  # speed 2 halves every gap
+        assert s.created_at - s0 >= target - 0.003  # never early (timer slack)
+    total_target = (original[-1].created_at - t0) / 2.0
+    assert abs((sent[-1].created_at - s0) - total_target) < 0.25  # and not late overall on a busy machine
+
+
+CORRUPTIONS = [
+    lambda d: b"{not json",
+    lambda d: json.dumps({**d, "prompt": 7}).encode(),
+    lambda d: json.dumps({**d, "family": "chess"}).encode(),
+    lambda d: json.dumps({k: v for k, v in d.items() if k != "answer"}).encode(),
+    lambda d: json.dumps({**d, "prompt": "AGE OF X?"}).encode(),
+    lambda d: json.dumps({**d, "spec": {}}).encode(),
+    lambda d: json.dumps({**d, "v": 99}).encode(),
+    lambda d: b"\xff\xfe\x00garbage",
+]
+
+
+def test_100k_rows_with_1pct_corrupt_skip_bad_reports_exactly_those(tmp_path):
+    src = tmp_path / "big.jsonl"
+    simulate(_scenario(100_000, rate=1000.0), file_sink(src), seed=2, t0=0.0)
+    lines = src.read_bytes().splitlines()
+    rng = random.Random(0)
+    task_lines = [i for i, line in enumerate(lines) if b'"kind":"task"' in line]
+    bad = sorted(rng.sample(task_lines, len(lines) // 100))
+    for i in bad:
+        lines[i] = CORRUPTIONS[i % len(CORRUPTIONS)](json.loads(lines[i]))
+    src.write_bytes(b"\n".join(lines) + b"\n")
+    out, rej = tmp_path / "out.jsonl", tmp_path / "rejects.jsonl"
+    assert replay_main([str(src), "--speed", "0", "--out", str(out), "--skip-bad", "--rejects", str(rej)]) == 0
+    rejects = [json.loads(line) for line in rej.read_text().splitlines()]
+    assert [r["row"] for r in rejects] == [i + 1 for i in bad]  # rows are 1-based line numbers
+    assert len(out.read_text().splitlines()) == len(lines) - len(bad)
+    assert {r["field"] for r in rejects} >= {"<line>", "prompt", "family", "answer", "spec.tool"}
+
+
+def test_bad_row_without_skip_stops_with_row_and_field(tmp_path, capsys):
+    src = tmp_path / "rec.jsonl"
+    _record(src, 20)
+    lines = src.read_text().splitlines()
+    row = json.loads(lines[6])
+    row["seq"] = "seven"
+    lines[6] = json.dumps(row)
+    src.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ReplayError, match=r"rec.jsonl: row 7: field 'seq'"):
+        replay(src, QueueSink(), speed=0)
+    assert replay_main([str(src), "--speed", "0", "--out", str(tmp_path / "o.jsonl")]) == 1
+    assert "row 7: field 'seq'" in capsys.readouterr().err
+
+
+def test_csv_bad_cell_names_row_and_column(tmp_path):
+    src = tmp_path / "rec.csv"
+    _record(src, 10)
+    lines = src.read_text().splitlines()
+    lines[3] = lines[3].replace(",task,", ",task,", 1)
+    head, cells = lines[0].split(","), lines[3].split(",")
+    cells[head.index("phase")] = "x"
+    lines[3] = ",".join(cells)
+    src.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ReplayError, match=r"row 3: field 'phase'"):
+        replay(src, QueueSink(), speed=0)
+
+
+def test_simulate_command_writes_the_file(tmp_path, capsys):
+    out = tmp_path / "tasks.jsonl"
+    assert simulate_main(["--scenario", "default", "--out", str(out), "--limit", "50", "--seed", "4"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["tasks"] == 50 and len(out.read_text().splitlines()) == 50
