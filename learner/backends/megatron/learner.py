@@ -33,6 +33,16 @@ PolicyLossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
 @dataclass
 class MegatronOptions:
     expert_parallel: int = 1  # ranks that split the experts (must divide world size and num_experts)
+    dtype: str = "float32"  # "bfloat16" on GPUs (pure bf16 weights; the parity tests use float32)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"MegatronOptions.dtype={self.dtype!r}: use one of {', '.join(_DTYPES)}")
+        if self.expert_parallel < 1:
+            raise ValueError(f"MegatronOptions.expert_parallel={self.expert_parallel} must be >= 1")
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -73,7 +83,9 @@ class MegatronLearner:
             parallel.init(self.options.expert_parallel, seed)
         self.hf_config = hf_policy.config
         self.ep_rank, self.ep_size = parallel.ep_rank_size()
-        self.policy = build_gpt(self.hf_config)
+        self.device = parallel.device()
+        dtype = _DTYPES[self.options.dtype]
+        self.policy = build_gpt(self.hf_config, dtype=dtype).to(self.device)
         load_megatron(self.policy, convert.hf_to_megatron(
             hf_policy.state_dict(), self.hf_config, self.ep_rank, self.ep_size))
         self.policy_loss = policy_loss
@@ -81,7 +93,7 @@ class MegatronLearner:
         self.value = None
         self.value_loss_fn = value_loss_fn
         if hf_value is not None:
-            self.value = MegatronValueModel(hf_value.config)
+            self.value = MegatronValueModel(hf_value.config, dtype).to(self.device)
             load_value(self.value, hf_value.state_dict(), hf_value.config, self.ep_rank, self.ep_size)
             self.value_opt = _adamw(self.value, self.optim_cfg.value_lr, self.optim_cfg)
 
@@ -89,14 +101,16 @@ class MegatronLearner:
     def forward_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
         from learner.models.scoring import logprobs_from_logits
 
-        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        input_ids = input_ids.to(self.device)
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(self.device)
         return logprobs_from_logits(megatron_logits(self.policy, input_ids, mask), input_ids, mask)
 
     def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
         if self.value is None:
             raise RuntimeError("MegatronLearner.values: built without a value model (pass hf_value)")
-        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-        return self.value(input_ids, position_ids(mask), attention_mask_4d(mask))
+        input_ids = input_ids.to(self.device)
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(self.device)
+        return self.value(input_ids, position_ids(mask), attention_mask_4d(mask)).float()
 
     # ---- optimizer steps
     def policy_step(self, batch: dict) -> dict[str, float]:
@@ -104,6 +118,7 @@ class MegatronLearner:
             raise RuntimeError("MegatronLearner.policy_step: no policy loss given")
         self.policy.train()
         self.opt.zero_grad(set_to_none=True)
+        batch = _to(batch, self.device)
         logp = self.forward_logprobs(batch["input_ids"], batch.get("attention_mask"))
         loss, stats = self.policy_loss(logp, batch)
         loss.backward()
@@ -114,6 +129,7 @@ class MegatronLearner:
             raise RuntimeError("MegatronLearner.value_step: needs hf_value and value_loss_fn")
         self.value.train()
         self.value_opt.zero_grad(set_to_none=True)
+        batch = _to(batch, self.device)
         v = self.values(batch["input_ids"], batch.get("attention_mask"))
         loss, stats = self.value_loss_fn(v, batch)
         loss.backward()
@@ -126,7 +142,7 @@ class MegatronLearner:
 
         local = convert.megatron_to_hf(megatron_params(self.policy), self.hf_config,
                                        self.ep_rank, self.ep_size)
-        return convert.gather_experts(local, self.hf_config, ps.get_expert_model_parallel_group())
+        return _cpu(convert.gather_experts(local, self.hf_config, ps.get_expert_model_parallel_group()))
 
     def value_state_dict(self) -> dict[str, torch.Tensor]:
         """The full value model in H2's ValueModel layout (backbone.*, head.*); collective."""
@@ -140,7 +156,15 @@ class MegatronLearner:
         vh = self.value.value_head
         local.update({"backbone.norm.weight": vh.norm.weight.detach(),
                       "head.weight": vh.head.weight.detach(), "head.bias": vh.head.bias.detach()})
-        return convert.gather_experts(local, self.hf_config, ps.get_expert_model_parallel_group())
+        return _cpu(convert.gather_experts(local, self.hf_config, ps.get_expert_model_parallel_group()))
+
+
+def _to(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def _cpu(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu() for k, v in sd.items()}
 
 
 def _ep_matches(ep: int) -> bool:
