@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 import msgspec
@@ -20,6 +21,7 @@ from streamer import artifacts as art
 from streamer.schema import DriftEvent, LearnerEvent, MetricPoint
 
 RETRY_S = 3.0
+_TAPS: "weakref.WeakSet[LiveTap]" = weakref.WeakSet()
 
 
 def kafka_consumer_factory(bootstrap: str, run: str):
@@ -45,6 +47,7 @@ class LiveTap:
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._loop, name=f"live-{run}", daemon=True)
         self.thread.start()
+        _TAPS.add(self)
 
     def _loop(self) -> None:
         while not self.stop_event.is_set():
@@ -94,6 +97,12 @@ class LiveTap:
     def close(self) -> None:
         self.stop_event.set()
         self.thread.join(timeout=5)
+
+
+def close_all() -> None:
+    """Stop every tap of this process (tests; the server's taps end with it)."""
+    for tap in list(_TAPS):
+        tap.close()
 
 
 def _reason(e: Exception) -> str:

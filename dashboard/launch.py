@@ -1,0 +1,51 @@
+"""`sao dashboard`: start the Streamlit app (localhost by default).
+
+    sao dashboard [--port 8501] [--address 127.0.0.1] [--runs runs/] [--bootstrap HOST:PORT --run NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+APP = Path(__file__).with_name("app.py")
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="sao dashboard", description="SAO Lab dashboard (Streamlit, read-only)")
+    p.add_argument("--port", type=int, default=8501)
+    p.add_argument("--address", default="127.0.0.1", help="interface to bind (default: localhost only)")
+    p.add_argument("--runs", default="runs", help="directory of run directories")
+    p.add_argument("--bootstrap", default="", help="Kafka bootstrap servers for live topics")
+    p.add_argument("--run", default="", help="run name (topic prefix) to tail live")
+    p.add_argument("--refresh", type=float, default=3.0, help="seconds between live refreshes")
+    a = p.parse_args(argv)
+    if not 0 < a.port < 65536:
+        p.error(f"--port: {a.port} is not a TCP port")
+    if a.refresh <= 0:
+        p.error("--refresh: must be > 0")
+    return a
+
+
+def command(a: argparse.Namespace) -> list[str]:
+    """The `streamlit run` command line (a launcher may spawn it itself)."""
+    cmd = [sys.executable, "-m", "streamlit", "run", str(APP),
+           "--server.address", a.address, "--server.port", str(a.port), "--server.headless", "true",
+           "--server.fileWatcherType", "none", "--browser.gatherUsageStats", "false", "--",
+           "--runs", a.runs, "--refresh", str(a.refresh)]
+    if a.bootstrap:
+        cmd += ["--bootstrap", a.bootstrap]
+    if a.run:
+        cmd += ["--run", a.run]
+    return cmd
+
+
+def main(argv: list[str]) -> int:
+    a = parse(argv)
+    print(f"dashboard: http://{a.address}:{a.port}  (runs: {a.runs})", flush=True)
+    try:
+        return subprocess.call(command(a))
+    except KeyboardInterrupt:
+        return 130

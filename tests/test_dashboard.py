@@ -1,0 +1,209 @@
+"""The dashboard's views under streamlit.testing.v1.AppTest, on a small run written by the real
+artifact writers: each view must show exactly the data (values read back from the chart datasets,
+tables and metrics the page sends to the browser)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from dashboard.live import close_all
+from streamer import artifacts as art
+from streamer.schema import DriftEvent, LearnerEvent, MetricPoint, Trajectory
+
+APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
+T0 = 100.0
+
+# family a: phase 0 rewards [1,1] at t=100,101; drift at t=101.5; phase 1 rewards [0,0,1,1] at t=102..105
+REWARDS = [(0, 1.0), (0, 1.0), (1, 0.0), (1, 0.0), (1, 1.0), (1, 1.0)]
+
+
+def _traj(k: int, phase: int, reward: float, version: int) -> Trajectory:
+    return Trajectory(traj_id=f"t{k}", task_id=f"k{k}", family="a", concept=f"c{phase}", phase=phase, prompt_len=1,
+                   tokens=[1, 2], loss_mask=[0, 1], logprobs=[0.0, -1.0], reward=reward, policy_version=version,
+                   created_at=T0 + k, finished_at=T0 + k)
+
+
+def write_run(root: Path, name: str = "r1", reward_shift: float = 0.0) -> Path:
+    run = root / name
+    w = art.RunWriter(run, config={"name": name}, flush_seconds=1e9)
+    for k, (ph, r) in enumerate(REWARDS):
+        # staleness = learner_version - version = [0, 1, 1, 2, 0, 1] -> counts {0: 2, 1: 3, 2: 1}
+        stale = [0, 1, 1, 2, 0, 1][k]
+        w.trajectory(_traj(k, ph, max(0.0, r - reward_shift), version=k // 2), learner_version=k // 2 + stale)
+    w.drift(DriftEvent(phase=1, prev_phase=0, name="p1", schedule="abrupt", families=["a"], concepts={"a": "c1"},
+                       prev_concepts={"a": "c0"}, at_seq=2, time=T0 + 1.5))
+    # learner steps at t=102, 103, 104 (x_step of the drift at t=101.5 is 0)
+    for s in range(3):
+        w.learner_event(LearnerEvent(step=s, version=s + 1, time=T0 + 2 + s, n_trajectories=2, n_tokens=10 * (s + 1),
+                                     metrics={"learner/clip_frac_low": 0.01 * (s + 1), "learner/clip_frac_high": 0.1,
+                                              "learner/value_loss": 2.0 - s, "learner/explained_variance": 0.25 * s,
+                                              "learner/kl": 0.003, "learner/entropy": 1.5 - 0.5 * s,
+                                              "perf/idle_s": 0.5 * s}))
+    for t, c, v in [(T0 + 1, "c0", 0.9), (T0 + 3, "c1", 0.2), (T0 + 5, "c1", 0.7)]:
+        w.metric(MetricPoint(name="eval/reward", value=v, time=t, labels={"family": "a", "concept": c}))
+    w.close(window=2)
+    return run
+
+
+@pytest.fixture
+def runs_root(tmp_path) -> Path:
+    write_run(tmp_path)
+    return tmp_path
+
+
+def app(runs_root: Path, **state) -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=60)
+    at.session_state["runs_root"] = str(runs_root)
+    at.session_state["window"] = 2
+    at.session_state["auto_refresh"] = False
+    for k, v in state.items():
+        at.session_state[k] = v
+    at.run()
+    assert not at.exception, at.exception
+    return at
+
+
+def chart_data(at: AppTest, name: str) -> dict[str, pd.DataFrame]:
+    """The datasets of the chart whose spec (or one of whose layers) is named `name`, by layer name."""
+    for el in at.get("vega_lite_chart"):
+        spec = json.loads(el.proto.spec)
+        layers = spec.get("layer", [spec])
+        if not any(layer.get("name") == name for layer in layers):
+            continue
+        sets = {d.name: pa.ipc.open_stream(d.data.data).read_all().to_pandas() for d in el.proto.datasets}
+        return {layer.get("name"): sets[layer["data"]["name"]] for layer in layers}
+    raise AssertionError(f"no chart named {name!r}")
+
+
+def test_header_metrics(runs_root):
+    at = app(runs_root)
+    shown = {m.label: m.value for m in at.metric}
+    # W=2 windowed of [1,1,0,0,1,1] = [1,1,.5,0,.5,1] -> AUC 4/6; staleness mean (0*2+1*3+2)/6 = 5/6
+    assert shown == {"r1 (finished)": "6 trajectories", "learner steps": "3", "AUC (W=2)": "0.667",
+                     "drift events": "1", "mean staleness": "0.83"}
+
+
+def test_reward_view_values_and_drift_marker(runs_root):
+    at = app(runs_root)
+    d = chart_data(at, "reward_lines")
+    # windowed W=2 within family a: [1, 1, .5, 0, .5, 1]; x = seconds since t0 = 100
+    assert d["reward_lines"]["reward_w"].tolist() == [1.0, 1.0, 0.5, 0.0, 0.5, 1.0]
+    assert d["reward_lines"]["x_time"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    rule = d["drift_rules"]
+    assert rule["x_time"].tolist() == [1.5]
+    # post-drift [0,0,1,1], W=2 full windows: 0, .5, 1 >= .9 at index 3 -> 4 trajectories;
+    # learner steps in (101.5, 105]: t=102, 103, 104 -> 3
+    assert rule["text"].tolist() == ["p1 (a: recovered in 4 traj, 3 steps)"]
+
+
+def test_x_axis_switch_to_trajectories_and_steps(runs_root):
+    at = app(runs_root, x_axis="trajectories")
+    d = chart_data(at, "reward_lines")
+    assert d["reward_lines"]["x_traj"].tolist() == [1, 2, 3, 4, 5, 6]
+    assert d["drift_rules"]["x_traj"].tolist() == [2]  # two trajectories finished before t=101.5
+    at.sidebar.radio[0].set_value("learner steps").run()
+    d = chart_data(at, "reward_lines")
+    # steps done at t=100..105 (steps at 102, 103, 104): [0, 0, 1, 2, 3, 3]
+    assert d["reward_lines"]["x_step"].tolist() == [0, 0, 1, 2, 3, 3]
+    assert at.session_state["x_axis"] == "learner steps"
+
+
+def test_drift_table(runs_root):
+    at = app(runs_root)
+    table = at.dataframe[0].value
+    row = table.iloc[0]
+    assert (row["family"], row["prev_concept"], row["concept"], row["trajectories"], row["learner_steps"],
+            bool(row["censored"]), row["pre_level"]) == ("a", "c0", "c1", 4, 3, False, 1.0)
+
+
+def test_eval_view_and_forgetting(runs_root):
+    at = app(runs_root)
+    ev = chart_data(at, "eval")["eval"]
+    assert ev.sort_values("x_time")[["x_time", "value", "series"]].values.tolist() == [
+        [1.0, 0.9, "a/c0"], [3.0, 0.2, "a/c1"], [5.0, 0.7, "a/c1"]]
+
+
+def test_staleness_histogram(runs_root):
+    at = app(runs_root)
+    st = chart_data(at, "staleness_bars")["staleness_bars"]
+    assert dict(zip(st["staleness"], st["count"])) == {0: 2, 1: 3, 2: 1}
+
+
+@pytest.mark.parametrize("view,expected", [
+    ("clip", {"learner/clip_frac_low": [0.01, 0.02, 0.03], "learner/clip_frac_high": [0.1, 0.1, 0.1]}),
+    ("value", {"learner/value_loss": [2.0, 1.0, 0.0], "learner/explained_variance": [0.0, 0.25, 0.5]}),
+    ("kl_entropy", {"learner/kl": [0.003] * 3, "learner/entropy": [1.5, 1.0, 0.5]}),
+    ("idle", {"perf/idle_s": [0.0, 0.5, 1.0]}),
+])
+def test_learner_metric_views(runs_root, view, expected):
+    at = app(runs_root)
+    df = chart_data(at, view)[view]
+    got = {s: g.sort_values("x_time")["value"].round(6).tolist() for s, g in df.groupby("series")}
+    assert got == expected
+    assert sorted(df["x_time"].unique().tolist()) == [2.0, 3.0, 4.0]
+
+
+def test_throughput_view(runs_root):
+    at = app(runs_root)
+    df = chart_data(at, "throughput")["throughput"]
+    tok = df[df["series"] == "learner tokens/s"].sort_values("x_time")
+    # tokens 20 and 30 over 1 s each (the first step has no predecessor)
+    assert tok["value"].tolist() == [20.0, 30.0]
+    traj = df[df["series"] == "trajectories/s"]
+    # finish times 0..5 s in 5 s buckets: [0,5) holds 5, [5,10) holds 1 -> 1.0 and 0.2 per second
+    assert sorted(traj["value"].tolist()) == [0.2, 1.0]
+
+
+def test_runs_side_by_side(runs_root):
+    write_run(runs_root, "r2", reward_shift=1.0)  # every reward 0
+    at = app(runs_root, runs=["r1", "r2"])
+    d = chart_data(at, "reward_lines")["reward_lines"]
+    by = {s: g["reward_w"].tolist() for s, g in d.groupby("series")}
+    assert by == {"r1 · a": [1.0, 1.0, 0.5, 0.0, 0.5, 1.0], "r2 · a": [0.0] * 6}
+    assert sorted(at.dataframe[0].value["run"].tolist()) == ["r1", "r2"]
+
+
+def test_live_run_being_written(tmp_path):
+    run = tmp_path / "live1"
+    w = art.RunWriter(run, flush_seconds=1e9)
+    for k, (ph, r) in enumerate(REWARDS[:3]):
+        w.trajectory(_traj(k, ph, r, 0))
+    w.flush()
+    at = app(tmp_path)
+    assert {m.label: m.value for m in at.metric}["live1 (being written)"] == "3 trajectories"
+    for k, (ph, r) in enumerate(REWARDS[3:], start=3):
+        w.trajectory(_traj(k, ph, r, 0))
+    w.flush()
+    at.run()  # a refresh keeps the selection and shows the new part
+    assert at.session_state["runs"] == ["live1"]
+    assert {m.label: m.value for m in at.metric}["live1 (being written)"] == "6 trajectories"
+    w.close()
+
+
+def test_missing_runs_dir_and_unreachable_broker_give_messages(tmp_path):
+    at = app(tmp_path / "nope", bootstrap="127.0.0.1:1", live_run="ghost")
+    texts = [i.value for i in at.info] + [w.value for w in at.warning] + [s.value for s in at.success]
+    assert any("No run selected" in t for t in texts)
+    assert any("127.0.0.1:1" in t and "ghost" in t for t in texts)
+    close_all()
+
+
+def test_downsampling_keeps_extremes_and_bounds_points():
+    from dashboard.downsample import downsample, minmax_indices
+
+    y = np.zeros(1_000_000)
+    y[123_457] = 5.0  # a spike
+    y[800_001] = -3.0
+    idx = minmax_indices(y, 2000)
+    assert len(idx) <= 2000 and 123_457 in idx and 800_001 in idx and idx[0] == 0 and idx[-1] == 999_999
+    df = pd.DataFrame({"g": np.repeat(["a", "b"], 5000), "v": np.arange(10_000.0)})
+    out = downsample(df, "v", by="g", max_points=400)
+    assert len(out) <= 400 and set(out["g"]) == {"a", "b"}
+    assert out["v"].is_monotonic_increasing  # order kept
