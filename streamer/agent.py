@@ -1,0 +1,317 @@
+"""`sao agent`: tasks -> rollouts -> trajectories, one consumer of `<run>.tasks` in a shared group.
+
+Each task gets one rollout (SAO) or a group of n (`--group-size n`, GRPO family; the group shares one
+policy version). The offset of a task is committed only after its trajectories are produced and
+flushed, so an agent that dies loses nothing (its uncommitted tasks go to another agent; the
+learner de-duplicates by task id). New policy versions are loaded between rollouts.
+
+    sao agent --bootstrap 127.0.0.1:9092 --run exp1 --model runs/warm [--group-size 8] [--set max_new_tokens=24]
+    sao agent --tasks tasks.jsonl --out trajectories.jsonl --model runs/warm     # no broker, no learner
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from streamer.bus import Consumer, KafkaBus, MemoryBus, Producer
+from streamer.config import ConfigError, load_config
+from streamer.schema import PolicyVersion, Task, Trajectory
+from streamer.settings import AgentSettings
+from streamer.topics import Topics, partitions_by_topic
+from streamer.weights import CheckpointError, PolicyFollower, WeightStore
+
+log = logging.getLogger("sao.agent")
+
+
+# ----------------------------------------------------------------------------------------- rollouts
+
+@dataclass
+class _Episode:
+    env: Any
+    tokens: list[int]
+    mask: list[int]
+    logprobs: list[float]
+    final: Any = None  # the env's last Step
+    turns: int = 0
+    gen_seconds: float = 0.0
+
+
+def _context_limit(engine: Any) -> int:
+    model = getattr(engine, "model", None)
+    return int(getattr(getattr(model, "config", None), "max_position_embeddings", 0) or 1 << 30)
+
+
+def rollout_seed(task_id: str, seed: int) -> int:
+    return zlib.crc32(f"{seed}:{task_id}".encode())
+
+
+def rollout(engine: Any, tokenizer: Any, task: Task, s: AgentSettings, agent_id: str = "") -> list[Trajectory]:
+    """`s.group_size` multi-turn episodes of `task`, generated in one batch per turn by the same weights."""
+    from simulator.env import make_env
+
+    started = time.time()
+    version = int(engine.version)
+    eps = []
+    for _ in range(s.group_size):
+        env = make_env(task)
+        prompt = tokenizer.encode(env.prompt(), bos=True)
+        eps.append(_Episode(env, list(prompt), [0] * len(prompt), [0.0] * len(prompt)))
+    prompt_len, limit = len(eps[0].tokens), _context_limit(engine)
+    seed = rollout_seed(task.task_id, s.seed)
+    for turn in range(s.max_turns):
+        active = [e for e in eps if e.final is None]
+        room = limit - max(len(e.tokens) for e in active) if active else 0
+        if room < 1:
+            break
+        t0 = time.perf_counter()
+        gens = engine.generate([e.tokens for e in active], min(s.max_new_tokens, room), s.temperature, s.top_p,
+                               stop=active[0].env.stop or None, seed=seed + turn)
+        dt = time.perf_counter() - t0
+        for e, g in zip(active, gens):
+            e.gen_seconds += dt
+            e.turns += 1
+            e.tokens += g.token_ids
+            e.mask += [1] * len(g.token_ids)
+            # behaviour log-probs: the distribution actually sampled (model's own at temperature 0)
+            e.logprobs += list(g.sample_logprobs if s.temperature > 0 else g.logprobs)
+            step = e.env.step(g.text or tokenizer.decode(g.token_ids))
+            if step.done:
+                e.final = step
+            else:
+                obs = tokenizer.encode(step.observation)
+                e.tokens += obs
+                e.mask += [0] * len(obs)
+                e.logprobs += [0.0] * len(obs)
+    for e in eps:
+        if e.final is None:  # turn or context limit: the episode ends without an answer
+            e.final = e.env.step("")
+    finished = time.time()
+    return [_trajectory(task, e, i, prompt_len, version, s.group_size, agent_id, started, finished)
+            for i, e in enumerate(eps)]
+
+
+def _trajectory(task: Task, e: _Episode, i: int, prompt_len: int, version: int, n: int, agent_id: str,
+                started: float, finished: float) -> Trajectory:
+    return Trajectory(
+        traj_id=f"{task.task_id}:{i}", task_id=task.task_id, family=task.family, concept=task.concept,
+        phase=task.phase, group_id=task.task_id if n > 1 else "", group_size=n, prompt_len=prompt_len,
+        tokens=e.tokens, loss_mask=e.mask, logprobs=e.logprobs, reward=float(e.final.reward),
+        reward_parts={k: float(v) for k, v in e.final.parts.items()}, success=bool(e.final.success),
+        policy_version=version, policy_versions=[version], n_turns=e.turns, n_tool_calls=int(e.env.n_calls),
+        agent_id=agent_id, created_at=task.created_at, started_at=started, finished_at=finished,
+        gen_seconds=e.gen_seconds, env_seconds=float(e.env.env_seconds))
+
+
+# ----------------------------------------------------------------------------------------- the loop
+
+@dataclass
+class AgentStats:
+    tasks: int = 0
+    trajectories: int = 0
+    commit_failures: int = 0
+    busy_seconds: float = 0.0
+    started: float = field(default_factory=time.time)
+
+
+class Agent:
+    """One agent process: poll a task, roll out, produce + flush, commit; swap weights between tasks."""
+
+    def __init__(self, s: AgentSettings, engine: Any, tokenizer: Any, tasks: Consumer, producer: Producer,
+                 follower: PolicyFollower | None, status_path: str = "") -> None:
+        self.s, self.engine, self.tokenizer = s, engine, tokenizer
+        self.tasks, self.producer, self.follower = tasks, producer, follower
+        self.topics = Topics(s.run)
+        self.agent_id = s.agent_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.stats = AgentStats()
+        self.status_path = status_path
+        self.stopping = False
+        self._last_status = 0.0
+
+    def handle(self, task: Task) -> list[Trajectory]:
+        t0 = time.perf_counter()
+        trajs = rollout(self.engine, self.tokenizer, task, self.s, self.agent_id)
+        for t in trajs:
+            self.producer.send(self.topics.trajectories, t, key=task.task_id)
+        self.producer.flush()  # before the commit: a task is never committed without its trajectories
+        self.stats.busy_seconds += time.perf_counter() - t0
+        self.stats.tasks += 1
+        self.stats.trajectories += len(trajs)
+        return trajs
+
+    def step(self) -> int:
+        """Swap weights if a new version is out, then handle at most one task. Returns tasks handled."""
+        if self.follower is not None:
+            self.follower.maybe_swap(self.engine)
+        polled = self.tasks.poll(max_records=1, timeout=self.s.poll_timeout_s)
+        for task, tp, offset in polled:
+            self.handle(task)
+            if not self.tasks.commit({tp: offset + 1}):
+                self.stats.commit_failures += 1
+        self.write_status()
+        return len(polled)
+
+    def run(self) -> AgentStats:
+        idle_since = time.monotonic()
+        while not self.stopping:
+            if self.step():
+                idle_since = time.monotonic()
+            elif self.s.idle_exit_s and time.monotonic() - idle_since > self.s.idle_exit_s:
+                break
+            if self.s.max_tasks and self.stats.tasks >= self.s.max_tasks:
+                break
+        self.write_status(force=True)
+        return self.stats
+
+    def status(self) -> dict[str, Any]:
+        f = self.follower
+        return {"agent_id": self.agent_id, "pid": os.getpid(), "version": int(self.engine.version),
+                "tasks": self.stats.tasks, "trajectories": self.stats.trajectories,
+                "assignment": sorted(f"{tp.topic}:{tp.partition}" for tp in self.tasks.assignment()),
+                "dead_letters": self.tasks.dead_letters + (f.consumer.dead_letters if f else 0),
+                "refused": {str(k): v for k, v in (f.refused if f else {}).items()},
+                "busy_seconds": round(self.stats.busy_seconds, 4), "time": time.time()}
+
+    def write_status(self, force: bool = False) -> None:
+        if not self.status_path or (not force and time.monotonic() - self._last_status < 0.1):
+            return
+        self._last_status = time.monotonic()
+        tmp = f"{self.status_path}.tmp"
+        Path(tmp).write_text(json.dumps(self.status()))
+        os.replace(tmp, self.status_path)
+
+
+# ----------------------------------------------------------------------------------------- wiring
+
+def load_engine(s: AgentSettings, store: WeightStore) -> tuple[Any, Any]:
+    """The engine and tokenizer: from `s.model`, else the newest verified version in the weight store."""
+    from learner.engines import make_engine
+    from learner.models.tokenizer import CharTokenizer
+
+    pv: PolicyVersion | None = None
+    model_dir = s.model
+    if not model_dir:
+        pv = store.latest()
+        if pv is None:
+            raise ConfigError(f"agent: no --model given and the weight store {store.root} is empty")
+        model_dir = str(store.resolve(pv))
+    tok_file = Path(model_dir) / "sao_tokenizer.json"
+    tokenizer = CharTokenizer.load(model_dir) if tok_file.is_file() else CharTokenizer()
+    engine = make_engine(s.engine, model_dir, tokenizer)
+    if pv is not None:
+        engine.load_state_dict(store.load(pv), pv.version)  # raises CheckpointError on a bad hash
+    return engine, tokenizer
+
+
+def build_agent(s: AgentSettings, bus: KafkaBus | MemoryBus, engine: Any, tokenizer: Any,
+                status_path: str = "") -> Agent:
+    t = Topics(s.run)
+    bus.create_topics(partitions_by_topic(s.run, s.topics))
+    producer = bus.producer()
+    tasks = bus.consumer({t.tasks: Task}, group_id=s.group_id or f"{s.run}.agents", dlq=t.dlq, producer=producer)
+    policy = bus.consumer({t.policy: PolicyVersion}, group_id=None, dlq=t.dlq, producer=producer,
+                          **({"fetch_max_wait_ms": 50} if isinstance(bus, KafkaBus) else {}))
+    follower = PolicyFollower(policy, WeightStore(s.weights_dir), version=int(engine.version))
+    return Agent(s, engine, tokenizer, tasks, producer, follower, status_path)
+
+
+def run_offline(s: AgentSettings, engine: Any, tokenizer: Any, tasks_file: str, out: str) -> AgentStats:
+    """Answer a task file (JSONL, Parquet, CSV) with no broker and no learner: an in-memory bus in between."""
+    from simulator.replay import replay
+    from streamer.schema import encode_json
+    from streamer.sinks import KafkaTaskSink
+
+    bus = MemoryBus(s.client)
+    bus.create_topics(partitions_by_topic(s.run, s.topics))
+    replay(tasks_file, KafkaTaskSink(None, s.run, producer=bus.producer()), speed=0)
+    s.idle_exit_s = s.idle_exit_s or 0.01
+    agent = build_agent(s, bus, engine, tokenizer)
+    stats = agent.run()
+    reader = bus.consumer({agent.topics.trajectories: Trajectory})
+    with open(out, "wb") as f:
+        for traj, _, _ in reader.poll(max_records=1 << 30, timeout=0):
+            f.write(encode_json(traj) + b"\n")
+    return stats
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="sao agent", description=__doc__.splitlines()[0])
+    p.add_argument("--bootstrap", default=None, help="Kafka bootstrap servers (default: $SAO_BOOTSTRAP)")
+    p.add_argument("--run", default=None, help="run name (topic prefix)")
+    p.add_argument("--model", default=None, help="policy directory (default: newest in the weight store)")
+    p.add_argument("--weights-dir", default=None, help="weight store the learner publishes into")
+    p.add_argument("--group-size", type=int, default=None, help="rollouts per task (1: single rollout)")
+    p.add_argument("--max-tasks", type=int, default=None)
+    p.add_argument("--config", default=None, help="YAML with AgentSettings fields")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
+    p.add_argument("--status-file", default="", help="JSON status (version, assignment, counts) kept up to date")
+    p.add_argument("--tasks", default=None, help="answer this task file instead of <run>.tasks (no broker)")
+    p.add_argument("--out", default=None, help="with --tasks: trajectory JSONL output")
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def settings_from_args(a: argparse.Namespace) -> AgentSettings:
+    """Defaults < YAML < --set < explicit flags."""
+    s = load_config(AgentSettings, a.config, a.set)
+    flags = {"run": a.run, "model": a.model, "weights_dir": a.weights_dir, "group_size": a.group_size,
+             "max_tasks": a.max_tasks}
+    for name, value in flags.items():
+        if value is not None:
+            setattr(s, name, value)
+    if a.bootstrap:
+        s.client.bootstrap = a.bootstrap
+    s.validate()
+    Topics(s.run)  # checks the run name
+    return s
+
+
+def main(argv: list[str]) -> int:
+    a = parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        s = settings_from_args(a)
+        if bool(a.tasks) != bool(a.out):
+            raise ConfigError("agent: --tasks and --out go together")
+    except ValueError as e:  # ConfigError, or a bad run name
+        print(f"sao agent: {e}", file=sys.stderr)
+        return 2
+    import torch
+
+    torch.set_num_threads(s.threads)
+    try:
+        engine, tokenizer = load_engine(s, WeightStore(s.weights_dir))
+    except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
+        print(f"sao agent: {e}", file=sys.stderr)
+        return 2
+    if a.tasks:
+        stats = run_offline(s, engine, tokenizer, a.tasks, a.out)
+        print(json.dumps({"tasks": stats.tasks, "trajectories": stats.trajectories, "out": a.out}))
+        return 0
+    agent = build_agent(s, KafkaBus(s.client.bootstrap or None, s.client), engine, tokenizer, a.status_file)
+
+    def _stop(*_: Any) -> None:
+        agent.stopping = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    log.info("agent %s: run %s, engine %s v%d, group size %d", agent.agent_id, s.run, s.engine,
+             engine.version, s.group_size)
+    try:
+        stats = agent.run()
+    finally:
+        agent.tasks.close()
+        agent.follower.consumer.close()
+        agent.producer.close()
+    log.info("agent %s: %d tasks, %d trajectories", agent.agent_id, stats.tasks, stats.trajectories)
+    return 0

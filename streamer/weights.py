@@ -1,0 +1,178 @@
+"""Policy propagation: a weight store of versioned safetensors checkpoints, and its announcements.
+
+Layout: `<root>/v000003/{model.safetensors, policy.json, config.json, sao_tokenizer.json}`. The learner
+calls `WeightStore.publish(...)` then `announce(producer, run, pv)`; each agent's `PolicyFollower`
+reads `<run>.policy` (every agent reads every announcement: no consumer group) and, between
+rollouts, loads the newest version after checking its sha256. A missing or corrupt checkpoint is
+refused with a log line naming it, and the agent keeps its weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from streamer.bus import Consumer, Producer
+from streamer.schema import PolicyVersion, encode_json
+from streamer.topics import Topics
+
+log = logging.getLogger(__name__)
+
+WEIGHTS_FILE = "model.safetensors"
+SIDE_FILES = ("config.json", "generation_config.json", "sao_tokenizer.json")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that must not be loaded (missing, or its bytes do not match the announced sha256)."""
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def version_dir_name(version: int) -> str:
+    return f"v{version:06d}"
+
+
+def _unshared(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Drop tensors that share storage with an earlier one (tied lm_head): safetensors refuses shared memory."""
+    seen: set[tuple[int, int]] = set()
+    out = {}
+    for name, t in state_dict.items():
+        ptr = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if ptr in seen:
+            continue
+        seen.add(ptr)
+        out[name] = t.detach().to("cpu").contiguous()
+    return out
+
+
+class WeightStore:
+    """A directory of versioned checkpoints (any shared path works for several machines)."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    def path_of(self, version: int) -> Path:
+        return self.root / version_dir_name(version)
+
+    def publish(self, source: dict[str, Any] | str | Path, version: int, step: int,
+                side_files_from: str | Path | None = None) -> PolicyVersion:
+        """Write version `version` from a state dict or an HF model directory; returns its announcement.
+
+        Written to a temporary directory and renamed, so readers never see half a checkpoint."""
+        from safetensors.torch import save
+
+        final = self.path_of(version)
+        tmp = self.root / f".{final.name}.tmp{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        if isinstance(source, (str, Path)):
+            data = (Path(source) / WEIGHTS_FILE).read_bytes()
+            side_files_from = side_files_from or source
+        else:
+            data = save(_unshared(source))
+        (tmp / WEIGHTS_FILE).write_bytes(data)
+        for name in SIDE_FILES if side_files_from else ():
+            src = Path(side_files_from) / name
+            if src.is_file():
+                shutil.copyfile(src, tmp / name)
+        pv = PolicyVersion(version=version, uri=str(final.resolve()), sha256=sha256_bytes(data), step=step,
+                           created_at=time.time())
+        (tmp / "policy.json").write_bytes(encode_json(pv))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        return pv
+
+    def versions(self) -> list[PolicyVersion]:
+        out = []
+        for d in sorted(self.root.glob("v[0-9]*")):
+            try:
+                out.append(msgspec.json.decode((d / "policy.json").read_bytes(), type=PolicyVersion))
+            except (OSError, msgspec.DecodeError) as e:
+                log.warning("weight store: %s skipped (%s)", d, e)
+        return out
+
+    def latest(self) -> PolicyVersion | None:
+        found = self.versions()
+        return max(found, key=lambda pv: pv.version) if found else None
+
+    def resolve(self, pv: PolicyVersion) -> Path:
+        """The checkpoint directory: the announced uri, else the same version name in this store."""
+        uri = Path(pv.uri.removeprefix("file://"))
+        return uri if (uri / WEIGHTS_FILE).is_file() else self.root / uri.name
+
+    def read_verified(self, pv: PolicyVersion) -> bytes:
+        file = self.resolve(pv) / WEIGHTS_FILE
+        try:
+            data = file.read_bytes()
+        except OSError as e:
+            raise CheckpointError(f"policy v{pv.version}: checkpoint {file} unreadable: {e}") from None
+        digest = sha256_bytes(data)
+        if digest != pv.sha256:
+            raise CheckpointError(f"policy v{pv.version}: {file} has sha256 {digest[:12]}..., "
+                                  f"announced {pv.sha256[:12]}...: refused")
+        return data
+
+    def load(self, pv: PolicyVersion) -> dict[str, Any]:
+        """The verified state dict of `pv` (hash checked on the very bytes that are loaded)."""
+        from safetensors.torch import load
+
+        data = self.read_verified(pv)
+        try:
+            return load(data)
+        except Exception as e:  # safetensors raises its own error types for bad headers
+            raise CheckpointError(f"policy v{pv.version}: {self.resolve(pv)} is not valid safetensors: {e}") from None
+
+
+def announce(producer: Producer, run: str, pv: PolicyVersion, flush: bool = True) -> None:
+    producer.send(Topics(run).policy, pv, key="policy")
+    if flush:
+        producer.flush()
+
+
+class PolicyFollower:
+    """Agent side: tracks announcements and swaps an engine's weights to the newest verified version."""
+
+    def __init__(self, consumer: Consumer, store: WeightStore, version: int = 0) -> None:
+        self.consumer, self.store = consumer, store
+        self.version = version  # the version the engine runs
+        self.newest: PolicyVersion | None = None  # the newest announcement seen
+        self.refused: dict[int, str] = {}  # version -> why
+        self.swaps = 0
+
+    def poll(self, timeout: float = 0.0) -> PolicyVersion | None:
+        """The newest announced version above the current one and not refused, if any."""
+        for msg, _, _ in self.consumer.poll(100, timeout):
+            if self.newest is None or msg.version > self.newest.version:
+                self.newest = msg
+        pv = self.newest
+        if pv is None or pv.version <= self.version or pv.version in self.refused:
+            return None
+        return pv
+
+    def maybe_swap(self, engine: Any, timeout: float = 0.0) -> bool:
+        """Load the newest announced version into `engine` (`load_state_dict(sd, version)`); False if none."""
+        pv = self.poll(timeout)
+        if pv is None:
+            return False
+        try:
+            state = self.store.load(pv)
+            engine.load_state_dict(state, pv.version)
+        except (CheckpointError, ValueError) as e:
+            self.refused[pv.version] = str(e)
+            log.error("policy v%d REFUSED, keeping v%d: %s", pv.version, self.version, e)
+            return False
+        log.info("policy v%d loaded (step %d, %.2f s after its announcement)", pv.version, pv.step,
+                 time.time() - pv.created_at)
+        self.version = pv.version
+        self.swaps += 1
+        return True
