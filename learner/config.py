@@ -1,0 +1,189 @@
+"""Typed configuration of the continuous learner (`sao learn`).
+
+Build one with `streamer.config.load_config(LearnerConfig, yaml_path, ["loss.name=ppo", ...])`;
+`validate()` runs there and names the field and the fix. Section by section:
+  loss       which policy loss (learner.algorithms.POLICY_LOSSES) and its clip parameters
+  advantage  GAE with decoupled lambda (value model) or a group estimator (GRPO family)
+  optim      learning rates and gradient clipping of the policy and the value model
+  value      the critic: warm-up, re-warm-up on a value-loss spike, clipped loss
+  batch      token-budgeted batches, staleness, weight publication, sync mode
+  checkpoint where and how often (model + optimizers + RNG + consumed offsets, together)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from learner.algorithms import AGGS, GROUP_ESTIMATORS, POLICY_LOSSES
+from learner.models.config import ModelConfig
+from streamer.config import ConfigError
+
+ESTIMATORS = ("gae",) + tuple(GROUP_ESTIMATORS)
+
+
+@dataclass
+class LossConfig:
+    name: str = "sao"  # sao, ppo, dual_clip, dapo, gspo, cispo, decoupled_ppo
+    eps_low: float | None = None  # None: the algorithm's own default (0.2; GSPO 3e-4; CISPO 1.0)
+    eps_high: float | None = None  # None: the algorithm's own default (0.2; DAPO/CISPO 0.28; GSPO 4e-4)
+    clip_c: float = 3.0  # dual_clip only
+    behav_cap: float = 5.0  # decoupled_ppo only: tokens with pi_prox/mu above it are dropped
+    agg: str | None = None  # token_mean, seq_mean_token_mean, seq_mean_token_sum; None: the loss's default
+
+    def params(self) -> dict[str, float | str]:
+        """Keyword parameters for `policy_loss(name, ...)`: only those this loss takes."""
+        out: dict[str, float | str] = {}
+        if self.eps_low is not None:
+            out["eps_low"] = self.eps_low
+        if self.eps_high is not None:
+            out["eps_high"] = self.eps_high
+        if self.agg is not None:
+            out["agg"] = self.agg
+        if self.name == "dual_clip":
+            out["clip_c"] = self.clip_c
+        if self.name == "decoupled_ppo":
+            out["behav_cap"] = self.behav_cap
+        return out
+
+
+@dataclass
+class AdvantageConfig:
+    estimator: str = "gae"  # gae (value model, single rollout) or grpo, dr_grpo, rloo (groups)
+    gamma: float = 1.0
+    lam_actor: float = 0.95  # fixed actor lambda (ignored when adaptive_alpha is set)
+    lam_critic: float = 1.0  # 1.0: Monte-Carlo targets for the critic
+    adaptive_alpha: float | None = None  # e.g. 0.05: lambda_actor = 1 - 1/(alpha·L) per sequence
+    batch_norm: bool = False  # whiten advantages over the batch (masked mean/std)
+    group_size: int = 8  # GRPO family: members per group (a batch waits for complete groups)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4  # policy AdamW
+    value_lr: float = 1e-3  # value-model AdamW
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0  # max global grad norm, each model separately
+    updates_per_batch: int = 1  # gradient steps on each batch (>1: the clip band starts to bind)
+
+
+@dataclass
+class ValueConfig:
+    warmup_steps: int = 0  # critic-only steps before the first policy update
+    value_clip: float | None = 0.2  # clipped value loss; None disables the clip
+    agg: str = "token_mean"
+    rewarm_steps: int = 0  # critic-only steps after a value-loss spike (0: never re-warm)
+    spike_factor: float = 3.0  # a spike: value loss > spike_factor x its running mean
+    spike_ema: float = 0.9  # decay of that running mean
+
+
+@dataclass
+class BatchConfig:
+    tokens: int = 4096  # token budget of a batch (prompt + response + observations)
+    max_trajectories: int = 256  # a batch closes at this many trajectories, whatever its tokens
+    micro_batch: int = 32  # trajectories per forward pass (gradients are accumulated)
+    max_staleness: int = 4  # drop trajectories more than this many versions behind the learner
+    sync_every: int = 1  # publish weights (a new policy version) every this many policy steps
+    sync: bool = False  # synchronous mode: wait for `sync_batch` trajectories of the current version
+    sync_batch: int = 64
+    flush_at_end: bool = True  # when a finite source ends, train on the last partial batch
+    dedup_window: int = 100_000  # remember this many recent keys for de-duplication
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = "runs/learner/checkpoints"
+    every: int = 10  # checkpoint every this many steps (offsets are committed only with a checkpoint)
+    keep: int = 2  # checkpoints kept on disk
+    resume: bool = True  # resume from the latest checkpoint in `dir` if there is one
+
+
+@dataclass
+class IOConfig:
+    trajectories: str = ""  # a recorded trajectory JSONL file to train from (no broker); "" -> Kafka
+    follow: bool = False  # keep reading the file as it grows (a live recording)
+    run: str = "sao"  # run name: topics <run>.trajectories, <run>.policy, <run>.learner
+    bootstrap: str = ""  # Kafka bootstrap servers; "" -> $SAO_BOOTSTRAP -> 127.0.0.1:9092
+    init: str = ""  # policy directory to start from (e.g. the warm start); "" -> a fresh `model`
+    value_init: str = ""  # value-model directory; "" -> policy backbone + a fresh head
+    weights_dir: str = ""  # policy-version store; "" -> no publication
+    run_dir: str = ""  # run directory: learner events table (streamer.artifacts); "" -> none
+    events: str = ""  # LearnerEvent JSONL file; "" -> <checkpoint.dir>/events.jsonl
+
+
+@dataclass
+class LearnerConfig:
+    loss: LossConfig = field(default_factory=LossConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    value: ValueConfig = field(default_factory=ValueConfig)
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    io: IOConfig = field(default_factory=IOConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)  # used when io.init is empty
+    seed: int = 0
+    max_steps: int = 0  # stop after this many steps (0: run until the source ends)
+    threads: int = 2  # torch intra-op threads
+
+    @property
+    def uses_value_model(self) -> bool:
+        return self.advantage.estimator == "gae"
+
+    def validate(self) -> None:
+        _validate(self)
+
+
+def _fail(field_name: str, msg: str) -> None:
+    raise ConfigError(f"LearnerConfig.{field_name}: {msg}")
+
+
+def _validate(c: LearnerConfig) -> None:
+    if c.loss.name not in POLICY_LOSSES:
+        _fail("loss.name", f"'{c.loss.name}' is not a policy loss; choose one of {', '.join(POLICY_LOSSES)}")
+    for name in ("eps_low", "eps_high"):
+        v = getattr(c.loss, name)
+        if v is not None and not 0.0 <= v <= 10.0:
+            _fail(f"loss.{name}", f"{v} is outside [0, 10]")
+    if c.loss.eps_low is not None and c.loss.eps_low > 1.0:
+        _fail("loss.eps_low", f"{c.loss.eps_low} > 1 would allow negative ratios; use <= 1")
+    if c.loss.clip_c <= 1.0:
+        _fail("loss.clip_c", f"{c.loss.clip_c} must be > 1 (dual clip caps r at clip_c for A < 0)")
+    for name, agg in (("loss.agg", c.loss.agg), ("value.agg", c.value.agg)):
+        if agg is not None and agg not in AGGS:
+            _fail(name, f"'{agg}' is not an aggregation; choose one of {', '.join(AGGS)}")
+    a = c.advantage
+    if a.estimator not in ESTIMATORS:
+        _fail("advantage.estimator", f"'{a.estimator}' unknown; choose one of {', '.join(ESTIMATORS)}")
+    for name in ("gamma", "lam_actor", "lam_critic"):
+        if not 0.0 <= getattr(a, name) <= 1.0:
+            _fail(f"advantage.{name}", f"{getattr(a, name)} is outside [0, 1]")
+    if a.adaptive_alpha is not None and a.adaptive_alpha <= 0:
+        _fail("advantage.adaptive_alpha", f"{a.adaptive_alpha} must be > 0 (or null to use lam_actor)")
+    if a.estimator != "gae" and a.group_size < 2:
+        _fail("advantage.group_size", f"{a.group_size}: a group estimator needs groups of >= 2")
+    _validate_numbers(c)
+
+
+def _validate_numbers(c: LearnerConfig) -> None:
+    positive = {"optim.lr": c.optim.lr, "optim.value_lr": c.optim.value_lr, "optim.grad_clip": c.optim.grad_clip,
+                "optim.updates_per_batch": c.optim.updates_per_batch, "batch.tokens": c.batch.tokens,
+                "batch.max_trajectories": c.batch.max_trajectories, "batch.micro_batch": c.batch.micro_batch,
+                "batch.sync_every": c.batch.sync_every, "batch.sync_batch": c.batch.sync_batch,
+                "checkpoint.every": c.checkpoint.every, "checkpoint.keep": c.checkpoint.keep,
+                "value.spike_factor": c.value.spike_factor, "threads": c.threads}
+    for name, v in positive.items():
+        if not v > 0:
+            _fail(name, f"{v} must be > 0")
+    non_negative = {"batch.max_staleness": c.batch.max_staleness, "value.warmup_steps": c.value.warmup_steps,
+                    "value.rewarm_steps": c.value.rewarm_steps, "max_steps": c.max_steps,
+                    "batch.dedup_window": c.batch.dedup_window}
+    for name, v in non_negative.items():
+        if v < 0:
+            _fail(name, f"{v} must be >= 0")
+    if not 0.0 <= c.value.spike_ema < 1.0:
+        _fail("value.spike_ema", f"{c.value.spike_ema} must be in [0, 1)")
+    if c.value.value_clip is not None and c.value.value_clip <= 0:
+        _fail("value.value_clip", f"{c.value.value_clip} must be > 0 (or null to disable the clip)")
+    if c.batch.sync and c.advantage.estimator != "gae" and c.batch.sync_batch % c.advantage.group_size:
+        _fail("batch.sync_batch", f"{c.batch.sync_batch} is not a multiple of advantage.group_size "
+                                  f"{c.advantage.group_size}")

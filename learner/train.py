@@ -1,0 +1,164 @@
+"""`sao learn`: the continuous SAO learner (trajectories -> policy versions).
+
+    sao learn --trajectories runs/x/trajectories.jsonl --checkpoint-dir runs/x/ckpt   # replay a recording
+    sao learn --run exp1 --bootstrap 127.0.0.1:9092 --weights-dir runs/exp1/weights     # live, from Kafka
+    sao learn --config learner.yaml loss.name=ppo batch.tokens=2048 --sync               # overrides
+
+Restarting with the same checkpoint directory resumes where the last checkpoint left off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from learner.config import LearnerConfig
+from streamer.config import ConfigError, load_config
+
+log = logging.getLogger("learner.train")
+
+FLAGS = {  # command-line flag -> config key
+    "trajectories": "io.trajectories", "run": "io.run", "bootstrap": "io.bootstrap", "init": "io.init",
+    "weights_dir": "io.weights_dir", "run_dir": "io.run_dir", "checkpoint_dir": "checkpoint.dir",
+    "max_steps": "max_steps", "loss": "loss.name",
+}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="sao learn", description=__doc__.split("\n")[0])
+    p.add_argument("--config", help="YAML file with LearnerConfig fields")
+    for flag in FLAGS:
+        p.add_argument(f"--{flag.replace('_', '-')}", dest=flag, help=f"sets {FLAGS[flag]}")
+    p.add_argument("--sync", action="store_true", help="synchronous: wait for a full batch of the current version")
+    p.add_argument("--follow", action="store_true", help="keep reading the trajectory file as it grows")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. loss.name=ppo")
+    return p.parse_args(argv)
+
+
+def build_config(args: argparse.Namespace) -> LearnerConfig:
+    overrides = [f"{key}={getattr(args, flag)}" for flag, key in FLAGS.items() if getattr(args, flag) is not None]
+    if args.sync:
+        overrides.append("batch.sync=true")
+    if args.follow:
+        overrides.append("io.follow=true")
+    return load_config(LearnerConfig, args.config, overrides + list(args.overrides))
+
+
+def build_models(cfg: LearnerConfig):
+    from learner.models.policy import build_policy, load_policy
+    from learner.models.value import ValueModel
+    from learner.trainer.step import build_optimizers
+
+    torch.manual_seed(cfg.seed)
+    policy = load_policy(cfg.io.init) if cfg.io.init else build_policy(cfg.model, seed=cfg.seed)
+    value = None
+    if cfg.uses_value_model:
+        value = ValueModel.load(cfg.io.value_init) if cfg.io.value_init else ValueModel.from_policy(policy, seed=cfg.seed)
+    policy.train()
+    if value is not None:
+        value.train()
+    return build_optimizers(cfg, policy, value)
+
+
+def build_source(cfg: LearnerConfig):
+    from learner.trainer.source import BusSource, FileSource
+
+    if cfg.io.trajectories:
+        return FileSource(cfg.io.trajectories, follow=cfg.io.follow)
+    from streamer.bus import KafkaBus
+    from streamer.schema import Trajectory
+    from streamer.topics import Topics, partitions_by_topic
+
+    bus = KafkaBus(cfg.io.bootstrap or None)
+    bus.create_topics(partitions_by_topic(cfg.io.run))
+    topics = Topics(cfg.io.run)
+    return BusSource(bus.consumer({topics.trajectories: Trajectory}, group_id=None, dlq=topics.dlq))
+
+
+class JsonlSink:
+    """LearnerEvents as JSON lines, flushed per event (a crash loses none already emitted)."""
+
+    def __init__(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self.f = open(path, "ab+")
+        self.f.seek(0, 2)
+        if self.f.tell():  # a kill -9 mid-line: end that line so the next event starts clean
+            self.f.seek(-1, 2)
+            if self.f.read(1) != b"\n":
+                self.f.write(b"\n")
+
+    def __call__(self, event) -> None:
+        from streamer.schema import encode_json
+
+        self.f.write(encode_json(event) + b"\n")
+        self.f.flush()
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def build_outputs(cfg: LearnerConfig):
+    """(publisher or None, event sinks, closers)."""
+    from learner.trainer.publish import DirectoryPublisher
+
+    jsonl = JsonlSink(cfg.io.events or Path(cfg.checkpoint.dir) / "events.jsonl")
+    sinks, closers, announce = [jsonl], [jsonl.close], []
+    if cfg.io.run_dir:
+        from streamer.artifacts import TableWriter, learner_row
+
+        table = TableWriter(cfg.io.run_dir, "learner", writer_id="learner")
+        sinks.append(lambda e: table.add(learner_row(e)))
+        closers.append(table.flush)
+    if not cfg.io.trajectories:  # live: announce versions and events on the run's topics
+        from streamer.bus import KafkaBus
+        from streamer.topics import Topics
+
+        producer, topics = KafkaBus(cfg.io.bootstrap or None).producer(), Topics(cfg.io.run)
+        sinks.append(lambda e: (producer.send(topics.learner, e), producer.flush()))
+        announce.append(lambda v: (producer.send(topics.policy, v), producer.flush()))
+        closers.append(producer.close)
+    publisher = DirectoryPublisher(cfg.io.weights_dir, announce) if cfg.io.weights_dir else None
+    return publisher, sinks, closers
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = build_config(args)
+    except ConfigError as e:
+        print(f"sao learn: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(json.dumps(dataclasses.asdict(cfg), indent=1))
+        return 0
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    torch.set_num_threads(cfg.threads)
+    from learner.trainer.loop import Trainer
+
+    models = build_models(cfg)
+    source = build_source(cfg)
+    publisher, sinks, closers = build_outputs(cfg)
+    trainer = Trainer(cfg, models, source, publisher, sinks)
+    trainer.install_signal_handlers()
+    resumed = trainer.resume()
+    log.info("%s at step %d, version %d", "resumed" if resumed else "starting", trainer.step, trainer.version)
+    try:
+        n = trainer.run()
+    finally:
+        for close in closers:
+            close()
+        source.close()
+    log.info("done: %d steps this run, step %d, version %d, counts %s", n, trainer.step, trainer.version,
+             dict(trainer.admission.counts + trainer.counters))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

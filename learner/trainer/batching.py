@@ -1,0 +1,117 @@
+"""Token-budgeted batches of trajectories, complete groups for group estimators, and collation.
+
+A batch closes once its trajectories hold `tokens` tokens (prompt + response + observations) or
+`max_trajectories` of them; in sync mode it closes at exactly `sync_batch` trajectories. With
+`group_size` set, trajectories wait until their group (`group_id`, falling back to `task_id`) is
+complete and enter the buffer together, so a batch never splits a group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from learner.models.tokenizer import PAD_ID
+from streamer.schema import Trajectory
+
+
+def group_key(t: Trajectory) -> str:
+    return t.group_id or t.task_id
+
+
+class Batcher:
+    def __init__(self, tokens: int, max_trajectories: int, group_size: int | None = None,
+                 sync_batch: int | None = None) -> None:
+        self.tokens, self.max_trajectories = tokens, max_trajectories
+        self.group_size, self.sync_batch = group_size, sync_batch
+        self.ready: list[list[Trajectory]] = []  # units (a trajectory, or a complete group) in arrival order
+        self.partial: dict[str, list[Trajectory]] = {}
+
+    def add(self, t: Trajectory) -> None:
+        if self.group_size is None:
+            self.ready.append([t])
+            return
+        members = self.partial.setdefault(group_key(t), [])
+        members.append(t)
+        if len(members) >= self.group_size:
+            self.ready.append(self.partial.pop(group_key(t)))
+
+    def _n(self) -> int:
+        return sum(len(u) for u in self.ready)
+
+    def _tokens(self) -> int:
+        return sum(len(t.tokens) for u in self.ready for t in u)
+
+    def has_batch(self) -> bool:
+        if self.sync_batch is not None:
+            return self._n() >= self.sync_batch
+        return bool(self.ready) and (self._tokens() >= self.tokens or self._n() >= self.max_trajectories)
+
+    def take(self, flush: bool = False) -> list[Trajectory]:
+        """The next batch (units from the front); with flush, whatever complete units there are."""
+        if not (flush or self.has_batch()):
+            return []
+        limit_n = self.sync_batch if self.sync_batch is not None else self.max_trajectories
+        out: list[Trajectory] = []
+        n_tok = 0
+        while self.ready:
+            unit = self.ready[0]
+            if out and (len(out) + len(unit) > limit_n or (self.sync_batch is None and n_tok >= self.tokens)):
+                break
+            out += self.ready.pop(0)
+            n_tok += sum(len(t.tokens) for t in unit)
+        return out
+
+    def pending(self) -> list[Trajectory]:
+        """Everything buffered (complete and partial), in a deterministic order, for a checkpoint."""
+        return [t for u in self.ready for t in u] + [t for g in self.partial.values() for t in g]
+
+    def drop_where(self, stale) -> list[Trajectory]:
+        """Remove and return the buffered units for which `stale(unit)` is true (sync mode)."""
+        keep, gone = [], []
+        for u in self.ready:
+            (gone if stale(u) else keep).append(u)
+        self.ready = keep
+        return [t for u in gone for t in u]
+
+
+@dataclass
+class Batch:
+    """Right-padded `[B, T]` tensors of a list of trajectories, aligned with the tokens."""
+
+    input_ids: torch.Tensor  # long
+    attention_mask: torch.Tensor  # 1 on real tokens
+    loss_mask: torch.Tensor  # float, 1 on generated tokens (never the first token: nothing predicts it)
+    old_logp: torch.Tensor  # behaviour log-probs, 0 off the loss mask
+    rewards: torch.Tensor  # [B]
+    trajectories: list[Trajectory]
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+    def rows(self, start: int, stop: int) -> "Batch":
+        sl = slice(start, stop)
+        return Batch(self.input_ids[sl], self.attention_mask[sl], self.loss_mask[sl], self.old_logp[sl],
+                     self.rewards[sl], self.trajectories[sl])
+
+
+def collate(trajs: list[Trajectory]) -> Batch:
+    if not trajs:
+        raise ValueError("collate: empty batch")
+    b, t = len(trajs), max(len(x.tokens) for x in trajs)
+    ids = torch.full((b, t), PAD_ID, dtype=torch.long)
+    attn = torch.zeros(b, t, dtype=torch.long)
+    mask = torch.zeros(b, t)
+    old = torch.zeros(b, t)
+    for i, x in enumerate(trajs):
+        n = len(x.tokens)
+        ids[i, :n] = torch.tensor(x.tokens, dtype=torch.long)
+        attn[i, :n] = 1
+        m = torch.tensor(x.loss_mask, dtype=torch.float32)
+        m[: max(1, x.prompt_len)] = 0.0  # the prompt is never trained on
+        mask[i, :n] = m
+        old[i, :n] = torch.where(m.bool(), torch.tensor(x.logprobs, dtype=torch.float32), torch.zeros(n))
+    rewards = torch.tensor([x.reward for x in trajs], dtype=torch.float32)
+    return Batch(ids, attn, mask, old, rewards, list(trajs))

@@ -1,0 +1,130 @@
+"""Atomic learner checkpoints: models, optimizers, RNG, step and consumed offsets together. No pickle.
+
+    <root>/step_00000120/
+        policy.safetensors  value.safetensors        model weights (tied weights stored once)
+        optim_policy.safetensors + optim_policy.json optimizer state: tensors + the rest as JSON
+        rng.safetensors                              torch CPU RNG state
+        pending.jsonl                                trajectories read but not yet trained on
+        state.json                                   step, version, source positions, counters
+
+Everything is written into `<root>/.tmp-step_...` and renamed into place, so a kill -9 at any
+moment leaves either the previous checkpoint or the new one, never a half-written one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, load_model, save_file, save_model
+
+from streamer.schema import Trajectory, decode_json, encode_json
+
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+def flatten_optimizer(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """torch optimizer state_dict -> (tensors for safetensors, JSON-able metadata)."""
+    sd = opt.state_dict()
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for idx, st in sd["state"].items():
+        for name, value in st.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"state/{idx}/{name}"] = value.detach().contiguous().cpu()
+            else:
+                scalars.setdefault(str(idx), {})[name] = value
+    groups = json.loads(json.dumps(sd["param_groups"], default=_json_default))
+    return tensors, {"param_groups": groups, "scalars": scalars}
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, tuple):
+        return list(o)
+    raise TypeError(f"optimizer param_groups: value of type {type(o).__name__} cannot go to JSON")
+
+
+def unflatten_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        _, idx, name = key.split("/", 2)
+        state.setdefault(int(idx), {})[name] = value
+    for idx, extra in meta["scalars"].items():
+        state.setdefault(int(idx), {}).update(extra)
+    groups = meta["param_groups"]
+    for g in groups:
+        if isinstance(g.get("betas"), list):
+            g["betas"] = tuple(g["betas"])
+    opt.load_state_dict({"state": state, "param_groups": groups})
+
+
+def step_dirs(root: str | Path) -> list[Path]:
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / "state.json").is_file())
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    dirs = step_dirs(root)
+    return dirs[-1] if dirs else None
+
+
+def save_checkpoint(root: str | Path, step: int, models: dict[str, torch.nn.Module],
+                    optimizers: dict[str, torch.optim.Optimizer], state: dict[str, Any],
+                    pending: list[Trajectory], keep: int = 2) -> Path:
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:08d}"
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for name, model in models.items():
+        save_model(model, str(tmp / f"{name}.safetensors"))
+    for name, opt in optimizers.items():
+        tensors, meta = flatten_optimizer(opt)
+        save_file(tensors, str(tmp / f"optim_{name}.safetensors"))
+        (tmp / f"optim_{name}.json").write_text(json.dumps(meta))
+    save_file({"torch_cpu": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
+    with (tmp / "pending.jsonl").open("wb") as f:
+        for t in pending:
+            f.write(encode_json(t) + b"\n")
+    (tmp / "state.json").write_text(json.dumps(dict(state, step=step), indent=1, sort_keys=True))
+    if final.exists():  # a rerun of the same step after a restart: the new one wins
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    for old in step_dirs(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: str | Path, models: dict[str, torch.nn.Module],
+                    optimizers: dict[str, torch.optim.Optimizer]) -> tuple[dict[str, Any], list[Trajectory]]:
+    """Restore models, optimizers and the RNG in place; returns (state, pending trajectories)."""
+    path = Path(path)
+    if not (path / "state.json").is_file():
+        raise FileNotFoundError(f"{path}: not a learner checkpoint (no state.json)")
+    for name, model in models.items():
+        file = path / f"{name}.safetensors"
+        if not file.is_file():
+            raise FileNotFoundError(f"{path}: no {file.name}; was it saved with a value model?")
+        load_model(model, str(file), strict=True)
+    for name, opt in optimizers.items():
+        meta = json.loads((path / f"optim_{name}.json").read_text())
+        unflatten_optimizer(opt, load_file(str(path / f"optim_{name}.safetensors")), meta)
+    torch.set_rng_state(load_file(str(path / "rng.safetensors"))["torch_cpu"])
+    pending = [decode_json(line, Trajectory) for line in (path / "pending.jsonl").read_bytes().splitlines() if line]
+    return json.loads((path / "state.json").read_text()), pending
+
+
+def clean_tmp(root: str | Path) -> None:
+    """Remove half-written checkpoints left by a killed process."""
+    root = Path(root)
+    if root.is_dir():
+        for p in root.glob(".tmp-step_*"):
+            shutil.rmtree(p, ignore_errors=True)

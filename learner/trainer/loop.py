@@ -1,0 +1,204 @@
+"""The continuous learner: read trajectories, batch them, update, publish versions, checkpoint.
+
+Exactly-once: a record read from the source is, at every moment, either trained (its effect is in
+the weights), dropped (counted), or buffered. A checkpoint stores the weights, the buffer and the
+source positions together, so a restart from it neither loses nor repeats a trajectory; the steps
+after the last checkpoint are simply redone from the same records.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections import Counter
+from typing import Callable
+
+from learner.config import LearnerConfig
+from learner.trainer import checkpoint as ckpt
+from learner.trainer.batching import Batcher, collate, group_key
+from learner.trainer.publish import Publisher
+from learner.trainer.source import Source
+from learner.trainer.staleness import Admission, histogram, staleness
+from learner.trainer.step import Models, prepare, update
+from streamer.schema import LearnerEvent, Trajectory
+
+log = logging.getLogger(__name__)
+
+
+class Trainer:
+    def __init__(self, cfg: LearnerConfig, models: Models, source: Source, publisher: Publisher | None = None,
+                 sinks: list[Callable[[LearnerEvent], None]] = ()) -> None:
+        self.cfg, self.models, self.source, self.publisher, self.sinks = cfg, models, source, publisher, list(sinks)
+        grouped = not cfg.uses_value_model
+        b = cfg.batch
+        self.admission = Admission(b.max_staleness, grouped, b.dedup_window, b.sync)
+        self.batcher = Batcher(b.tokens, b.max_trajectories, cfg.advantage.group_size if grouped else None,
+                               b.sync_batch if b.sync else None)
+        self.step = self.policy_steps = self.version = 0
+        self.positions: dict[str, int] = {}
+        self.counters: Counter[str] = Counter()
+        self.value_ema: float | None = None
+        self.warm_left = cfg.value.warmup_steps
+        self.idle_s = 0.0
+        self.stop = False
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> int:
+        """Train until max_steps or the end of a finite source; returns the number of steps run."""
+        self.start()
+        started, last_ckpt = self.step, self.step
+        while not self.stop and not (self.cfg.max_steps and self.step >= self.cfg.max_steps):
+            if not self.step_once():
+                break
+            if self.step - last_ckpt >= self.cfg.checkpoint.every:
+                self.checkpoint()
+                last_ckpt = self.step
+        self.checkpoint()
+        return self.step - started
+
+    def step_once(self) -> bool:
+        """Wait for a batch, train on it, emit the event; False once a finite source is drained."""
+        trajs = self.next_batch()
+        if trajs is None:
+            return False
+        event = self.train_on(trajs)
+        if event is not None:
+            for sink in self.sinks:
+                sink(event)
+        return True
+
+    def next_batch(self) -> list[Trajectory] | None:
+        """The next batch to train on; None once a finite source is drained."""
+        t0 = time.monotonic()
+        if self.cfg.batch.sync:  # sync mode trains only on the current version
+            self.counters["stale"] += len(self.batcher.drop_where(
+                lambda unit: any(staleness(t, self.version) > 0 for t in unit)))
+        while not self.batcher.has_batch() and not self.stop:
+            if self.source.exhausted:
+                rest = self.batcher.take(flush=True) if self.cfg.batch.flush_at_end else []
+                return rest or None
+            for traj, off in self.source.poll(max_records=256, timeout_s=0.2):
+                self.positions[off.partition] = off.next
+                if self.admission.admit(traj, self.version) == "ok":
+                    self.batcher.add(traj)
+        self.idle_s += time.monotonic() - t0
+        return self.batcher.take() or None
+
+    def train_on(self, trajs: list[Trajectory]) -> LearnerEvent | None:
+        grouped = not self.cfg.uses_value_model
+        fresh, _ = self.admission.split_stale(trajs, self.version, group_key if grouped else None)
+        if not fresh:
+            return None
+        t0 = time.monotonic()
+        hist = histogram(fresh, self.version)  # staleness against the version the update starts from
+        batch = collate(fresh)
+        ref = prepare(self.cfg, self.models, batch)
+        warm = self.models.value is not None and self.warm_left > 0
+        applied, metrics = True, {}
+        for _ in range(self.cfg.optim.updates_per_batch):
+            metrics, applied = update(self.cfg, self.models, batch, ref, train_policy=not warm)
+            if not applied:
+                break
+        self.step += 1
+        self._after_update(metrics, applied, warm)
+        step_s = time.monotonic() - t0
+        return self._event(fresh, batch.n_tokens, metrics, applied, warm, step_s, hist)
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _after_update(self, metrics: dict[str, float], applied: bool, warm: bool) -> None:
+        if not applied:
+            self.counters["skipped_steps"] += 1
+            log.warning("step %d: non-finite loss or gradient, update skipped", self.step)
+            return
+        if warm:
+            self.warm_left -= 1
+        else:
+            self.policy_steps += 1
+            if self.policy_steps % self.cfg.batch.sync_every == 0:
+                self._publish(self.version + 1)
+        self._watch_value_loss(metrics.get("value_loss"), warm)
+
+    def _watch_value_loss(self, v: float | None, warm: bool) -> None:
+        """Re-enter critic-only warm-up when the value loss spikes (a drift the critic has not seen)."""
+        vc = self.cfg.value
+        if v is None:
+            return
+        if self.value_ema is not None and not warm and vc.rewarm_steps and v > vc.spike_factor * self.value_ema:
+            self.warm_left = vc.rewarm_steps
+            self.counters["rewarms"] += 1
+            log.info("step %d: value loss %.4g > %.1f x mean %.4g: %d critic-only steps", self.step, v,
+                     vc.spike_factor, self.value_ema, vc.rewarm_steps)
+        self.value_ema = v if self.value_ema is None else vc.spike_ema * self.value_ema + (1 - vc.spike_ema) * v
+
+    def _publish(self, version: int) -> None:
+        """A version exists only once published: without a publisher (replaying a recording with
+        no agents listening) the version stays put and staleness is the recording's own."""
+        if self.publisher is not None:
+            self.publisher.publish(self.models.policy, version, self.step)
+            self.version = version
+
+    def _event(self, trajs, n_tokens, metrics, applied, warm, step_s, hist) -> LearnerEvent:
+        m = {f"learner/{k}": float(v) for k, v in metrics.items()}
+        m.update({"learner/value_warmup": float(warm), "learner/policy_steps": float(self.policy_steps),
+                  "perf/step_s": step_s, "perf/tokens_per_s": n_tokens / max(step_s, 1e-9),
+                  "perf/idle_s": self.idle_s})
+        for k, v in (self.admission.counts + self.counters).items():
+            m[f"learner/count_{k}"] = float(v)
+        self.idle_s = 0.0
+        return LearnerEvent(step=self.step, version=self.version, time=time.time(), n_trajectories=len(trajs),
+                            n_tokens=n_tokens, metrics=m, staleness=hist,
+                            task_ids=[t.task_id for t in trajs], skipped=not applied)
+
+    # ------------------------------------------------------------------ checkpoints
+    def _parts(self):
+        models = {"policy": self.models.policy}
+        opts = {"policy": self.models.policy_opt}
+        if self.models.value is not None:
+            models["value"], opts["value"] = self.models.value, self.models.value_opt
+        return models, opts
+
+    def checkpoint(self) -> None:
+        state = {"version": self.version, "policy_steps": self.policy_steps, "positions": self.positions,
+                 "admission": self.admission.state(), "counters": dict(self.counters),
+                 "value_ema": self.value_ema, "warm_left": self.warm_left}
+        models, opts = self._parts()
+        ckpt.save_checkpoint(self.cfg.checkpoint.dir, self.step, models, opts, state, self.batcher.pending(),
+                             self.cfg.checkpoint.keep)
+        self.source.commit(self.positions)
+
+    def resume(self) -> bool:
+        """Restore from the latest checkpoint in checkpoint.dir, if any; the source seeks to its offsets."""
+        ckpt.clean_tmp(self.cfg.checkpoint.dir)
+        path = ckpt.latest_checkpoint(self.cfg.checkpoint.dir)
+        if path is None or not self.cfg.checkpoint.resume:
+            return False
+        models, opts = self._parts()
+        state, pending = ckpt.load_checkpoint(path, models, opts)
+        self.step, self.version, self.policy_steps = state["step"], state["version"], state["policy_steps"]
+        self.positions = {k: int(v) for k, v in state["positions"].items()}
+        self.admission.load_state(state["admission"])
+        self.counters = Counter(state["counters"])
+        self.value_ema, self.warm_left = state["value_ema"], state["warm_left"]
+        for t in pending:
+            self.batcher.add(t)
+        log.info("resumed from %s: step %d, version %d, %d buffered", path, self.step, self.version, len(pending))
+        return True
+
+    def start(self) -> None:
+        """Seek the source to the restored positions and publish the starting version."""
+        self.source.seek(self.positions)
+        if self.publisher is None:
+            return
+        latest = self.publisher.latest_version()
+        if latest is None or latest >= self.version:
+            # the store may hold versions from after our checkpoint: never reuse a version number
+            self._publish(self.version if latest is None else latest + 1)
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM/SIGINT finish the current step, checkpoint and return."""
+        def handler(signum, _frame):
+            log.info("signal %d: stopping after this step", signum)
+            self.stop = True
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)

@@ -1,0 +1,93 @@
+"""Which trajectories the learner accepts: de-duplication, validity and the staleness bound.
+
+staleness = learner version at training time - the trajectory's `policy_version` (the oldest
+version that generated any of its tokens). A trajectory more than `max_staleness` versions behind
+is dropped and counted; it is checked on arrival and again when its batch is trained, since it may
+wait in the buffer while versions advance. A GRPO-family group goes stale as a whole (its oldest
+member decides).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, OrderedDict
+
+from streamer.schema import Trajectory
+
+
+def staleness(t: Trajectory, version: int) -> int:
+    return version - t.policy_version
+
+
+def histogram(trajs: list[Trajectory], version: int) -> dict[str, int]:
+    """Staleness (as a string, the LearnerEvent format) -> count."""
+    return {str(k): v for k, v in sorted(Counter(staleness(t, version) for t in trajs).items())}
+
+
+def invalid_reason(t: Trajectory) -> str | None:
+    """Why a trajectory cannot be trained on (None when it can)."""
+    try:
+        t.validate()
+    except ValueError as e:
+        return str(e)
+    if not math.isfinite(t.reward):
+        return f"Trajectory.reward: non-finite {t.reward}"
+    if not any(t.loss_mask[max(1, t.prompt_len):]):
+        return "Trajectory.loss_mask: no generated token after the prompt"
+    if not all(math.isfinite(x) for x, m in zip(t.logprobs, t.loss_mask) if m):
+        return "Trajectory.logprobs: non-finite behaviour log-prob on a generated token"
+    return None
+
+
+class Admission:
+    """Decides, per arriving trajectory, 'ok' or the reason it is dropped; counts each reason.
+
+    De-duplication key: the task id (single rollout: one trajectory per task), or (group id,
+    trajectory id) for group estimators. The last `window` keys are remembered (and checkpointed)."""
+
+    def __init__(self, max_staleness: int, grouped: bool = False, window: int = 100_000,
+                 sync: bool = False) -> None:
+        self.max_staleness = 0 if sync else max_staleness
+        self.grouped, self.window = grouped, window
+        self.seen: OrderedDict[str, None] = OrderedDict()
+        self.counts: Counter[str] = Counter()
+
+    def key(self, t: Trajectory) -> str:
+        return f"{t.group_id or t.task_id}/{t.traj_id}" if self.grouped else t.task_id
+
+    def admit(self, t: Trajectory, version: int) -> str:
+        """'ok', 'duplicate', 'stale' or 'invalid' (counted in `counts`)."""
+        key = self.key(t)
+        if key in self.seen:
+            reason = "duplicate"
+        elif invalid_reason(t) is not None:
+            reason = "invalid"
+        elif staleness(t, version) > self.max_staleness:
+            reason = "stale"
+        else:
+            reason = "ok"
+        if reason != "duplicate":
+            self.seen[key] = None
+            while len(self.seen) > self.window:
+                self.seen.popitem(last=False)
+        self.counts[reason] += 1
+        return reason
+
+    def split_stale(self, trajs: list[Trajectory], version: int, group_key=None) -> tuple[list, list]:
+        """(fresh, stale) at training time; with `group_key`, a group is stale if any member is."""
+        if group_key is None:
+            stale_ids = {id(t) for t in trajs if staleness(t, version) > self.max_staleness}
+        else:
+            bad = {group_key(t) for t in trajs if staleness(t, version) > self.max_staleness}
+            stale_ids = {id(t) for t in trajs if group_key(t) in bad}
+        fresh = [t for t in trajs if id(t) not in stale_ids]
+        stale = [t for t in trajs if id(t) in stale_ids]
+        self.counts["stale"] += len(stale)
+        return fresh, stale
+
+    def state(self) -> dict:
+        return {"seen": list(self.seen), "counts": dict(self.counts)}
+
+    def load_state(self, state: dict) -> None:
+        self.seen = OrderedDict((k, None) for k in state.get("seen", []))
+        self.counts = Counter(state.get("counts", {}))

@@ -1,0 +1,289 @@
+"""The continuous learner on a tiny real policy: admission, batching, checkpoints, NaN guard, modes."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import msgspec
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from learner.config import LearnerConfig
+from learner.models.policy import build_policy
+from learner.train import build_models
+from learner.trainer.batching import Batcher, collate
+from learner.trainer.checkpoint import flatten_optimizer, latest_checkpoint, unflatten_optimizer
+from learner.trainer.loop import Trainer
+from learner.trainer.publish import DirectoryPublisher, sha256_file
+from learner.trainer.source import BusSource, FileSource, write_trajectories
+from learner.trainer.staleness import Admission
+from learner.trainer.step import prepare, update
+from learner.trainer.synthetic import TINY_OVERRIDES, synthetic_trajectories, tiny_model_config
+from streamer.bus import MemoryBus
+from streamer.config import ConfigError, load_config
+from streamer.schema import Trajectory
+
+
+@pytest.fixture(scope="module")
+def policy0():
+    return build_policy(tiny_model_config(), seed=0)
+
+
+def make_cfg(tmp_path, *overrides: str) -> LearnerConfig:
+    return load_config(LearnerConfig, None, TINY_OVERRIDES + [f"checkpoint.dir={tmp_path / 'ck'}", "threads=1",
+                                                             "checkpoint.every=1000", *overrides])
+
+
+def make_trainer(cfg, source, publisher=None):
+    events = []
+    return Trainer(cfg, build_models(cfg), source, publisher, [events.append]), events
+
+
+def file_source(tmp_path, trajs, name="t.jsonl"):
+    return FileSource(write_trajectories(tmp_path / name, trajs, append=False))
+
+
+def with_(t: Trajectory, **changes) -> Trajectory:
+    return msgspec.structs.replace(t, **changes)
+
+
+# ---------------------------------------------------------------------- admission and batching
+
+def test_admission_dedup_staleness_validity(policy0):
+    t = synthetic_trajectories(policy0, 3, version=5)
+    adm = Admission(max_staleness=2)
+    assert adm.admit(t[0], version=7) == "ok"  # staleness 2: allowed
+    assert adm.admit(with_(t[0], traj_id="other"), version=7) == "duplicate"  # same task id
+    assert adm.admit(t[1], version=8) == "stale"  # staleness 3
+    assert adm.admit(with_(t[2], reward=math.nan), version=5) == "invalid"
+    bad_lp = list(t[2].logprobs)
+    bad_lp[t[2].loss_mask.index(1)] = math.inf
+    assert adm.admit(with_(t[2], task_id="x", logprobs=bad_lp), version=5) == "invalid"
+    assert adm.counts == Counter(ok=1, duplicate=1, stale=1, invalid=2)
+    # group estimators key by (group, member): two members of one task are both admitted
+    g = synthetic_trajectories(policy0, 2, group_size=2)
+    adm = Admission(max_staleness=0, grouped=True)
+    assert [adm.admit(x, 0) for x in g + g[:1]] == ["ok", "ok", "duplicate"]
+    # at training time a group is stale when its oldest member is
+    mixed = [g[0], with_(g[1], policy_version=-1)]
+    fresh, stale = adm.split_stale(mixed, version=0, group_key=lambda x: x.group_id)
+    assert fresh == [] and len(stale) == 2
+    # the de-duplication window survives a checkpoint
+    adm2 = Admission(0, grouped=True)
+    adm2.load_state(adm.state())
+    assert adm2.admit(g[1], 0) == "duplicate"
+
+
+def test_batcher_token_budget_groups_and_sync(policy0):
+    t = synthetic_trajectories(policy0, 6)
+    lens = [len(x.tokens) for x in t]
+    b = Batcher(tokens=lens[0] + lens[1], max_trajectories=100)
+    b.add(t[0])
+    assert not b.has_batch()
+    for x in t[1:]:
+        b.add(x)
+    assert b.take() == t[:2]  # closes once the budget is reached
+    assert not b.has_batch() or b.take()  # the rest may or may not fill a budget
+    b = Batcher(tokens=10_000, max_trajectories=100)
+    for x in t:
+        b.add(x)
+    assert not b.has_batch() and b.take() == []
+    assert b.take(flush=True) == t  # flush: the next batch within the limits, however small
+    # groups enter only complete, and together
+    g = synthetic_trajectories(policy0, 6, group_size=3)
+    b = Batcher(tokens=1, max_trajectories=100, group_size=3)
+    for x in [g[0], g[3], g[1], g[4]]:
+        b.add(x)
+    assert not b.has_batch() and len(b.pending()) == 4
+    b.add(g[5])
+    assert b.take() == [g[3], g[4], g[5]]
+    # sync: exactly sync_batch trajectories
+    b = Batcher(tokens=1, max_trajectories=1, sync_batch=4)
+    for x in t:
+        b.add(x)
+    assert b.take() == t[:4] and not b.has_batch()
+
+
+def test_collate_alignment(policy0):
+    t = synthetic_trajectories(policy0, 2)
+    batch = collate(t)
+    for i, x in enumerate(t):
+        n = len(x.tokens)
+        assert batch.input_ids[i, :n].tolist() == x.tokens and batch.attention_mask[i, n:].sum() == 0
+        assert batch.loss_mask[i, :n].tolist() == [float(m) for m in x.loss_mask]
+        assert batch.old_logp[i, :n].tolist() == pytest.approx(x.logprobs)
+
+
+def test_file_source_offsets_bad_and_partial_lines(tmp_path, policy0):
+    t = synthetic_trajectories(policy0, 3)
+    path = write_trajectories(tmp_path / "f.jsonl", t[:2], append=False)
+    with path.open("ab") as f:
+        f.write(b'{"not": "a trajectory"}\n')
+        f.write(b'{"v":1,"traj_id"')  # a line still being written
+    src = FileSource(path)
+    got = src.poll(10, 0.0)
+    assert [x.task_id for x, _ in got] == [t[0].task_id, t[1].task_id] and src.bad_lines == 1
+    assert src.exhausted
+    resume_at = got[0][1].next
+    write_trajectories(path, [])  # nothing new: the partial line is still not handed out
+    src2 = FileSource(path)
+    src2.seek({"file": resume_at})
+    assert [x.task_id for x, _ in src2.poll(10, 0.0)] == [t[1].task_id]
+
+
+# ---------------------------------------------------------------------- the update
+
+def _params(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_nan_batch_is_skipped_and_weights_stay_finite(tmp_path, policy0):
+    cfg = make_cfg(tmp_path)
+    models = build_models(cfg)
+    t = synthetic_trajectories(policy0, 4)
+    before_p, before_v = _params(models.policy), _params(models.value)
+    for poison in ("old_logp", "returns"):
+        batch = collate(t)
+        ref = prepare(cfg, models, batch)
+        if poison == "old_logp":
+            batch.old_logp[0, t[0].loss_mask.index(1)] = math.nan  # NaN ratio -> NaN policy loss
+        else:
+            ref["returns"][1, t[1].loss_mask.index(1)] = math.inf  # inf value loss
+        metrics, applied = update(cfg, models, batch, ref, train_policy=True)
+        assert not applied
+        assert all(torch.equal(v, before_p[k]) for k, v in models.policy.state_dict().items())
+        assert all(torch.equal(v, before_v[k]) for k, v in models.value.state_dict().items())
+        assert models.policy_opt.state_dict()["state"] == {}  # no optimizer step was taken
+    # the clean batch then trains: weights move and stay finite
+    batch = collate(t)
+    metrics, applied = update(cfg, models, batch, prepare(cfg, models, batch), train_policy=True)
+    assert applied and math.isfinite(metrics["policy_loss"]) and math.isfinite(metrics["value_loss"])
+    changed = [k for k, v in models.policy.state_dict().items() if not torch.equal(v, before_p[k])]
+    assert "model.embed_tokens.weight" in changed and "model.layers.0.self_attn.q_proj.weight" in changed
+    assert all(torch.isfinite(p).all() for p in models.policy.parameters())
+
+
+def test_trainer_drops_invalid_and_duplicates_from_a_bus(tmp_path, policy0):
+    # the in-memory bus carries msgpack, which (unlike JSON) can hold a NaN reward
+    bus = MemoryBus()
+    prod = bus.producer()
+    t = synthetic_trajectories(policy0, 8)
+    for x in t[:4] + [with_(t[0], traj_id="resent"), with_(t[4], reward=math.nan)] + t[5:]:
+        prod.send("r.trajectories", x, key=x.task_id)
+    cfg = make_cfg(tmp_path, "batch.max_trajectories=7", "batch.tokens=100000")
+    trainer, events = make_trainer(cfg, BusSource(bus.consumer({"r.trajectories": Trajectory})))
+    trainer.start()
+    trainer.step_once()
+    assert sorted(events[0].task_ids) == sorted(x.task_id for x in t[:4] + t[5:])
+    assert trainer.admission.counts == Counter(ok=7, duplicate=1, invalid=1)
+    assert events[0].metrics["learner/count_duplicate"] == 1.0 and not events[0].skipped
+
+
+def test_optimizer_state_flattens_without_pickle():
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.AdamW([p], lr=0.1)
+    p.grad = torch.tensor([1.0, -2.0, 3.0])
+    opt.step()
+    tensors, meta = flatten_optimizer(opt)
+    assert set(tensors) == {"state/0/step", "state/0/exp_avg", "state/0/exp_avg_sq"}
+    q = torch.nn.Parameter(torch.ones(3))
+    opt2 = torch.optim.AdamW([q], lr=0.5)
+    unflatten_optimizer(opt2, tensors, meta)
+    assert opt2.param_groups[0]["lr"] == 0.1 and opt2.param_groups[0]["betas"] == (0.9, 0.999)
+    assert torch.equal(opt2.state[q]["exp_avg"], opt.state[p]["exp_avg"])
+
+
+def test_checkpoint_round_trip_gives_identical_next_step(tmp_path, policy0):
+    trajs = synthetic_trajectories(policy0, 30)
+    cfg = make_cfg(tmp_path, "batch.tokens=80", "optim.lr=0.01")
+    a, ev_a = make_trainer(cfg, file_source(tmp_path, trajs))
+    a.start()
+    for _ in range(2):
+        a.step_once()
+    a.checkpoint()  # the whole file has been read: the unread rest of it lives in the buffer
+    assert len(a.batcher.pending()) > 0
+    a.step_once()
+    # a fresh learner with different initial weights resumes from the checkpoint
+    cfg_b = make_cfg(tmp_path, "batch.tokens=80", "optim.lr=0.01", "seed=7")
+    b, ev_b = make_trainer(cfg_b, file_source(tmp_path, trajs))
+    assert b.resume() and b.step == 2
+    b.start()
+    b.step_once()
+    assert ev_b[0].task_ids == ev_a[2].task_ids
+    perf = lambda m: {k: v for k, v in m.items() if not k.startswith("perf/")}  # noqa: E731
+    assert perf(ev_b[0].metrics) == perf(ev_a[2].metrics)
+    for name in ("policy", "value"):
+        sa, sb = getattr(a.models, name).state_dict(), getattr(b.models, name).state_dict()
+        assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert torch.equal(a.models.policy_opt.state_dict()["state"][0]["exp_avg"],
+                       b.models.policy_opt.state_dict()["state"][0]["exp_avg"])
+
+
+# ---------------------------------------------------------------------- versions, staleness, modes
+
+def test_staleness_drops_and_versions_published(tmp_path, policy0):
+    trajs = synthetic_trajectories(policy0, 16, version=0)
+    cfg = make_cfg(tmp_path, "batch.max_trajectories=4", "batch.tokens=100000", "batch.max_staleness=1")
+    pub = DirectoryPublisher(tmp_path / "weights")
+    trainer, events = make_trainer(cfg, file_source(tmp_path, trajs), pub)
+    trainer.run()
+    # v0 published at start; step 1 trains 4 at staleness 0 -> v1; step 2 at staleness 1 -> v2;
+    # the 8 left are 2 versions behind v2 and dropped
+    assert [e.staleness for e in events] == [{"0": 4}, {"1": 4}]
+    assert trainer.admission.counts["stale"] == 8 and trainer.version == 2
+    assert pub.versions() == [0, 1, 2]
+    assert len(sha256_file(tmp_path / "weights" / "v000002" / "model.safetensors")) == 64
+    sd = load_file(str(tmp_path / "weights" / "v000002" / "model.safetensors"))
+    assert torch.equal(sd["model.embed_tokens.weight"], trainer.models.policy.model.embed_tokens.weight)
+    assert latest_checkpoint(cfg.checkpoint.dir).name == "step_00000002"
+
+
+def test_sync_mode_trains_only_the_current_version(tmp_path, policy0):
+    v0, late, v1, v2 = (synthetic_trajectories(policy0, n, seed=s, version=v)
+                        for n, s, v in ((4, 0, 0), (2, 1, 0), (4, 2, 1), (4, 3, 2)))
+    cfg = make_cfg(tmp_path, "batch.sync=true", "batch.sync_batch=4")
+    trainer, events = make_trainer(cfg, file_source(tmp_path, v0 + late + v1 + v2), DirectoryPublisher(tmp_path / "w"))
+    trainer.run()
+    assert [e.staleness for e in events] == [{"0": 4}] * 3
+    assert [sorted(e.task_ids) for e in events] == [sorted(x.task_id for x in b) for b in (v0, v1, v2)]
+    assert trainer.counters["stale"] == 2 and trainer.version == 3
+
+
+def test_group_estimator_trains_complete_groups_without_critic(tmp_path, policy0):
+    g = synthetic_trajectories(policy0, 12, group_size=4)  # 3 groups of 4
+    order = [g[i] for i in (0, 4, 1, 5, 2, 6, 3, 7, 8, 9)]  # the third group never completes
+    cfg = make_cfg(tmp_path, "advantage.estimator=grpo", "advantage.group_size=4", "loss.name=dapo",
+                   "batch.tokens=1")
+    trainer, events = make_trainer(cfg, file_source(tmp_path, order))
+    assert trainer.models.value is None
+    trainer.run()
+    assert [set(e.task_ids) for e in events] == [{g[0].task_id}, {g[4].task_id}]
+    assert all(len(e.task_ids) == 4 for e in events)
+    assert len(trainer.batcher.pending()) == 2  # the incomplete group waits (and is checkpointed)
+
+
+def test_value_warmup_is_critic_only(tmp_path, policy0):
+    cfg = make_cfg(tmp_path, "value.warmup_steps=2", "batch.max_trajectories=4", "batch.tokens=100000")
+    trainer, events = make_trainer(cfg, file_source(tmp_path, synthetic_trajectories(policy0, 12)),
+                                   DirectoryPublisher(tmp_path / "w"))
+    p0 = _params(trainer.models.policy)
+    trainer.start()
+    trainer.step_once()
+    assert all(torch.equal(v, p0[k]) for k, v in trainer.models.policy.state_dict().items())
+    trainer.step_once()
+    trainer.step_once()
+    assert [e.metrics["learner/value_warmup"] for e in events] == [1.0, 1.0, 0.0]
+    assert "learner/policy_loss" not in events[0].metrics and "learner/policy_loss" in events[2].metrics
+    assert [e.version for e in events] == [0, 0, 1]
+
+
+@pytest.mark.parametrize("override, field", [
+    ("loss.name=grpo", "loss.name"), ("batch.tokens=0", "batch.tokens"), ("advantage.lam_actor=1.5", "lam_actor"),
+    ("loss.agg=mean", "loss.agg"), ("advantage.estimator=rloo", "group_size"),
+])
+def test_config_errors_name_the_field(tmp_path, override, field):
+    extra = ["advantage.group_size=1"] if "rloo" in override else []
+    with pytest.raises(ConfigError, match=field):
+        make_cfg(tmp_path, override, *extra)
