@@ -19,4 +19,4 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.NO_TESTS_COLLECTED
 
 # Embedded-broker fixtures for `@pytest.mark.kafka` tests (owned by the streaming plane).
-from kafka_fixtures import bootstrap, kafka_broker, kafka_bus, kafka_run  # noqa: E402,F401
+from kafka_fixtures import bootstrap, kafka_broker, kafka_bus, kafka_run, tiny_policy_dir  # noqa: E402,F401

@@ -48,3 +48,32 @@ def kafka_run(request) -> str:
     """A run name unique within the session: 't<n>-<test name>' (topic-safe)."""
     name = "".join(c if c.isalnum() else "-" for c in request.node.name)[:60]
     return f"t{next(_runs)}-{os.getpid()}-{name}".strip("-")
+
+
+TINY = dict(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, num_experts=2, experts_per_token=1,
+            expert_width=32, max_positions=256)
+
+
+@pytest.fixture(scope="session")
+def tiny_policy_dir(tmp_path_factory):
+    """A saved, randomly initialised one-layer policy (~20k parameters) with the char tokenizer."""
+    from learner.models import CharTokenizer, ModelConfig, build_policy, save_policy
+
+    path = tmp_path_factory.mktemp("tiny_policy")
+    save_policy(build_policy(ModelConfig(**TINY), seed=0), path, CharTokenizer())
+    return path
+
+
+def scenario_tasks(n: int, seed: int = 1, scenario: str = "default"):
+    """The first n tasks of a simulator scenario (all four families)."""
+    from simulator.generator import generate
+    from simulator.scenario import load_scenario
+    from streamer.schema import Task
+
+    out = []
+    for msg in generate(load_scenario(scenario), seed=seed):
+        if isinstance(msg, Task):
+            out.append(msg)
+            if len(out) == n:
+                return out
+    return out

@@ -1,0 +1,147 @@
+"""The agent over the in-memory bus: rollouts, groups, multi-turn bookkeeping, commit-after-flush, offline mode."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kafka_fixtures import scenario_tasks
+from learner.engines import Engine, Generation, make_engine
+from learner.models.tokenizer import EOS_ID, CharTokenizer
+from streamer.agent import build_agent, main, rollout
+from streamer.bus import MemoryBus, MemoryProducer
+from streamer.schema import Task, Trajectory, decode
+from streamer.settings import AgentSettings
+from streamer.sinks import KafkaTaskSink
+from streamer.topics import Topics, partitions_by_topic
+
+
+def _setup(tasks: list[Task], run: str = "a", **kw):
+    bus = MemoryBus()
+    bus.create_topics(partitions_by_topic(run))  # 4 task partitions
+    sink = KafkaTaskSink(None, run, producer=bus.producer())
+    for t in tasks:
+        sink.write(t)
+    s = AgentSettings(run=run, max_new_tokens=6, idle_exit_s=0.01, **kw)
+    return bus, s
+
+
+def _trajectories(bus: MemoryBus, run: str) -> list[Trajectory]:
+    return [decode(v, Trajectory) for part in bus.logs[Topics(run).trajectories] for _, v in part]
+
+
+def test_single_rollout_answers_each_task_once_and_commits_everything(tiny_policy_dir):
+    tasks = scenario_tasks(12)
+    bus, s = _setup(tasks)
+    engine = make_engine("torch", tiny_policy_dir)
+    stats = build_agent(s, bus, engine, engine.tokenizer).run()
+    trajs = _trajectories(bus, "a")
+    assert stats.tasks == 12 and sorted(t.task_id for t in trajs) == sorted(t.task_id for t in tasks)
+    assert {t.family for t in trajs} == {"arith", "string", "format", "tool"}
+    tok = CharTokenizer()
+    by_id = {t.task_id: t for t in tasks}
+    for tr in trajs:
+        tr.validate()
+        assert tr.tokens[: tr.prompt_len] == tok.encode(by_id[tr.task_id].prompt, bos=True)
+        assert tr.loss_mask[: tr.prompt_len] == [0] * tr.prompt_len and sum(tr.loss_mask) >= 1
+        assert all((lp == 0.0) if m == 0 else (lp < 0.0) for m, lp in zip(tr.loss_mask, tr.logprobs))
+        assert tr.policy_version == 0 and tr.policy_versions == [0] and tr.group_size == 1
+    committed = bus.committed["a.agents"]
+    assert sum(committed.values()) == 12  # every partition committed up to its end
+    assert all(committed[tp] == len(bus.logs["a.tasks"][tp.partition]) for tp in committed)
+
+
+def test_group_rollout_shares_task_and_version(tiny_policy_dir):
+    bus, s = _setup(scenario_tasks(3), group_size=4)
+    engine = make_engine("torch", tiny_policy_dir)
+    build_agent(s, bus, engine, engine.tokenizer).run()
+    trajs = _trajectories(bus, "a")
+    assert len(trajs) == 12 and len({t.traj_id for t in trajs}) == 12
+    for task_id in {t.task_id for t in trajs}:
+        group = [t for t in trajs if t.task_id == task_id]
+        assert len(group) == 4 and {t.group_id for t in group} == {task_id} and {t.group_size for t in group} == {4}
+
+
+class ScriptedEngine(Engine):
+    """Plays a task's demonstration: the tool call first, the answer after the observation."""
+
+    def __init__(self, demos: dict[str, str]) -> None:
+        self.tok, self.demos = CharTokenizer(), demos
+
+    def generate(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, stop=None, seed=None):
+        out = []
+        for p in prompts:
+            text = self.tok.decode(p)
+            demo = next(d for q, d in self.demos.items() if text.startswith(q))
+            call, _, rest = demo.partition("</call>")
+            if "<obs>" not in text:
+                ids = self.tok.encode(call + "</call>")
+            else:
+                ids = self.tok.encode(rest.partition("</obs>")[2]) + [EOS_ID]
+            out.append(Generation(ids, [-0.5] * len(ids), [-0.5] * len(ids), "stop", self.version,
+                                  self.tok.decode(ids)))
+        return out
+
+    def load_state_dict(self, state_dict, version=None):
+        self._bump(version)
+
+
+def test_multi_turn_tool_episode_masks_observations():
+    from simulator.families import get_family
+
+    task = next(t for t in scenario_tasks(20) if t.family == "tool")
+    demo = get_family("tool").demonstrate(task)  # "<call>look(zir)</call><obs>35</obs>35"
+    call, obs, answer = demo.partition("</call>")[0] + "</call>", "<obs>" + demo.split("<obs>")[1].split("</obs>")[0] + "</obs>", task.answer
+    s = AgentSettings(max_new_tokens=16, max_turns=4)
+    [tr] = rollout(ScriptedEngine({task.prompt: demo}), CharTokenizer(), task, s)
+    tok = CharTokenizer()
+    prompt = tok.encode(task.prompt, bos=True)
+    # prompt (not trained) + call (generated) + observation (environment) + answer and eos (generated)
+    want = prompt + tok.encode(call) + tok.encode(obs) + tok.encode(answer) + [EOS_ID]
+    assert tr.tokens == want
+    assert tr.loss_mask == [0] * len(prompt) + [1] * len(tok.encode(call)) + [0] * len(tok.encode(obs)) \
+        + [1] * (len(tok.encode(answer)) + 1)
+    assert tr.logprobs == [-0.5 if m else 0.0 for m in tr.loss_mask]
+    assert (tr.n_turns, tr.n_tool_calls, tr.success, tr.reward) == (2, 1, True, 1.0)
+    assert tr.env_seconds == pytest.approx(0.002)  # the scenario's constant tool latency
+
+
+class FailingFlushProducer(MemoryProducer):
+    def flush(self, timeout=None):
+        raise ConnectionError("broker gone")
+
+
+def test_a_task_is_not_committed_when_its_trajectory_is_not_flushed(tiny_policy_dir):
+    bus, s = _setup(scenario_tasks(1))
+    engine = make_engine("torch", tiny_policy_dir)
+    agent = build_agent(s, bus, engine, engine.tokenizer)
+    agent.producer = FailingFlushProducer(bus)
+    with pytest.raises(ConnectionError):
+        agent.step()
+    assert not bus.committed.get("a.agents")
+    agent.tasks.close()
+    again = build_agent(s, bus, engine, engine.tokenizer)  # the replacement agent gets the task again
+    assert again.run().tasks == 1
+    [(tp, n)] = [(tp, n) for tp, n in bus.committed["a.agents"].items() if n]
+    assert n == 1 and bus.logs["a.tasks"][tp.partition]  # the one task, committed once answered
+
+
+def test_offline_agent_answers_a_task_file(tmp_path, tiny_policy_dir):
+    from simulator.sinks import JsonlSink
+
+    tasks = scenario_tasks(5)
+    sink = JsonlSink(tmp_path / "tasks.jsonl")
+    for t in tasks:
+        sink.write(t)
+    sink.close()
+    out = tmp_path / "traj.jsonl"
+    assert main(["--tasks", str(tmp_path / "tasks.jsonl"), "--out", str(out), "--model", str(tiny_policy_dir),
+                 "--set", "max_new_tokens=4", "--weights-dir", str(tmp_path / "w")]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["task_id"] for r in rows) == sorted(t.task_id for t in tasks)
+
+
+def test_bad_settings_are_refused_with_the_field_name(capsys):
+    assert main(["--set", "group_size=0"]) == 2
+    assert "group_size" in capsys.readouterr().err
