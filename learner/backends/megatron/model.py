@@ -117,7 +117,7 @@ def build_gpt(hf_cfg, post_process: bool = True, dtype: torch.dtype = torch.floa
     cfg = transformer_config(hf_cfg, dtype)
     spec = get_gpt_layer_local_spec(num_experts=hf_cfg.num_experts, moe_grouped_gemm=False,
                                     qk_layernorm=True, normalization="RMSNorm")
-    return GPTModel(
+    model = GPTModel(
         config=cfg,
         transformer_layer_spec=spec,
         vocab_size=hf_cfg.vocab_size,
@@ -129,6 +129,8 @@ def build_gpt(hf_cfg, post_process: bool = True, dtype: torch.dtype = torch.floa
         rotary_percent=1.0,
         rotary_base=int(hf_cfg.rope_theta),
     )
+    # Megatron-LM casts through Float16Module; the local spec's torch norms are built in fp32.
+    return model.to(dtype=dtype)
 
 
 def positions(input_ids: torch.Tensor) -> torch.Tensor:
