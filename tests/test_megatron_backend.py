@@ -128,3 +128,14 @@ def test_conversion_roundtrip_through_ep_ranks(parity):
     for ep in (1, 2):
         assert parity[f"roundtrip_exact_ep{ep}"] is True
         assert parity[f"value_roundtrip_exact_ep{ep}"] is True
+
+
+def test_critic_step_and_trainer_factory_match_torch(parity):
+    # make_megatron_learner(LearnerConfig()): value AdamW lr 1e-3, clip 1.0, clipped value loss
+    assert parity["value_step_ep2_max_abs"] <= 1e-3 * 0.1  # 0.1 * lr, as for the policy AdamW step
+    assert parity["value_step_ep2_max_abs_grad_gt_1e-5"] <= 1e-6
+    g_m, g_t = parity["value_step_ep2_grad_norm"]
+    assert abs(g_m - g_t) <= 1e-5 * g_t
+    step = parity["factory_policy_step_ep2"]
+    # policy AdamW lr 3e-4: the first Adam step moves some weight by ~lr
+    assert 0.5 * 3e-4 <= step["max_update"] <= 1.5 * 3e-4

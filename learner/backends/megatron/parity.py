@@ -176,6 +176,44 @@ def check_step(ep: int, opt_name: str, out: dict) -> None:
     out[f"step_{opt_name}_ep{ep}_clip_frac"] = stats.get("clip_frac", 0.0)
 
 
+def check_value_step(ep: int, out: dict) -> None:
+    """`make_megatron_learner(LearnerConfig())`: one critic step (clipped value loss, AdamW,
+    clip 1.0) vs the same step on H2's ValueModel; then one policy step runs."""
+    from learner.algorithms import value_loss
+    from learner.backends.megatron.learner import MegatronOptions, make_megatron_learner
+    from learner.config import LearnerConfig
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = LearnerConfig()
+    policy, value = _hf_models()
+    batches = with_behaviour([batch_for(r, policy.config.vocab_size) for r in range(world)], policy)
+    with torch.no_grad():
+        for b in batches:
+            b["old_values"] = value(b["input_ids"], b["attention_mask"])
+            b["returns"] = b["old_values"] + 0.3 * b["noise"]  # first step: V = V_old, the clip cannot bind
+    lrn = make_megatron_learner(cfg, policy, value, MegatronOptions(expert_parallel=ep))
+    stats = lrn.value_step(batches[rank])
+    after_m = lrn.value_state_dict()
+    opt = torch.optim.AdamW(value.parameters(), lr=cfg.optim.value_lr, betas=cfg.optim.betas,
+                            weight_decay=cfg.optim.weight_decay)
+    losses = [value_loss(value(b["input_ids"], b["attention_mask"]), b["old_values"], b["returns"],
+                         b["loss_mask"], clip=cfg.value.value_clip, agg=cfg.value.agg)[0] for b in batches]
+    (sum(losses) / len(losses)).backward()
+    torch_norm = float(torch.nn.utils.clip_grad_norm_(value.parameters(), cfg.optim.grad_clip))
+    opt.step()
+    grads_t = {n: p.grad for n, p in value.named_parameters() if p.grad is not None}
+    after_t = value.state_dict()
+    out[f"value_step_ep{ep}_max_abs"] = _all_max(max(_max_abs(after_m[k], after_t[k]) for k in after_t))
+    out[f"value_step_ep{ep}_max_abs_grad_gt_1e-5"] = _all_max(max(
+        _max_abs(after_m[k], after_t[k], grads_t[k].abs() > 1e-5) for k in grads_t))
+    out[f"value_step_ep{ep}_grad_norm"] = [stats["grad_norm"], torch_norm]
+    out[f"value_step_ep{ep}_clip_frac"] = stats.get("value_clip_frac", -1.0)
+    before = {k: v.clone() for k, v in lrn.policy_state_dict().items()}
+    pstats = lrn.policy_step(batches[rank])
+    moved = max(_max_abs(v, before[k]) for k, v in lrn.policy_state_dict().items())
+    out[f"factory_policy_step_ep{ep}"] = {"loss": pstats["loss"], "max_update": moved}
+
+
 def _opts(ep: int):
     from learner.backends.megatron.learner import MegatronOptions
 
@@ -194,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     logits_ep = check_forward_and_grads(args.ep, out)
     check_step(args.ep, "sgd", out)
     check_step(args.ep, "adamw", out)
+    check_value_step(args.ep, out)
     if args.ep > 1:
         parallel.init(1)
         logits_1 = check_forward_and_grads(1, out)
