@@ -1,0 +1,68 @@
+"""Run the pipeline's roles as child processes: start, watch, stop (SIGINT, then SIGKILL)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Role:
+    name: str
+    argv: list[str]  # arguments after `sao`
+    required: bool = True  # the run fails when a required role dies
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+
+
+class Supervisor:
+    """Starts `sao <argv>` for each role with its output in `<log_dir>/<name>.log`."""
+
+    def __init__(self, log_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.env = {**os.environ, **(env or {})}
+        self.roles: list[Role] = []
+
+    def start(self, role: Role) -> Role:
+        log = open(self.log_dir / f"{role.name}.log", "ab")
+        cmd = [sys.executable, "-m", "streamer.cli", *role.argv]
+        role.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)  # Ctrl-C reaches us only; we stop children in order
+        log.close()
+        self.roles.append(role)
+        return role
+
+    def failed(self) -> list[Role]:
+        """Required roles that exited with an error."""
+        return [r for r in self.roles if r.required and r.proc.poll() not in (None, 0)]
+
+    def tail(self, role: Role, lines: int = 20) -> str:
+        text = (self.log_dir / f"{role.name}.log").read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+    def stop(self, role: Role, timeout: float = 10.0) -> int | None:
+        if role.proc is None or role.proc.poll() is not None:
+            return None if role.proc is None else role.proc.returncode
+        role.proc.send_signal(signal.SIGINT)
+        try:
+            return role.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            role.proc.kill()
+            return role.proc.wait()
+
+    def stop_all(self, timeout: float = 10.0) -> None:
+        for role in reversed(self.roles):  # consumers of a role stop before it
+            self.stop(role, timeout)
+
+    def wait(self, role: Role, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while role.proc.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"{role.name} still running after {timeout} s")
+            time.sleep(0.2)
+        return role.proc.returncode
