@@ -276,3 +276,65 @@ def test_simulator_service_command_publishes_tasks(compose, kafka_bus, kafka_run
     while len(tasks) < 20 and time.monotonic() < deadline:
         tasks += [m.msg for m in cons.poll(max_records=100, timeout=0.5)]
     assert len(tasks) == 20 and len({t.task_id for t in tasks}) == 20
+
+
+def container_paths(argv: list[str], tmp: Path, bootstrap: str) -> list[str]:
+    """The compose command with its container paths and broker mapped onto this machine."""
+    out = []
+    for a in argv:
+        a = bootstrap if a == "kafka:9092" else a
+        a = a.replace("/app/learner.yaml", str(ROOT / "docker" / "learner.yaml"))
+        out.append(a.replace("/app/weights", str(tmp / "weights")).replace("/app/runs", str(tmp / "runs")))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.kafka
+def test_compose_pipeline_commands_run_on_the_embedded_broker(compose, kafka_bus, kafka_run, tmp_path):
+    """pretrain -> simulator -> agent -> learner -> metrics, each as compose runs it (a few flags
+    appended so that every role ends: a tiny warm start, a task limit, one learner step)."""
+    import os
+
+    from streamer.schema import LearnerEvent, MetricPoint, Trajectory
+    from streamer.topics import Topics
+
+    names = Topics(kafka_run)
+    env = {**os.environ, "SAO_BOOTSTRAP": kafka_bus.bootstrap, "SAO_RUN": kafka_run, "OMP_NUM_THREADS": "1"}
+    logs = tmp_path / "logs"
+    logs.mkdir()
+
+    def start(service: str, *extra: str) -> subprocess.Popen:
+        argv = container_paths(command(compose, service, {"SAO_RUN": kafka_run}), tmp_path, kafka_bus.bootstrap)
+        return subprocess.Popen([sys.executable, "-m", "streamer.cli", *argv, *extra], cwd=tmp_path, env=env,
+                                stdout=(logs / f"{service}.log").open("wb"), stderr=subprocess.STDOUT)
+
+    def tail(service: str) -> str:
+        return (logs / f"{service}.log").read_text()[-3000:]
+
+    n_tasks = 8
+    pre = start("pretrain", "steps=2", "batch_size=8", "warmup_steps=1", "eval_every=0")
+    assert pre.wait(180) == 0, tail("pretrain")
+    procs = {"metrics": start("metrics", "idle_flush_s=2"),
+             "agent": start("agent", "--max-tasks", str(n_tasks)),
+             "learner": start("learner", "--max-steps", "1", "batch.max_trajectories=4")}
+    try:
+        sim = start("simulator", "--limit", str(n_tasks))
+        assert sim.wait(120) == 0, tail("simulator")
+        for name in ("agent", "learner"):
+            assert procs[name].wait(240) == 0, tail(name)
+        cons = kafka_bus.consumer({names.metrics: MetricPoint, names.trajectories: Trajectory,
+                                   names.learner: LearnerEvent})
+        got, deadline = [], time.monotonic() + 60
+        total = lambda: sum(p.count for p in got if isinstance(p, MetricPoint) and p.name == "metrics/reward"
+                            and p.labels == {})
+        while total() < n_tasks and time.monotonic() < deadline:
+            got += [m.msg for m in cons.poll(max_records=500, timeout=0.5)]
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        codes = {name: p.wait(30) for name, p in procs.items()}
+    assert codes["metrics"] == 0, tail("metrics")
+    assert len({m.task_id for m in got if isinstance(m, Trajectory)}) == n_tasks
+    assert [e.step for e in got if isinstance(e, LearnerEvent)][:1] == [1]
+    assert total() == n_tasks, tail("metrics")
