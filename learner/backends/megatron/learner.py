@@ -135,6 +135,15 @@ class MegatronLearner:
         loss.backward()
         return {**stats, **_reduce_and_step(self.value, self.value_opt, self.optim_cfg.grad_clip)}
 
+    # ---- the torch trainer's view (learner.trainer.step drives these like HF models)
+    def hf_modules(self) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+        """(policy, critic) wrappers answering learner.models.scoring's calls; their
+        `reduce_and_clip_grads(max_norm)` replaces torch's clip_grad_norm_ (see hf_compat)."""
+        from learner.backends.megatron.hf_compat import HFCompatPolicy, HFCompatValue
+
+        value = HFCompatValue(self.value, self.device) if self.value is not None else None
+        return HFCompatPolicy(self.policy, self.device), value
+
     # ---- weights out
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
         """The full HF-format policy state dict on every rank (a collective over the EP group)."""

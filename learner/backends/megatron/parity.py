@@ -41,7 +41,8 @@ def batch_for(rank: int, vocab: int) -> dict[str, torch.Tensor]:
     loss_mask[:, :5] = 0  # prompt
     return {"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask,
             "advantages": torch.randn(B, T, generator=g),
-            "noise": torch.randn(B, T, generator=g)}
+            "noise": torch.randn(B, T, generator=g),
+            "rewards": (torch.rand(B, generator=g) > 0.5).float()}
 
 
 def with_behaviour(batches: list[dict], policy) -> list[dict]:
@@ -214,6 +215,59 @@ def check_value_step(ep: int, out: dict) -> None:
     out[f"factory_policy_step_ep{ep}"] = {"loss": pstats["loss"], "max_update": moved}
 
 
+def _trainer_batch(bs: list[dict]):
+    from learner.trainer.batching import Batch
+
+    cat = {k: torch.cat([b[k] for b in bs]) for k in ("input_ids", "attention_mask", "loss_mask",
+                                                      "old_logp", "rewards")}
+    lm = cat["loss_mask"].float()
+    return Batch(cat["input_ids"], cat["attention_mask"], lm, torch.where(lm.bool(), cat["old_logp"], 0.0),
+                 cat["rewards"], [])
+
+
+def check_trainer_step(ep: int, out: dict) -> None:
+    """The torch trainer's own step code (learner.trainer.step: prepare, value_backward,
+    policy_backward) on megatron via `hf_modules()`, vs its `update()` on the HF models over the
+    concatenated batch. Both ranks' loss masks have the same token count, so the global token
+    mean equals the mean over ranks of the rank means."""
+    from learner.backends.megatron.hf_compat import clip_grad_norm
+    from learner.backends.megatron.learner import MegatronOptions, make_megatron_learner
+    from learner.config import LearnerConfig
+    from learner.trainer import step as tstep
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = LearnerConfig()
+    policy, value = _hf_models()
+    batches = with_behaviour([batch_for(r, policy.config.vocab_size) for r in range(world)], policy)
+    lrn = make_megatron_learner(cfg, policy, value, MegatronOptions(expert_parallel=ep))
+    pol, val = lrn.hf_modules()
+    mm = tstep.Models(pol, lrn.opt, val, lrn.value_opt)
+    local = _trainer_batch([batches[rank]])
+    ref = tstep.prepare(cfg, mm, local)
+    lrn.opt.zero_grad(set_to_none=True)
+    lrn.value_opt.zero_grad(set_to_none=True)
+    tstep.value_backward(cfg, mm, local, ref)
+    vnorm = clip_grad_norm(val, cfg.optim.grad_clip)
+    pm = tstep.policy_backward(cfg, mm, local, ref)
+    pnorm = clip_grad_norm(pol, cfg.optim.grad_clip)
+    lrn.value_opt.step()
+    lrn.opt.step()
+    after_p, after_v = lrn.policy_state_dict(), lrn.value_state_dict()
+
+    tm = tstep.build_optimizers(cfg, policy.train(), value.train())
+    full = _trainer_batch(batches)
+    metrics, applied = tstep.update(cfg, tm, full, tstep.prepare(cfg, tm, full), train_policy=True)
+    res = {"applied": applied, "grad_norm": [pnorm, metrics["grad_norm"]],
+           "value_grad_norm": [vnorm, metrics["value_grad_norm"]], "clip_frac": pm.get("clip_frac")}
+    for name, after_m, model in (("policy", after_p, policy), ("value", after_v, value)):
+        after_t = model.state_dict()
+        g = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        res[f"{name}_max_abs"] = _all_max(max(_max_abs(after_m[k], after_t[k]) for k in after_t))
+        res[f"{name}_max_abs_grad_gt_1e-5"] = _all_max(max(
+            _max_abs(after_m[k], after_t[k], g[k].abs() > 1e-5) for k in g))
+    out[f"trainer_step_ep{ep}"] = res
+
+
 def _opts(ep: int):
     from learner.backends.megatron.learner import MegatronOptions
 
@@ -233,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     check_step(args.ep, "sgd", out)
     check_step(args.ep, "adamw", out)
     check_value_step(args.ep, out)
+    check_trainer_step(args.ep, out)
     if args.ep > 1:
         parallel.init(1)
         logits_1 = check_forward_and_grads(1, out)
