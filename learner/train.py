@@ -120,9 +120,11 @@ def build_outputs(cfg: LearnerConfig):
         from streamer.bus import KafkaBus
         from streamer.topics import Topics
 
+        from streamer.weights import announce as announce_version
+
         producer, topics = KafkaBus(cfg.io.bootstrap or None).producer(), Topics(cfg.io.run)
         sinks.append(lambda e: (producer.send(topics.learner, e), producer.flush()))
-        announce.append(lambda v: (producer.send(topics.policy, v), producer.flush()))
+        announce.append(lambda pv: announce_version(producer, cfg.io.run, pv))
         closers.append(producer.close)
     publisher = DirectoryPublisher(cfg.io.weights_dir, announce) if cfg.io.weights_dir else None
     return publisher, sinks, closers

@@ -8,7 +8,6 @@ from collections import Counter
 import msgspec
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from learner.config import LearnerConfig
 from learner.models.policy import build_policy
@@ -16,7 +15,7 @@ from learner.train import build_models
 from learner.trainer.batching import Batcher, collate
 from learner.trainer.checkpoint import flatten_optimizer, latest_checkpoint, unflatten_optimizer
 from learner.trainer.loop import Trainer
-from learner.trainer.publish import DirectoryPublisher, sha256_file
+from learner.trainer.publish import DirectoryPublisher
 from learner.trainer.source import BusSource, FileSource, write_trajectories
 from learner.trainer.staleness import Admission
 from learner.trainer.step import prepare, update
@@ -24,6 +23,7 @@ from learner.trainer.synthetic import TINY_OVERRIDES, synthetic_trajectories, ti
 from streamer.bus import MemoryBus
 from streamer.config import ConfigError, load_config
 from streamer.schema import Trajectory
+from streamer.weights import WeightStore
 
 
 @pytest.fixture(scope="module")
@@ -234,8 +234,8 @@ def test_staleness_drops_and_versions_published(tmp_path, policy0):
     assert [e.staleness for e in events] == [{"0": 4}, {"1": 4}]
     assert trainer.admission.counts["stale"] == 8 and trainer.version == 2
     assert pub.versions() == [0, 1, 2]
-    assert len(sha256_file(tmp_path / "weights" / "v000002" / "model.safetensors")) == 64
-    sd = load_file(str(tmp_path / "weights" / "v000002" / "model.safetensors"))
+    store = WeightStore(tmp_path / "weights")
+    sd = store.load(store.latest())  # sha256-verified, as an agent loads it
     assert torch.equal(sd["model.embed_tokens.weight"], trainer.models.policy.model.embed_tokens.weight)
     assert latest_checkpoint(cfg.checkpoint.dir).name == "step_00000002"
 

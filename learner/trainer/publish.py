@@ -1,28 +1,24 @@
-"""Publishing policy versions: weights to a store, `PolicyVersion` announcements to listeners.
+"""Publishing policy versions: weights into the weight store, `PolicyVersion` announcements to listeners.
 
 The learner only needs `publish(model, version, step) -> PolicyVersion` and `latest_version()`.
-`DirectoryPublisher` is the default store: `<store>/v000123/` holds the HF-format policy directory
-(config.json, model.safetensors, tokenizer), written under a temporary name and renamed, so an agent
-never loads half a checkpoint. `announce` callbacks (e.g. a Kafka send to `<run>.policy`) run after.
+`DirectoryPublisher` writes through `streamer.weights.WeightStore` (`<store>/v000123/` with
+model.safetensors, policy.json, config.json and the tokenizer; written under a temporary name and
+renamed, so an agent never loads half a checkpoint), then calls each `announce` callback (e.g.
+`streamer.weights.announce` to `<run>.policy`). Non-finite weights are refused, never published.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
-import re
-import shutil
-import time
+import tempfile
 from pathlib import Path
 from typing import Callable, Protocol
 
 import torch
 
-from learner.models.policy import save_policy
 from learner.models.tokenizer import CharTokenizer
 from streamer.schema import PolicyVersion
-
-_VDIR = re.compile(r"^v(\d{6,})$")
+from streamer.weights import WeightStore
 
 
 class Publisher(Protocol):
@@ -46,35 +42,23 @@ def assert_finite(model: torch.nn.Module) -> None:
 
 
 class DirectoryPublisher:
-    def __init__(self, store: str | Path, announce: list[Callable[[PolicyVersion], None]] | None = None,
-                 keep: int = 0) -> None:
-        self.store = Path(store)
+    def __init__(self, store: str | Path, announce: list[Callable[[PolicyVersion], None]] | None = None) -> None:
+        self.store = WeightStore(store)
         self.announce = list(announce or [])
-        self.keep = keep  # versions kept on disk (0: all)
 
     def versions(self) -> list[int]:
-        if not self.store.is_dir():
-            return []
-        return sorted(int(m.group(1)) for p in self.store.iterdir() if (m := _VDIR.match(p.name)))
+        return sorted(pv.version for pv in self.store.versions())
 
     def latest_version(self) -> int | None:
-        v = self.versions()
-        return v[-1] if v else None
+        pv = self.store.latest()
+        return None if pv is None else pv.version
 
     def publish(self, model: torch.nn.Module, version: int, step: int) -> PolicyVersion:
         assert_finite(model)
-        final = self.store / f"v{version:06d}"
-        tmp = self.store / f".tmp-{final.name}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_policy(model, tmp, CharTokenizer())
-        if final.exists():  # re-published after a learner restart: the newer weights win
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        msg = PolicyVersion(version=version, uri=str(final.resolve()), sha256=sha256_file(final / "model.safetensors"),
-                            step=step, created_at=time.time())
+        with tempfile.TemporaryDirectory() as side:  # config.json + tokenizer travel with the weights
+            model.config.save_pretrained(side)
+            CharTokenizer().save(side)
+            pv = self.store.publish(model.state_dict(), version, step, side_files_from=side)
         for fn in self.announce:
-            fn(msg)
-        if self.keep:
-            for old in self.versions()[:-self.keep]:
-                shutil.rmtree(self.store / f"v{old:06d}", ignore_errors=True)
-        return msg
+            fn(pv)
+        return pv
