@@ -47,3 +47,24 @@ def test_second_broker_on_a_busy_port_is_refused(kafka_broker):
     port = int(kafka_broker.rsplit(":", 1)[1])
     with pytest.raises(BrokerError, match="already answers"):
         EmbeddedBroker(BrokerSettings(port=port)).start()
+
+
+def test_sao_broker_runs_in_the_foreground_until_sigint(tmp_path):
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "streamer.cli", "broker", "--port", "0", "--log",
+                             str(tmp_path / "b.log")], stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        m = re.search(r"broker ready: ([\d.]+):(\d+)", line)
+        assert m, line
+        assert probe(m.group(1), int(m.group(2)))
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(10) == 0
+        assert not probe(m.group(1), int(m.group(2)), timeout=0.3)  # the broker child went with it
+    finally:
+        if proc.poll() is None:
+            proc.kill()
