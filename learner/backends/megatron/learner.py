@@ -168,6 +168,35 @@ class MegatronLearner:
         return _cpu(convert.gather_experts(local, self.hf_config, ps.get_expert_model_parallel_group()))
 
 
+    def export_hf_policy(self):
+        """A fresh HF `Qwen3MoeForCausalLM` holding the current weights (collective; every rank
+        gets one; save it on rank 0 with learner.models.policy.save_policy)."""
+        from transformers import Qwen3MoeForCausalLM
+
+        model = Qwen3MoeForCausalLM(self.hf_config)
+        model.load_state_dict(self.policy_state_dict(), strict=True)
+        return model.float().eval()
+
+    def export_hf_value(self):
+        """H2's `ValueModel` holding the critic's current weights (collective)."""
+        from learner.models.value import ValueModel
+
+        vm = ValueModel(self.hf_config)
+        vm.load_state_dict(self.value_state_dict(), strict=True)
+        return vm.float().eval()
+
+
+def megatron_trainer_models(cfg, hf_policy, hf_value=None, options: MegatronOptions | None = None):
+    """(learner.trainer.step.Models over megatron, the MegatronLearner) for `sao learn --backend
+    megatron`: the trainer's prepare/value_backward/policy_backward run on them unchanged; its
+    gradient clip must go through hf_compat.clip_grad_norm (reduces over ranks first)."""
+    from learner.trainer.step import Models
+
+    lrn = make_megatron_learner(cfg, hf_policy, hf_value, options)
+    pol, val = lrn.hf_modules()
+    return Models(pol, lrn.opt, val, lrn.value_opt if val is not None else None), lrn
+
+
 def _to(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 

@@ -231,7 +231,7 @@ def check_trainer_step(ep: int, out: dict) -> None:
     concatenated batch. Both ranks' loss masks have the same token count, so the global token
     mean equals the mean over ranks of the rank means."""
     from learner.backends.megatron.hf_compat import clip_grad_norm
-    from learner.backends.megatron.learner import MegatronOptions, make_megatron_learner
+    from learner.backends.megatron.learner import MegatronOptions, megatron_trainer_models
     from learner.config import LearnerConfig
     from learner.trainer import step as tstep
 
@@ -239,9 +239,8 @@ def check_trainer_step(ep: int, out: dict) -> None:
     cfg = LearnerConfig()
     policy, value = _hf_models()
     batches = with_behaviour([batch_for(r, policy.config.vocab_size) for r in range(world)], policy)
-    lrn = make_megatron_learner(cfg, policy, value, MegatronOptions(expert_parallel=ep))
-    pol, val = lrn.hf_modules()
-    mm = tstep.Models(pol, lrn.opt, val, lrn.value_opt)
+    mm, lrn = megatron_trainer_models(cfg, policy, value, MegatronOptions(expert_parallel=ep))
+    pol, val = mm.policy, mm.value
     local = _trainer_batch([batches[rank]])
     ref = tstep.prepare(cfg, mm, local)
     lrn.opt.zero_grad(set_to_none=True)
@@ -252,7 +251,7 @@ def check_trainer_step(ep: int, out: dict) -> None:
     pnorm = clip_grad_norm(pol, cfg.optim.grad_clip)
     lrn.value_opt.step()
     lrn.opt.step()
-    after_p, after_v = lrn.policy_state_dict(), lrn.value_state_dict()
+    after_p, after_v = lrn.export_hf_policy().state_dict(), lrn.export_hf_value().state_dict()
 
     tm = tstep.build_optimizers(cfg, policy.train(), value.train())
     full = _trainer_batch(batches)
