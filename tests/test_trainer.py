@@ -287,3 +287,33 @@ def test_config_errors_name_the_field(tmp_path, override, field):
     extra = ["advantage.group_size=1"] if "rloo" in override else []
     with pytest.raises(ConfigError, match=field):
         make_cfg(tmp_path, override, *extra)
+
+
+@pytest.mark.parametrize("loss", ["sao", "ppo", "dual_clip", "dapo", "gspo", "cispo", "decoupled_ppo"])
+def test_every_loss_trains_end_to_end(tmp_path, policy0, loss):
+    cfg = make_cfg(tmp_path, f"loss.name={loss}", "optim.updates_per_batch=2", "batch.max_trajectories=6",
+                   "batch.tokens=100000", "advantage.adaptive_alpha=0.05", "advantage.batch_norm=true")
+    trainer, events = make_trainer(cfg, file_source(tmp_path, synthetic_trajectories(policy0, 6)))
+    p0 = _params(trainer.models.policy)
+    trainer.run()
+    m = events[0].metrics
+    assert len(events) == 1 and not events[0].skipped
+    for key in ("policy_loss", "value_loss", "clip_frac_low", "clip_frac_high", "kl_k3", "entropy", "grad_norm",
+                "explained_variance", "ratio_mean"):
+        assert math.isfinite(m[f"learner/{key}"]), key
+    # the second gradient step sees the first one's change: the ratio has left 1
+    assert m["learner/ratio_mean"] != 1.0 and m["learner/kl_k3"] > 0
+    assert not torch.equal(trainer.models.policy.lm_head.weight, p0["lm_head.weight"])
+
+
+def test_value_loss_spike_re_enters_warmup(tmp_path):
+    cfg = make_cfg(tmp_path, "value.rewarm_steps=3", "value.spike_factor=3", "value.spike_ema=0.5")
+    trainer = Trainer(cfg, build_models(cfg), source=None)
+    # running mean (decay 0.5): 1.0 -> 0.5·1.0 + 0.5·1.2 = 1.1 -> 0.5·1.1 + 0.5·0.9 = 1.0
+    for v in (1.0, 1.2, 0.9):
+        trainer._watch_value_loss(v, warm=False)
+    assert trainer.warm_left == 0
+    trainer._watch_value_loss(2.9, warm=False)  # 2.9 < 3 x 1.0: no spike; mean -> 1.95
+    assert trainer.warm_left == 0
+    trainer._watch_value_loss(10.0, warm=False)  # 10 > 3 x 1.95 = 5.85: spike
+    assert trainer.warm_left == 3 and trainer.counters["rewarms"] == 1
