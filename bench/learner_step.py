@@ -1,0 +1,110 @@
+"""Throughput of one SAO learner step against a bare forward+backward of the same two models.
+
+SAO step = value forward (its detached output gives the advantages, its graph the clipped value loss) +
+policy log-probs and entropy + `policy_loss("sao")` + `value_loss` + two backward passes + two AdamW steps.
+Bare = the same two forwards and backwards with a trivial loss, no advantages and no optimizer.
+Goal: ratio (bare tokens/s over SAO tokens/s) <= 1.25. Prints and saves runs/bench/learner_step.json.
+
+    .venv/bin/python bench/learner_step.py [--threads 2] [--batch 64] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from learner.algorithms import place_reward, policy_loss, sao_advantages, value_loss
+from learner.models import CharTokenizer, ValueModel, build_policy, logprobs_and_entropy, values
+
+
+def make_batch(batch: int, seed: int = 0):
+    """Right-padded prompt+response rows (prompt 16-32, response 16-48 tokens) with a response mask and rewards."""
+    g = torch.Generator().manual_seed(seed)
+    V = CharTokenizer().vocab_size
+    prompt_len = torch.randint(16, 33, (batch,), generator=g)
+    resp_len = torch.randint(16, 49, (batch,), generator=g)
+    T = int((prompt_len + resp_len).max())
+    ids = torch.randint(4, V, (batch, T), generator=g)
+    attn = torch.zeros(batch, T, dtype=torch.long)
+    resp = torch.zeros(batch, T, dtype=torch.float32)
+    for i in range(batch):
+        p, r = int(prompt_len[i]), int(resp_len[i])
+        attn[i, :p + r] = 1
+        resp[i, p:p + r] = 1
+    ids = ids * attn
+    rewards = torch.randint(0, 2, (batch,), generator=g).float()
+    return ids, attn, resp, rewards
+
+
+def sao_step(policy, critic, opt_p, opt_v, ids, attn, resp, rewards, old_logp) -> dict[str, float]:
+    v = values(critic, ids, attn)
+    adv, returns = sao_advantages(place_reward(rewards, resp), v.detach(), resp)
+    logp, ent = logprobs_and_entropy(policy, ids, attn)
+    p_loss, p_stats = policy_loss("sao", logp, old_logp, adv, resp)
+    v_loss, _ = value_loss(v, v.detach(), returns, resp)
+    opt_p.zero_grad(set_to_none=True)
+    opt_v.zero_grad(set_to_none=True)
+    p_loss.backward()
+    v_loss.backward()
+    opt_p.step()
+    opt_v.step()
+    return {"clip_frac": p_stats["clip_frac"], "entropy": float((ent * resp).sum() / resp.sum())}
+
+
+def bare_step(policy, critic, ids, attn) -> None:
+    policy.zero_grad(set_to_none=True)
+    critic.zero_grad(set_to_none=True)
+    policy(input_ids=ids, attention_mask=attn, use_cache=False).logits.mean().backward()
+    critic(ids, attn).mean().backward()
+
+
+def timed(fn, repeats: int) -> float:
+    fn()  # warm-up (allocator, first-call dispatch)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default="runs/bench/learner_step.json")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    policy = build_policy(seed=0).train()
+    critic = ValueModel.from_policy(policy).train()
+    opt_p = torch.optim.AdamW(policy.parameters(), lr=3e-4)
+    opt_v = torch.optim.AdamW(critic.parameters(), lr=1e-3)
+    ids, attn, resp, rewards = make_batch(args.batch)
+    with torch.no_grad():  # behaviour log-probs: the current policy's, slightly perturbed (as if one version old)
+        old_logp, _ = logprobs_and_entropy(policy, ids, attn)
+        old_logp = old_logp + 0.05 * torch.randn(old_logp.shape, generator=torch.Generator().manual_seed(1))
+    tokens = int(attn.sum())
+    t_bare = timed(lambda: bare_step(policy, critic, ids, attn), args.repeats)
+    t_sao = timed(lambda: sao_step(policy, critic, opt_p, opt_v, ids, attn, resp, rewards, old_logp), args.repeats)
+    result = {
+        "bench": "learner_step", "losses": "learner.algorithms policy_loss('sao') + value_loss (clipped)",
+        "threads": args.threads, "batch": args.batch, "tokens": tokens, "seq_len": int(ids.shape[1]),
+        "bare_s": t_bare, "sao_s": t_sao, "bare_tokens_per_s": tokens / t_bare, "sao_tokens_per_s": tokens / t_sao,
+        "ratio_sao_over_bare": t_sao / t_bare, "goal_ratio_max": 1.25,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"tokens/step {tokens}  bare fwd+bwd {tokens / t_bare:,.0f} tok/s ({t_bare:.3f} s)  "
+          f"SAO step {tokens / t_sao:,.0f} tok/s ({t_sao:.3f} s)  ratio {t_sao / t_bare:.3f} (goal <= 1.25)  -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
