@@ -135,11 +135,11 @@ def worker(args) -> int:
     with torch.no_grad():
         b["old_logp"] = lrn.forward_logprobs(b["input_ids"], b["attention_mask"]).float().cpu()
     times = time_steps(lambda: lrn.policy_step(b), args.warmup, args.steps, dist.barrier)
-    t = torch.tensor(times, dtype=torch.float64)
+    t = torch.tensor(times, dtype=torch.float64, device=lrn.device)  # NCCL: device tensors
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
     if rank == 0:
         label = f"megatron {world}x EP{args.ep}" + (" (cuda)" if torch.cuda.is_available() else "")
-        res = _summary(label, world, args.ep, t.tolist(), args, policy.config, args.threads)
+        res = _summary(label, world, args.ep, t.cpu().tolist(), args, policy.config, args.threads)
         print(_line(res), flush=True)
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)

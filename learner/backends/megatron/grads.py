@@ -49,8 +49,10 @@ def global_grad_norm(named_params: list[tuple[str, torch.nn.Parameter]]) -> floa
 
     dense = sum(float(p.grad.double().pow(2).sum()) for n, p in named_params
                 if p.grad is not None and not is_expert_param(n))
+    device = named_params[0][1].device  # NCCL reduces device tensors only
     expert = torch.tensor([sum(float(p.grad.double().pow(2).sum()) for n, p in named_params
-                               if p.grad is not None and is_expert_param(n))], dtype=torch.float64)
+                               if p.grad is not None and is_expert_param(n))],
+                          dtype=torch.float64, device=device)
     if ps.get_expert_model_parallel_world_size() > 1:
         dist.all_reduce(expert, group=ps.get_expert_model_parallel_group())
     return math.sqrt(dense + float(expert))
