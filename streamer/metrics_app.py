@@ -6,7 +6,12 @@ bytes) and are counted (`metrics/dlq`). The aggregation lives in `streamer.metri
 `MetricsState` joins it to the learner version (no I/O); `build_app` wires both to faust.
 At-least-once processing (faust's exactly-once needs idempotent producers, which Tansu lacks).
 One worker per run: every window is then complete in one process (see windows.py for why the
-windows are our own rather than faust's windowed tables).
+windows are our own rather than faust's windowed tables). Open windows live in memory: a restart
+resumes from the committed offsets, so the windows open at the time of a crash come out partial.
+
+Points on `<run>.metrics`: per closed window the metrics of `streamer.metrics.windows` (labels
+{family, concept}, {family}, {}); `metrics/learner_version` per learner event; cumulative
+`metrics/dlq` per rejected message and `metrics/late` with every batch of closed windows.
 
     sao metrics --bootstrap 127.0.0.1:9092 --run demo --window 5
 """
@@ -34,11 +39,11 @@ RUN_ENV = "SAO_RUN"
 
 @dataclass
 class MetricsSettings:
-    run: str = "default"  # topic prefix
+    run: str = "sao"  # topic prefix (the same default as `sao simulate` and `sao learn`)
     bootstrap: str = ""  # "" -> $SAO_BOOTSTRAP -> 127.0.0.1:9092
     window_s: float = 5.0  # tumbling window length (event time: Trajectory.finished_at)
     lateness_s: float = 1.0  # a window closes once a trajectory this much past its end arrives
-    idle_flush_s: float = 3.0  # ... or once no trajectory has arrived for this long
+    idle_flush_s: float = 3.0  # ... or, after this long without trajectories, once the wall clock passes it
     tick_s: float = 0.5  # how often the idle check runs
     app_id: str = ""  # faust app id = consumer group; "" -> "<run>.metrics-app"
     max_message_bytes: int = 4 * 1024 * 1024  # larger values go to the DLQ
@@ -134,9 +139,15 @@ class MetricsState:
                             trajectories=self.windows.on_time, learner_step=self.learner_step)
         return [point], None
 
-    def on_tick(self, force: bool = False) -> list[MetricPoint]:
-        idle = time.monotonic() - self.last_arrival >= self.settings.idle_flush_s
-        return self._points(self.windows.flush()) if (idle or force) and self.windows.open else []
+    def on_tick(self, now: float | None = None, force: bool = False) -> list[MetricPoint]:
+        """After idle_flush_s without trajectories, close the windows the wall clock `now` has passed
+        (all of them for a replayed, older stream; the current one stays open in a live stream).
+        `force` closes every window (the app stops)."""
+        if force:
+            return self._points(self.windows.flush())
+        if time.monotonic() - self.last_arrival < self.settings.idle_flush_s:
+            return []
+        return self._points(self.windows.close_before(time.time() if now is None else now))
 
 
 def build_app(settings: MetricsSettings, bootstrap: str):
@@ -211,6 +222,7 @@ def run(settings: MetricsSettings) -> int:
     bus.create_topics(partitions_by_topic(settings.run))
     app = build_app(settings, bus.bootstrap)
     worker = faust.Worker(app, loglevel=settings.loglevel, quiet=True, redirect_stdouts=False)
+    worker.spinner = None  # terminal escape codes would land in the launcher's log files
     try:
         worker.execute_from_commandline()
     except SystemExit as e:

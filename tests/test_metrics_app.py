@@ -142,6 +142,22 @@ def test_bad_messages_are_rejected_with_reasons_and_counted():
     assert s.dlq == 4 and s.windows.open == {}
 
 
+def test_idle_tick_closes_only_windows_the_wall_clock_has_passed():
+    s = state(window_s=5.0, lateness_s=1.0, idle_flush_s=0.01)
+    s.on_trajectory(encode(traj(0, t=100.0)), 0.0)  # window [100, 105)
+    s.on_trajectory(encode(traj(1, t=106.0)), 0.0)  # window [105, 110); watermark 106 = 105 + 1 closes [100, 105)
+    assert s.windows.closed_below == 21 and list(s.windows.open) == [21]
+    assert s.on_tick(now=106.5) == []  # not idle yet
+    time.sleep(0.02)
+    assert s.on_tick(now=110.5) == []  # idle, but [105, 110) + 1 s lateness has not passed: a live stream
+    pts = s.on_tick(now=111.0)
+    assert {p.time for p in pts if p.window} == {110.0} and s.windows.open == {}
+    s.on_trajectory(encode(traj(2, t=107.0)), 0.0)  # its window is closed now: late
+    assert s.windows.late == 1
+    s.on_trajectory(encode(traj(3, t=112.0)), 0.0)
+    assert [p.time for p in s.on_tick(force=True) if p.name == "metrics/reward" and p.labels == {}] == [115.0]
+
+
 def test_timestamp_stands_in_for_missing_finished_at():
     s = state(window_s=1.0)
     s.on_trajectory(encode(traj(0, t=0.0)), timestamp=42.5)
@@ -174,7 +190,7 @@ LEARNER_VERSION = 3
 def make_stream(n: int = 120, seed: int = 0) -> list[Trajectory]:
     """Trajectories over 6 windows of event time, 2 families x 2 concepts, random rewards and versions."""
     rng = np.random.default_rng(seed)
-    base = 1_800_000_000.0  # a window boundary: 1.8e9 / 2 is whole
+    base = 1_700_000_000.0  # in the past (idle windows close by the wall clock); a window boundary
     out = []
     for i in range(n):
         fam = ("arith", "tool")[i % 2]

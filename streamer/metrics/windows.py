@@ -18,8 +18,8 @@ Why our own windows rather than faust's windowed tables: faust closes windows by
 (`Table._del_old_keys` compares window ends with `time.time()`), so results depend on how fast
 the app runs, and in faust 0.15.3 a second source partition that closes the same window after
 the first is dropped (`last_closed_window`). Here a window closes when the event-time watermark
-(largest event time seen) passes its end by `lateness_s`, or when the stream has been idle, so
-the same stream always gives the same points.
+(largest event time seen) passes its end by `lateness_s`, so the same stream always gives the
+same points; when the stream is idle the app also closes the windows the wall clock has passed.
 """
 
 from __future__ import annotations
@@ -183,9 +183,13 @@ class TumblingWindows:
             self.closed_below = max(self.closed_below or done[-1] + 1, done[-1] + 1)
         return out
 
+    def close_before(self, t: float) -> list[ClosedWindow]:
+        """Windows whose end `t` has passed by lateness_s, oldest first."""
+        return self._close(lambda k: (k + 1) * self.window_s + self.lateness_s > t)
+
     def close_due(self) -> list[ClosedWindow]:
         """Windows whose end the watermark has passed by lateness_s, oldest first."""
-        return self._close(lambda k: (k + 1) * self.window_s + self.lateness_s > self.watermark)
+        return self.close_before(self.watermark)
 
     def flush(self) -> list[ClosedWindow]:
         """Close every open window (the stream is idle, or the app stops)."""
