@@ -67,3 +67,10 @@ def clip_grads(named_params: list[tuple[str, torch.nn.Parameter]], max_norm: flo
             if p.grad is not None:
                 p.grad.mul_(coef)
     return norm
+
+
+def reduce_and_clip(module: torch.nn.Module, max_norm: float | None) -> float:
+    """`allreduce_grads`, then clip to `max_norm` (None: no clip); returns the global norm."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    allreduce_grads(named)
+    return clip_grads(named, max_norm) if max_norm else global_grad_norm(named)

@@ -21,9 +21,7 @@ from learner.backends.megatron.learner import attention_mask_4d, position_ids
 class _Reducing(torch.nn.Module):
     def reduce_and_clip_grads(self, max_norm: float | None) -> float:
         """All-reduce grads over data/expert parallelism, then clip by the global norm."""
-        named = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
-        grads.allreduce_grads(named)
-        return grads.clip_grads(named, max_norm) if max_norm else grads.global_grad_norm(named)
+        return grads.reduce_and_clip(self, max_norm)
 
 
 class HFCompatPolicy(_Reducing):

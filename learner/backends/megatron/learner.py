@@ -13,7 +13,10 @@ ranks. The trainer (`learner/train.py`, `--backend megatron`) calls:
 
 `batch` keys: input_ids, attention_mask [B, T]; old_logp, advantages, loss_mask [B, T] for the
 policy; old_values, returns, loss_mask for the critic. Alignment as learner.models.scoring:
-column t belongs to token t. The objective is the mean over ranks of each rank's loss.
+column t belongs to token t (values: V of the prefix ending at t; the trainer's one-token shift
+is the caller's). The objective is the mean over the W ranks of each rank's loss; when ranks hold
+different token counts, pass loss_scale = W * local_tokens / global_tokens to get the global
+token mean instead.
 """
 
 from __future__ import annotations
@@ -110,10 +113,11 @@ class MegatronLearner:
             raise RuntimeError("MegatronLearner.values: built without a value model (pass hf_value)")
         input_ids = input_ids.to(self.device)
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(self.device)
-        return self.value(input_ids, position_ids(mask), attention_mask_4d(mask)).float()
+        v = self.value(input_ids, position_ids(mask), attention_mask_4d(mask)).float()
+        return torch.where(mask.bool(), v, torch.zeros_like(v))  # 0 at padding, as scoring.values
 
     # ---- optimizer steps
-    def policy_step(self, batch: dict) -> dict[str, float]:
+    def policy_step(self, batch: dict, loss_scale: float = 1.0) -> dict[str, float]:
         if self.policy_loss is None:
             raise RuntimeError("MegatronLearner.policy_step: no policy loss given")
         self.policy.train()
@@ -121,10 +125,10 @@ class MegatronLearner:
         batch = _to(batch, self.device)
         logp = self.forward_logprobs(batch["input_ids"], batch.get("attention_mask"))
         loss, stats = self.policy_loss(logp, batch)
-        loss.backward()
+        (loss * loss_scale).backward()
         return {**stats, **_reduce_and_step(self.policy, self.opt, self.optim_cfg.grad_clip)}
 
-    def value_step(self, batch: dict) -> dict[str, float]:
+    def value_step(self, batch: dict, loss_scale: float = 1.0) -> dict[str, float]:
         if self.value is None or self.value_loss_fn is None:
             raise RuntimeError("MegatronLearner.value_step: needs hf_value and value_loss_fn")
         self.value.train()
@@ -132,7 +136,7 @@ class MegatronLearner:
         batch = _to(batch, self.device)
         v = self.values(batch["input_ids"], batch.get("attention_mask"))
         loss, stats = self.value_loss_fn(v, batch)
-        loss.backward()
+        (loss * loss_scale).backward()
         return {**stats, **_reduce_and_step(self.value, self.value_opt, self.optim_cfg.grad_clip)}
 
     # ---- the torch trainer's view (learner.trainer.step drives these like HF models)
@@ -166,7 +170,6 @@ class MegatronLearner:
         local.update({"backbone.norm.weight": vh.norm.weight.detach(),
                       "head.weight": vh.head.weight.detach(), "head.bias": vh.head.bias.detach()})
         return _cpu(convert.gather_experts(local, self.hf_config, ps.get_expert_model_parallel_group()))
-
 
     def export_hf_policy(self):
         """A fresh HF `Qwen3MoeForCausalLM` holding the current weights (collective; every rank
@@ -219,9 +222,7 @@ def _adamw(module: torch.nn.Module, lr: float, o: OptimSettings) -> torch.optim.
 
 
 def _reduce_and_step(module, opt, grad_clip: float | None) -> dict[str, float]:
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    grads.allreduce_grads(named)
-    norm = grads.clip_grads(named, grad_clip) if grad_clip else grads.global_grad_norm(named)
+    norm = grads.reduce_and_clip(module, grad_clip)
     opt.step()
     return {"grad_norm": norm}
 
