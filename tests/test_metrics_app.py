@@ -242,6 +242,7 @@ def test_faust_app_aggregates_equal_pandas(kafka_bus, kafka_run, tmp_path):
     # closes by the idle flush and none is late.
     proc = subprocess.Popen([sys.executable, "-m", "streamer.cli", "metrics", "--bootstrap", kafka_bus.bootstrap,
                              "--run", kafka_run, "--window", str(W), "lateness_s=100", "idle_flush_s=2",
+                             "max_message_bytes=100000",
                              "loglevel=INFO"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
         cons = kafka_bus.consumer({names.metrics: MetricPoint})
@@ -252,12 +253,17 @@ def test_faust_app_aggregates_equal_pandas(kafka_bus, kafka_run, tmp_path):
         trajs = make_stream()
         for t in trajs:
             prod.send(names.trajectories, t, key=t.task_id)  # keyed: both partitions get work
-        prod.send_raw(names.trajectories, b"\x00 not a trajectory")
+        bad = {"Trajectory: Expected `object`": b"\x00 not a trajectory",  # (reason fragment, value)
+               "schema version 2": encode(trajs[0]).replace(b"\xa1v\x01", b"\xa1v\x02", 1),
+               "oversized": b"\x00" * 100_001}
+        for value in bad.values():
+            prod.send_raw(names.trajectories, value)
+        prod.send_raw(names.learner, b"\x00 not a learner event")
         prod.flush()
         want = expected_frame(trajs)
         n_windows = want.index.get_level_values("end").nunique()
         done = lambda g: sum(p.name == "metrics/reward" and p.labels == {} for p in g) >= n_windows and \
-            any(p.name == "metrics/dlq" for p in g)
+            any(p.name == "metrics/dlq" and p.value == 4 for p in g)
         got += read_points(cons, done, 60)
     finally:
         proc.send_signal(signal.SIGINT)
@@ -283,8 +289,16 @@ def test_faust_app_aggregates_equal_pandas(kafka_bus, kafka_run, tmp_path):
     for end, cum in totals.items():
         assert seen[(end, (), "metrics/reward")].trajectories == cum
         assert seen[(end, (), "metrics/reward")].learner_step == 11
-    assert max(p.value for p in got if p.name == "metrics/dlq") == 1.0
+    # 3 bad trajectories + 1 bad learner event: counted, dead-lettered with their bytes, and the
+    # windows above came out complete all the same
+    assert sorted(p.value for p in got if p.name == "metrics/dlq") == [1.0, 2.0, 3.0, 4.0]
     assert all(p.value == 0.0 for p in got if p.name == "metrics/late")
-    dead = [m.msg for m in kafka_bus.consumer({names.dlq: DeadLetter}).poll(max_records=10, timeout=5.0)]
-    assert [(d.topic, d.value, d.expected) for d in dead] == [(names.trajectories, b"\x00 not a trajectory",
-                                                                "Trajectory")]
+    dlq = kafka_bus.consumer({names.dlq: DeadLetter})
+    dead, deadline = [], time.monotonic() + 20
+    while len(dead) < 4 and time.monotonic() < deadline:
+        dead += [m.msg for m in dlq.poll(max_records=10, timeout=0.5)]
+    letters = {(d.topic, d.value, d.expected): d.reason for d in dead}
+    assert len(dead) == 4
+    for reason, value in bad.items():
+        assert reason in letters[(names.trajectories, value[:100_001], "Trajectory")]
+    assert "LearnerEvent" in letters[(names.learner, b"\x00 not a learner event", "LearnerEvent")]
