@@ -75,6 +75,18 @@ def test_unmapped_configs_are_refused_by_name():
         convert.local_expert_range(8, 0, 3)
 
 
+def test_attention_mask_is_causal_plus_key_padding():
+    from learner.backends.megatron.learner import attention_mask_4d, position_ids
+
+    # one left-padded row [pad, a, b]: causal "may not attend" = strictly above the diagonal,
+    # plus every query may not attend to key 0 (padding):
+    #   q0: [T, T, T]   q1: [T, F, T]   q2: [T, F, F]
+    m = attention_mask_4d(torch.tensor([[0, 1, 1]]))
+    assert m.shape == (1, 1, 3, 3)
+    assert m[0, 0].tolist() == [[True, True, True], [True, False, True], [True, False, False]]
+    assert position_ids(torch.tensor([[0, 1, 1]])).tolist() == [[0, 0, 1]]  # as scoring's
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
