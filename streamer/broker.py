@@ -41,6 +41,16 @@ def tansu_binary() -> str:
     return str(path)
 
 
+def _die_with_parent() -> None:
+    """In the child: SIGKILL when the parent dies, so a killed launcher or test run leaves no broker behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: stop() is the only way
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -117,7 +127,7 @@ class EmbeddedBroker:
         Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL)
+                                         stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         try:
             wait_ready(self.settings.host, self.port, self.settings.start_timeout_s, self.proc)
         except BrokerError as e:
@@ -156,19 +166,18 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--log", default="", help="broker log file (default: a temporary file)")
     args = ap.parse_args(argv)
     broker = EmbeddedBroker(BrokerSettings(host=args.host, port=args.port, log_path=args.log))
-    try:
-        broker.start()
-    except BrokerError as e:
-        print(f"sao broker: {e}", file=sys.stderr)
-        return 1
-    print(f"broker ready: {broker.bootstrap} (log {broker.log_path}); "
-          f"export SAO_BOOTSTRAP={broker.bootstrap}; Ctrl-C stops it", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    try:
+    try:  # entered before the broker starts: a signal at any point still stops the child
+        broker.start()
+        print(f"broker ready: {broker.bootstrap} (log {broker.log_path}); "
+              f"export SAO_BOOTSTRAP={broker.bootstrap}; Ctrl-C stops it", flush=True)
         while broker.running():
             time.sleep(0.5)
     except KeyboardInterrupt:
         pass
+    except BrokerError as e:
+        print(f"sao broker: {e}", file=sys.stderr)
+        return 1
     finally:
         code = broker.stop()
     return 0 if code in (0, None, -signal.SIGINT) else int(code)
