@@ -51,6 +51,16 @@ def command(compose: dict, service: str, env: dict[str, str] | None = None) -> l
     return [interpolate(str(a), env or {}) for a in compose["services"][service]["command"]]
 
 
+def container_paths(argv: list[str], tmp: Path, bootstrap: str) -> list[str]:
+    """The compose command with its container paths and broker mapped onto this machine."""
+    out = []
+    for a in argv:
+        a = bootstrap if a == "kafka:9092" else a
+        a = a.replace("/app/learner.yaml", str(ROOT / "docker" / "learner.yaml"))
+        out.append(a.replace("/app/weights", str(tmp / "weights")).replace("/app/runs", str(tmp / "runs")))
+    return out
+
+
 def compose_binary() -> str | None:
     spec = importlib.util.find_spec("compose")
     if spec and spec.origin and (Path(spec.origin).parent / "docker-compose").is_file():
@@ -227,6 +237,22 @@ def test_service_command_is_a_sao_command_whose_help_lists_its_flags(compose, se
     assert missing == [], f"{service}: sao {argv[0]} has no {missing}\n{help_text}"
 
 
+def test_compose_settings_resolve_for_learner_agent_and_metrics(compose, tmp_path):
+    """Each long-running role turns its compose command (defaults and a GRPO-style override) into a valid config."""
+    from learner.train import build_config, parse_args as learn_args
+    from streamer.agent import parse_args as agent_args, settings_from_args
+    from streamer.metrics_app import parse_args as metrics_args
+
+    env = {"SAO_RUN": "exp3", "SAO_LOSS": "dapo", "SAO_GROUP_SIZE": "8", "SAO_METRICS_WINDOW": "2.5"}
+    cfg = build_config(learn_args(container_paths(command(compose, "learner", env), tmp_path, "b:1")[1:]))
+    assert (cfg.io.run, cfg.io.bootstrap, cfg.loss.name) == ("exp3", "b:1", "dapo")
+    assert cfg.io.weights_dir == str(tmp_path / "weights" / "exp3")
+    agent = settings_from_args(agent_args(container_paths(command(compose, "agent", env), tmp_path, "b:1")[1:]))
+    assert (agent.run, agent.group_size, agent.weights_dir) == ("exp3", 8, cfg.io.weights_dir)
+    metrics = metrics_args(container_paths(command(compose, "metrics", env), tmp_path, "b:1")[1:])
+    assert (metrics.run, metrics.bootstrap, metrics.window_s) == ("exp3", "b:1", 2.5)
+
+
 # ---------------------------------------------------------------- commands against the embedded broker
 
 
@@ -276,16 +302,6 @@ def test_simulator_service_command_publishes_tasks(compose, kafka_bus, kafka_run
     while len(tasks) < 20 and time.monotonic() < deadline:
         tasks += [m.msg for m in cons.poll(max_records=100, timeout=0.5)]
     assert len(tasks) == 20 and len({t.task_id for t in tasks}) == 20
-
-
-def container_paths(argv: list[str], tmp: Path, bootstrap: str) -> list[str]:
-    """The compose command with its container paths and broker mapped onto this machine."""
-    out = []
-    for a in argv:
-        a = bootstrap if a == "kafka:9092" else a
-        a = a.replace("/app/learner.yaml", str(ROOT / "docker" / "learner.yaml"))
-        out.append(a.replace("/app/weights", str(tmp / "weights")).replace("/app/runs", str(tmp / "runs")))
-    return out
 
 
 @pytest.mark.slow
