@@ -127,7 +127,7 @@ def build_gpt(hf_cfg, post_process: bool = True, dtype: torch.dtype = torch.floa
         share_embeddings_and_output_weights=bool(hf_cfg.tie_word_embeddings),
         position_embedding_type="rope",
         rotary_percent=1.0,
-        rotary_base=int(hf_cfg.rope_theta),
+        rotary_base=hf_cfg.rope_theta,  # float: no truncation of e.g. 1e6 or 5e5
     )
     # Megatron-LM casts through Float16Module; the local spec's torch norms are built in fp32.
     return model.to(dtype=dtype)
