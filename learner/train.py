@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(dataclasses.asdict(cfg), indent=1))
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("kafka").setLevel(logging.WARNING)
     torch.set_num_threads(cfg.threads)
     from learner.trainer.loop import Trainer
 

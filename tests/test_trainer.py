@@ -317,3 +317,28 @@ def test_value_loss_spike_re_enters_warmup(tmp_path):
     assert trainer.warm_left == 0
     trainer._watch_value_loss(10.0, warm=False)  # 10 > 3 x 1.95 = 5.85: spike
     assert trainer.warm_left == 3 and trainer.counters["rewarms"] == 1
+
+
+def test_half_written_checkpoint_is_ignored(tmp_path, policy0):
+    cfg = make_cfg(tmp_path, "batch.max_trajectories=4", "batch.tokens=100000")
+    trainer, _ = make_trainer(cfg, file_source(tmp_path, synthetic_trajectories(policy0, 8)))
+    trainer.start()
+    trainer.step_once()
+    trainer.checkpoint()
+    # a kill during the next save leaves a temporary directory with some files and no state.json
+    half = tmp_path / "ck" / ".tmp-step_00000002-999"
+    half.mkdir()
+    (half / "policy.safetensors").write_bytes(b"partial")
+    again, _ = make_trainer(cfg, file_source(tmp_path, []))
+    assert again.resume() and again.step == 1 and not half.exists()
+    assert len(again.batcher.pending()) == 4
+
+
+def test_cli_config_errors_and_print(capsys):
+    from learner.train import main
+
+    assert main(["loss.name=nope"]) == 2
+    assert "loss.name" in capsys.readouterr().err
+    assert main(["--print-config", "--loss", "cispo", "--sync"]) == 0
+    out = capsys.readouterr().out
+    assert '"name": "cispo"' in out and '"sync": true' in out

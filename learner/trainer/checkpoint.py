@@ -95,9 +95,11 @@ def save_checkpoint(root: str | Path, step: int, models: dict[str, torch.nn.Modu
         for t in pending:
             f.write(encode_json(t) + b"\n")
     (tmp / "state.json").write_text(json.dumps(dict(state, step=step), indent=1, sort_keys=True))
-    if final.exists():  # a rerun of the same step after a restart: the new one wins
-        shutil.rmtree(final)
+    trash = root / f".trash-{final.name}-{os.getpid()}"
+    if final.exists():  # the same step saved again (the final save of a run): the new one wins
+        os.rename(final, trash)  # a kill from here to the next rename falls back to the previous step
     os.rename(tmp, final)
+    shutil.rmtree(trash, ignore_errors=True)
     for old in step_dirs(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
@@ -126,5 +128,5 @@ def clean_tmp(root: str | Path) -> None:
     """Remove half-written checkpoints left by a killed process."""
     root = Path(root)
     if root.is_dir():
-        for p in root.glob(".tmp-step_*"):
+        for p in [*root.glob(".tmp-step_*"), *root.glob(".trash-step_*")]:
             shutil.rmtree(p, ignore_errors=True)
