@@ -55,6 +55,7 @@ class AdvantageConfig:
     adaptive_alpha: float | None = None  # e.g. 0.05: lambda_actor = 1 - 1/(alpha·L) per sequence
     batch_norm: bool = False  # whiten advantages over the batch (masked mean/std)
     group_size: int = 8  # GRPO family: members per group (a batch waits for complete groups)
+    dynamic_sampling: bool = False  # GRPO family: drop groups whose rewards are all equal (DAPO)
 
 
 @dataclass

@@ -99,6 +99,13 @@ def test_batcher_token_budget_groups_and_sync(policy0):
     assert not b.has_batch() and len(b.pending()) == 4
     b.add(g[5])
     assert b.take() == [g[3], g[4], g[5]]
+    # dynamic sampling: a group whose rewards are all equal is dropped when it completes
+    b = Batcher(tokens=1, max_trajectories=100, group_size=3, drop_uniform_groups=True)
+    uniform = [with_(m, reward=1.0) for m in g[:3]]
+    mixed = [with_(m, reward=r) for m, r in zip(g[3:], (0.0, 1.0, 0.0))]
+    for x in uniform + mixed:
+        b.add(x)
+    assert b.dropped_uniform == 3 and b.pending() == mixed
     # sync: exactly sync_batch trajectories
     b = Batcher(tokens=1, max_trajectories=1, sync_batch=4)
     for x in t:

@@ -11,7 +11,7 @@ from transformers import Qwen3MoeForCausalLM
 
 from learner.engines.base import Engine, Generation, check_prompts, check_sampling, load_into, resolve_stop
 from learner.engines.sampling import sample_next
-from learner.models.fast import KVCache, forward_step, pack_weights
+from learner.models.fast import KVCache, forward_step, pack_weights, rope_table
 from learner.models.tokenizer import CharTokenizer
 
 
@@ -47,7 +47,8 @@ class TorchSampler(Engine):
             ids[i, P - len(p):] = torch.tensor(p, dtype=torch.long)
             valid[i, P - len(p):] = True
         cache = KVCache(pw, B, P + max_new_tokens)
-        logits = forward_step(pw, cache, ids, (valid.long().cumsum(-1) - 1).clamp(min=0), valid)
+        rope = rope_table(pw, P + max_new_tokens)
+        logits = forward_step(pw, cache, ids, (valid.long().cumsum(-1) - 1).clamp(min=0), valid, rope)
         next_pos = valid.sum(-1, keepdim=True)  # [B, 1]: position of the first generated token
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         stop_ids = torch.tensor(sorted(spec.token_ids | ({spec.eos_id} - {None})), dtype=torch.long)
@@ -67,7 +68,7 @@ class TorchSampler(Engine):
                         ends[i], reasons[i] = step + 1, reason
             if all(e is not None for e in ends) or step == max_new_tokens - 1:
                 break
-            logits = forward_step(pw, cache, token[:, None], next_pos, all_valid)
+            logits = forward_step(pw, cache, token[:, None], next_pos, all_valid, rope)
             next_pos = next_pos + 1
         tok_t, lp_t, slp_t = torch.stack(toks, 1).tolist(), torch.stack(lps, 1).tolist(), torch.stack(slps, 1).tolist()
         out = []

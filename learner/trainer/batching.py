@@ -22,11 +22,13 @@ def group_key(t: Trajectory) -> str:
 
 class Batcher:
     def __init__(self, tokens: int, max_trajectories: int, group_size: int | None = None,
-                 sync_batch: int | None = None) -> None:
+                 sync_batch: int | None = None, drop_uniform_groups: bool = False) -> None:
         self.tokens, self.max_trajectories = tokens, max_trajectories
         self.group_size, self.sync_batch = group_size, sync_batch
+        self.drop_uniform_groups = drop_uniform_groups
         self.ready: list[list[Trajectory]] = []  # units (a trajectory, or a complete group) in arrival order
         self.partial: dict[str, list[Trajectory]] = {}
+        self.dropped_uniform = 0  # trajectories of groups whose rewards were all equal
 
     def add(self, t: Trajectory) -> None:
         if self.group_size is None:
@@ -35,7 +37,13 @@ class Batcher:
         members = self.partial.setdefault(group_key(t), [])
         members.append(t)
         if len(members) >= self.group_size:
-            self.ready.append(self.partial.pop(group_key(t)))
+            group = self.partial.pop(group_key(t))
+            if self.drop_uniform_groups and len({m.reward for m in group}) == 1:
+                # DAPO dynamic sampling: all-equal rewards give zero advantage, no signal
+                # (https://arxiv.org/abs/2503.14476)
+                self.dropped_uniform += len(group)
+                return
+            self.ready.append(group)
 
     def _n(self) -> int:
         return sum(len(u) for u in self.ready)

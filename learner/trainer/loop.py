@@ -34,7 +34,7 @@ class Trainer:
         b = cfg.batch
         self.admission = Admission(b.max_staleness, grouped, b.dedup_window, b.sync)
         self.batcher = Batcher(b.tokens, b.max_trajectories, cfg.advantage.group_size if grouped else None,
-                               b.sync_batch if b.sync else None)
+                               b.sync_batch if b.sync else None, grouped and cfg.advantage.dynamic_sampling)
         self.step = self.policy_steps = self.version = 0
         self.positions: dict[str, int] = {}
         self.counters: Counter[str] = Counter()
@@ -145,6 +145,8 @@ class Trainer:
                   "perf/idle_s": self.idle_s})
         for k, v in (self.admission.counts + self.counters).items():
             m[f"learner/count_{k}"] = float(v)
+        if self.batcher.drop_uniform_groups:
+            m["learner/count_uniform_group"] = float(self.batcher.dropped_uniform)
         self.idle_s = 0.0
         return LearnerEvent(step=self.step, version=self.version, time=time.time(), n_trajectories=len(trajs),
                             n_tokens=n_tokens, metrics=m, staleness=hist,
