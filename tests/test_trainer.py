@@ -66,6 +66,9 @@ def test_admission_dedup_staleness_validity(policy0):
     g = synthetic_trajectories(policy0, 2, group_size=2)
     adm = Admission(max_staleness=0, grouped=True)
     assert [adm.admit(x, 0) for x in g + g[:1]] == ["ok", "ok", "duplicate"]
+    # ... also when the learner uses a value model (a member is not a duplicate of its sibling)
+    adm_single = Admission(max_staleness=0)
+    assert [adm_single.admit(x, 0) for x in g] == ["ok", "ok"]
     # at training time a group is stale when its oldest member is
     mixed = [g[0], with_(g[1], policy_version=-1)]
     fresh, stale = adm.split_stale(mixed, version=0, group_key=lambda x: x.group_id)
@@ -99,6 +102,11 @@ def test_batcher_token_budget_groups_and_sync(policy0):
     assert not b.has_batch() and len(b.pending()) == 4
     b.add(g[5])
     assert b.take() == [g[3], g[4], g[5]]
+    # the agent's group size (on the trajectories) decides when a group is complete
+    b = Batcher(tokens=1, max_trajectories=100, group_size=8)
+    for x in g[:3]:
+        b.add(x)
+    assert b.take() == g[:3]
     # dynamic sampling: a group whose rewards are all equal is dropped when it completes
     b = Batcher(tokens=1, max_trajectories=100, group_size=3, drop_uniform_groups=True)
     uniform = [with_(m, reward=1.0) for m in g[:3]]

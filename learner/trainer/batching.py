@@ -3,7 +3,8 @@
 A batch closes once its trajectories hold `tokens` tokens (prompt + response + observations) or
 `max_trajectories` of them; in sync mode it closes at exactly `sync_batch` trajectories. With
 `group_size` set, trajectories wait until their group (`group_id`, falling back to `task_id`) is
-complete and enter the buffer together, so a batch never splits a group.
+complete (the trajectories' own `group_size` when the agent set one, else `group_size`) and enter
+the buffer together, so a batch never splits a group.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class Batcher:
             return
         members = self.partial.setdefault(group_key(t), [])
         members.append(t)
-        if len(members) >= self.group_size:
+        if len(members) >= (t.group_size if t.group_size > 1 else self.group_size):  # the agent's n wins
             group = self.partial.pop(group_key(t))
             if self.drop_uniform_groups and len({m.reward for m in group}) == 1:
                 # DAPO dynamic sampling: all-equal rewards give zero advantage, no signal

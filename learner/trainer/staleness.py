@@ -43,7 +43,8 @@ class Admission:
     """Decides, per arriving trajectory, 'ok' or the reason it is dropped; counts each reason.
 
     De-duplication key: the task id (single rollout: one trajectory per task), or (group id,
-    trajectory id) for group estimators. The last `window` keys are remembered (and checkpointed)."""
+    trajectory id) for group estimators and for members of group rollouts (the agent's trajectory
+    id is "<task>:<member>"). The last `window` keys are remembered (and checkpointed)."""
 
     def __init__(self, max_staleness: int, grouped: bool = False, window: int = 100_000,
                  sync: bool = False) -> None:
@@ -53,7 +54,9 @@ class Admission:
         self.counts: Counter[str] = Counter()
 
     def key(self, t: Trajectory) -> str:
-        return f"{t.group_id or t.task_id}/{t.traj_id}" if self.grouped else t.task_id
+        # a member of a group rollout is (task, member), whatever the estimator
+        grouped = self.grouped or t.group_size > 1
+        return f"{t.group_id or t.task_id}/{t.traj_id}" if grouped else t.task_id
 
     def admit(self, t: Trajectory, version: int) -> str:
         """'ok', 'duplicate', 'stale' or 'invalid' (counted in `counts`)."""
