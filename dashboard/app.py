@@ -109,9 +109,11 @@ def views() -> None:
 
     st.subheader("Online reward per family")
     reward = _concat([data.reward_frame(r, window) for r in runs])
-    marks = _concat([data.drift_marks(r, rec) for r, rec in zip(runs, recs)])
+    marks = _concat([data.drift_marks(r) for r in runs])
+    spans = _concat([data.recovery_spans(r, rec) for r, rec in zip(runs, recs)])
     if len(reward):
-        st.altair_chart(charts.reward_chart(reward, marks, x_col, x_title), width="stretch", key="reward_chart")
+        st.altair_chart(charts.reward_chart(reward, marks, spans, x_col, x_title), width="stretch",
+                        key="reward_chart")
     else:
         st.info("No trajectories or reward metrics yet.")
 
@@ -175,9 +177,13 @@ def _metric_view(runs, view: str, title: str, y_title: str, x_col: str, x_title:
 def header(runs: list[data.RunData], window: int) -> None:
     for r in runs:
         traj = r.trajectories
+        state = "finished" if r.summary else "live topics" if r.name.startswith("live:") else "being written"
+        st.markdown(f"**{r.name}** ({state})")
         cols = st.columns(5)
-        state = "finished" if r.summary else "live" if r.name.startswith("live:") else "being written"
-        cols[0].metric(f"{r.name} ({state})", f"{len(traj):,} trajectories")
+        n_traj = len(traj)
+        if not n_traj and len(r.metrics) and "trajectories" in r.metrics:  # live topics: the metrics' count
+            n_traj = int(r.metrics["trajectories"].max())
+        cols[0].metric("trajectories", f"{n_traj:,}")
         cols[1].metric("learner steps", f"{len(r.learner):,}")
         auc = float(data.ad.auc(traj.sort_values("finished_at")["reward"].to_numpy(float), window)) if len(traj) else None
         cols[2].metric(f"AUC (W={window})", "–" if auc is None else f"{auc:.3f}")

@@ -13,6 +13,7 @@ from dashboard.downsample import downsample
 
 SVG = {"embedOptions": {"renderer": "svg", "actions": False}}
 HEIGHT = 260
+DRIFT = "#d62728"
 
 
 def _x(x_col: str, title: str) -> alt.X:
@@ -25,9 +26,11 @@ def series_label(df: pd.DataFrame, cols: list[str]) -> pd.Series:
     return df[use].astype(str).agg(" · ".join, axis=1) if use else pd.Series("", index=df.index)
 
 
-def reward_chart(reward: pd.DataFrame, marks: pd.DataFrame, x_col: str, x_title: str,
+def reward_chart(reward: pd.DataFrame, marks: pd.DataFrame, spans: pd.DataFrame, x_col: str, x_title: str,
                  max_points: int = 2000) -> alt.LayerChart:
-    """Online reward per family (per run), with a dashed rule and a label at each drift event."""
+    """Online reward per family (per run); a dashed rule and the phase name at each drift event; at
+    the bottom, one bar per (event, family) from the event to its recovery, labelled with the
+    recovery time (dashed and "censored" when the phase ended first)."""
     df = reward.assign(series=series_label(reward, ["run", "family"])) if len(reward) else reward.assign(series=[])
     df = downsample(df, "reward_w", by="series", max_points=max_points)
     lines = alt.Chart(df[[x_col, "reward_w", "series"]], name="reward_lines").mark_line(interpolate="linear").encode(
@@ -35,14 +38,26 @@ def reward_chart(reward: pd.DataFrame, marks: pd.DataFrame, x_col: str, x_title:
         color=alt.Color("series:N", title=None), tooltip=["series:N", f"{x_col}:Q", "reward_w:Q"])
     layers = [lines]
     if len(marks):
-        m = marks.assign(series=series_label(marks, ["run"]))
-        m["text"] = m["label"] if m["run"].nunique() <= 1 else m["run"] + ": " + m["label"]
+        m = marks.assign(text=marks["label"] if marks["run"].nunique() <= 1 else marks["run"] + ": " + marks["label"])
         base = alt.Chart(m[[x_col, "text"]])
-        layers.append(base.mark_rule(strokeDash=[6, 4], color="#d62728", size=1.5).encode(
+        layers.append(base.mark_rule(strokeDash=[6, 4], color=DRIFT, size=1.5).encode(
             x=alt.X(f"{x_col}:Q"), tooltip=["text:N"]).properties(name="drift_rules"))
-        layers.append(base.mark_text(align="left", baseline="top", angle=0, dx=4, dy=4, fontSize=11,
-                                     color="#d62728").encode(
-            x=alt.X(f"{x_col}:Q"), y=alt.value(4), text="text:N").properties(name="drift_labels"))
+        layers.append(base.mark_text(align="left", baseline="top", dx=4, dy=2, fontSize=11, fontWeight="bold",
+                                     color=DRIFT).encode(x=alt.X(f"{x_col}:Q"), y=alt.value(2), text="text:N")
+                      .properties(name="drift_labels"))
+    if len(spans):
+        x2 = "x2_" + x_col.split("_", 1)[1]
+        s = spans.assign(text=spans["label"] if spans["run"].nunique() <= 1 else spans["run"] + " · " + spans["label"])
+        # stack the bars of one event upwards from the bottom of the plot, one row per family (and run)
+        s["row"] = s.groupby(x_col).cumcount()
+        s["ypx"] = HEIGHT + 60 - 10 - 16 * s["row"]
+        base = alt.Chart(s[[x_col, x2, "text", "ypx", "censored"]])
+        layers.append(base.mark_rule(color=DRIFT, size=3, opacity=0.7).encode(
+            x=alt.X(f"{x_col}:Q"), x2=alt.X2(f"{x2}:Q"), y=alt.Y("ypx:Q", scale=None),
+            strokeDash=alt.condition("datum.censored", alt.value([4, 3]), alt.value([1, 0])),
+            tooltip=["text:N"]).properties(name="recovery_spans"))
+        layers.append(base.mark_text(align="left", baseline="middle", dx=4, fontSize=10, color=DRIFT).encode(
+            x=alt.X(f"{x2}:Q"), y=alt.Y("ypx:Q", scale=None), text="text:N").properties(name="recovery_labels"))
     return alt.layer(*layers).properties(height=HEIGHT + 60, usermeta=SVG)
 
 
@@ -57,7 +72,8 @@ def lines_chart(df: pd.DataFrame, x_col: str, x_title: str, y_title: str, color_
 
 def staleness_chart(counts: pd.DataFrame) -> alt.Chart:
     d = counts.assign(series=series_label(counts, ["run"])) if len(counts) else counts.assign(series=[])
+    legend = alt.Legend() if d["series"].nunique() > 1 else None
     return alt.Chart(d, name="staleness_bars").mark_bar().encode(
         x=alt.X("staleness:O", title="staleness (learner version − behaviour version)"),
-        y=alt.Y("count:Q", title="trajectories"), color=alt.Color("series:N", title=None),
+        y=alt.Y("count:Q", title="trajectories"), color=alt.Color("series:N", title=None, legend=legend),
         xOffset="series:N", tooltip=["series:N", "staleness:O", "count:Q"]).properties(height=HEIGHT, usermeta=SVG)

@@ -143,21 +143,35 @@ def recovery_frame(run: RunData, window: int, delta: float) -> pd.DataFrame:
     return rec.assign(run=run.name)
 
 
-def drift_marks(run: RunData, recoveries: pd.DataFrame) -> pd.DataFrame:
-    """One mark per drift event at its time, labelled with its phase name and each family's recovery."""
-    axes = Axes(run)
-    rows = []
-    for e in run.drift:
-        rec = recoveries[recoveries["phase"] == e["phase"]] if len(recoveries) else recoveries
-        parts = [f"{r.family}: {_rec_text(r)}" for r in rec.itertuples()] if len(rec) else []
-        label = f"{e.get('name') or 'phase ' + str(e['phase'])}" + (f" ({'; '.join(parts)})" if parts else "")
-        rows.append({"run": run.name, "phase": e["phase"], "time": float(e.get("time", 0.0)), "label": label})
+def drift_marks(run: RunData) -> pd.DataFrame:
+    """One mark per drift event at its time, labelled with its phase name."""
+    rows = [{"run": run.name, "phase": e["phase"], "time": float(e.get("time", 0.0)),
+             "label": e.get("name") or f"phase {e['phase']}"} for e in run.drift]
     df = pd.DataFrame(rows, columns=["run", "phase", "time", "label"])
-    return axes.add(df, "time") if len(df) else df.assign(x_time=[], x_traj=[], x_step=[])
+    return Axes(run).add(df, "time") if len(df) else df.assign(x_time=[], x_traj=[], x_step=[])
+
+
+def recovery_spans(run: RunData, recoveries: pd.DataFrame) -> pd.DataFrame:
+    """One span per (drift event, family): from the event to its recovery (or to the phase end when
+    censored), with the recovery time as text. `x2_*` columns hold the span's end on each axis."""
+    cols = ["run", "family", "label", "censored", "x_time", "x_traj", "x_step", "x2_time", "x2_traj", "x2_step"]
+    if not len(recoveries) or "until" not in recoveries:
+        return pd.DataFrame(columns=cols)
+    rec = recoveries.dropna(subset=["until"])
+    if not len(rec):
+        return pd.DataFrame(columns=cols)
+    axes = Axes(run)
+    start, end = axes.add(rec[["time"]], "time"), axes.add(rec[["until"]], "until")
+    df = pd.DataFrame({"run": run.name, "family": rec["family"].to_numpy(), "censored": rec["censored"].to_numpy(),
+                       "label": [f"{r.family}: {_rec_text(r)}" for r in rec.itertuples()]})
+    for axis in ("time", "traj", "step"):
+        df[f"x_{axis}"] = start[f"x_{axis}"].to_numpy()
+        df[f"x2_{axis}"] = end[f"x_{axis}"].to_numpy()
+    return df[cols]
 
 
 def _rec_text(r) -> str:
-    if r.trajectories is None or (isinstance(r.trajectories, float) and math.isnan(r.trajectories)):
+    if r.trajectories is None or pd.isna(r.trajectories):
         return "no data"
     steps = "" if r.learner_steps is None or pd.isna(r.learner_steps) else f", {int(r.learner_steps)} steps"
     return f"{'censored ≥' if r.censored else 'recovered in '}{int(r.trajectories)} traj{steps}"

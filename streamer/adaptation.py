@@ -229,7 +229,7 @@ def drift_recoveries(trajectories: pd.DataFrame, drift_events: Iterable[Mapping]
     are those of `prev_phase`, its post-drift ones those of `phase` (so trajectories of the old
     phase that finish late never count as post-drift), each in finish order. Learner steps count
     learner events (`learner_times`) from the event time to the finish of the trajectory that
-    completed recovery (to the last of the phase when censored).
+    completed recovery (to the last of the phase when censored): `until`, that time.
     """
     _require(trajectories, ("family", "phase", "reward", "finished_at"), "trajectories")
     steps_t = _as_1d(learner_times, "learner_times")
@@ -250,7 +250,7 @@ def drift_recoveries(trajectories: pd.DataFrame, drift_events: Iterable[Mapping]
                          "prev_concept": e.get("prev_concepts", {}).get(fam, ""), "time": t0,
                          "pre_level": rec.pre_level, "threshold": rec.threshold,
                          "trajectories": rec.trajectories, "learner_steps": steps, "censored": rec.censored,
-                         "recovered_at": t1 if not rec.censored else math.nan})
+                         "recovered_at": t1 if not rec.censored else math.nan, "until": t1})
     cols = ["phase", "prev_phase", "name", "family", "concept", "prev_concept", "time", "pre_level", "threshold",
-            "trajectories", "learner_steps", "censored", "recovered_at"]
+            "trajectories", "learner_steps", "censored", "recovered_at", "until"]
     return pd.DataFrame(rows, columns=cols)

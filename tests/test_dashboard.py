@@ -86,8 +86,9 @@ def test_header_metrics(runs_root):
     at = app(runs_root)
     shown = {m.label: m.value for m in at.metric}
     # W=2 windowed of [1,1,0,0,1,1] = [1,1,.5,0,.5,1] -> AUC 4/6; staleness mean (0*2+1*3+2)/6 = 5/6
-    assert shown == {"r1 (finished)": "6 trajectories", "learner steps": "3", "AUC (W=2)": "0.667",
+    assert shown == {"trajectories": "6", "learner steps": "3", "AUC (W=2)": "0.667",
                      "drift events": "1", "mean staleness": "0.83"}
+    assert "**r1** (finished)" in [m.value for m in at.markdown]
 
 
 def test_reward_view_values_and_drift_marker(runs_root):
@@ -97,10 +98,12 @@ def test_reward_view_values_and_drift_marker(runs_root):
     assert d["reward_lines"]["reward_w"].tolist() == [1.0, 1.0, 0.5, 0.0, 0.5, 1.0]
     assert d["reward_lines"]["x_time"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
     rule = d["drift_rules"]
-    assert rule["x_time"].tolist() == [1.5]
-    # post-drift [0,0,1,1], W=2 full windows: 0, .5, 1 >= .9 at index 3 -> 4 trajectories;
-    # learner steps in (101.5, 105]: t=102, 103, 104 -> 3
-    assert rule["text"].tolist() == ["p1 (a: recovered in 4 traj, 3 steps)"]
+    assert rule["x_time"].tolist() == [1.5] and rule["text"].tolist() == ["p1"]
+    # post-drift [0,0,1,1], W=2 full windows: 0, .5, 1 >= .9 at index 3 -> 4 trajectories, recovered at
+    # t=105 (x 5.0); learner steps in (101.5, 105]: t=102, 103, 104 -> 3
+    span = d["recovery_spans"]
+    assert span[["x_time", "x2_time"]].values.tolist() == [[1.5, 5.0]]
+    assert span["text"].tolist() == ["a: recovered in 4 traj, 3 steps"]
 
 
 def test_x_axis_switch_to_trajectories_and_steps(runs_root):
@@ -177,13 +180,14 @@ def test_live_run_being_written(tmp_path):
         w.trajectory(_traj(k, ph, r, 0))
     w.flush()
     at = app(tmp_path)
-    assert {m.label: m.value for m in at.metric}["live1 (being written)"] == "3 trajectories"
+    assert {m.label: m.value for m in at.metric}["trajectories"] == "3"
+    assert "**live1** (being written)" in [m.value for m in at.markdown]
     for k, (ph, r) in enumerate(REWARDS[3:], start=3):
         w.trajectory(_traj(k, ph, r, 0))
     w.flush()
     at.run()  # a refresh keeps the selection and shows the new part
     assert at.session_state["runs"] == ["live1"]
-    assert {m.label: m.value for m in at.metric}["live1 (being written)"] == "6 trajectories"
+    assert {m.label: m.value for m in at.metric}["trajectories"] == "6"
     w.close()
 
 

@@ -1,0 +1,101 @@
+"""The dashboard's live-topic tap: in-memory bus, the real embedded broker, failures as messages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from dashboard import data
+from dashboard.live import LiveTap, close_all, wait_for
+from streamer.bus import MemoryBus
+from streamer.schema import DriftEvent, LearnerEvent, MetricPoint
+from streamer.topics import Topics, partitions_by_topic
+
+APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
+
+
+def publish(producer, run: str) -> None:
+    t = Topics(run)
+    for k, v in enumerate([0.8, 0.2, 0.6]):
+        producer.send(t.metrics, MetricPoint(name="metrics/reward", value=v, time=10.0 + k, labels={"family": "a"},
+                                             trajectories=100 * (k + 1), learner_step=k))
+    producer.send(t.learner, LearnerEvent(step=0, version=1, time=10.5, n_trajectories=4, n_tokens=40,
+                                          metrics={"learner/kl": 0.02}, staleness={"1": 4}))
+    producer.send(t.drift, DriftEvent(phase=1, prev_phase=0, name="p1", schedule="abrupt", families=["a"],
+                                      concepts={"a": "c1"}, at_seq=100, time=10.7))
+    producer.flush()
+
+
+def memory_factory(bus: MemoryBus):
+    def make(bootstrap: str, run: str):
+        t = Topics(run)
+        return bus.consumer({t.metrics: MetricPoint, t.learner: LearnerEvent, t.drift: DriftEvent})
+    return make
+
+
+def check_snapshot(snap: data.RunData) -> None:
+    rw = data.reward_frame(snap, window=64)
+    # metrics/reward points as published; x_traj from their running trajectory counts
+    assert rw["reward_w"].tolist() == [0.8, 0.2, 0.6]
+    assert rw["x_traj"].tolist() == [100.0, 200.0, 300.0]
+    marks = data.drift_marks(snap)
+    # drift at t=10.7: the 10.0 point (100 trajectories) is the last before it
+    assert marks["x_traj"].tolist() == [100.0] and marks["x_time"].round(6).tolist() == [0.7]
+    assert data.learner_metrics(snap, "kl_entropy")["value"].tolist() == [0.02]
+    assert data.staleness_counts(snap)[["staleness", "count"]].values.tolist() == [[1, 4]]
+
+
+def test_tap_on_memory_bus_deduplicates_after_reconnect():
+    bus = MemoryBus()
+    bus.create_topics(partitions_by_topic("m1"))
+    publish(bus.producer(), "m1")
+    tap = LiveTap("memory", "m1", consumer_factory=memory_factory(bus), retry_s=0.05)
+    try:
+        assert wait_for(lambda: len(tap.snapshot().metrics) == 3 and tap.snapshot().drift, 10)
+        assert tap.ok and "live" in tap.status
+        check_snapshot(tap.snapshot())
+    finally:
+        tap.close()
+
+
+def test_tap_reports_failures_and_retries():
+    calls = []
+
+    def failing(bootstrap, run):
+        calls.append(run)
+        raise RuntimeError("topic 'x.metrics' does not exist (create it first: KafkaBus.create_topics)")
+
+    tap = LiveTap("127.0.0.1:9", "x", consumer_factory=failing, retry_s=0.02)
+    try:
+        assert wait_for(lambda: len(calls) >= 3, 10)  # keeps retrying
+        assert not tap.ok and "run not found on the broker" in tap.status and "127.0.0.1:9" in tap.status
+        assert tap.snapshot().empty
+    finally:
+        tap.close()
+
+
+@pytest.mark.kafka
+def test_app_tails_live_topics_on_the_embedded_broker(kafka_bus, bootstrap, kafka_run):
+    kafka_bus.create_topics(partitions_by_topic(kafka_run))
+    p = kafka_bus.producer()
+    publish(p, kafka_run)
+    p.close()
+    tap = LiveTap(bootstrap, kafka_run)
+    try:
+        assert wait_for(lambda: len(tap.snapshot().metrics) == 3 and tap.snapshot().drift, 60), tap.status
+        check_snapshot(tap.snapshot())
+    finally:
+        tap.close()
+    at = AppTest.from_file(APP, default_timeout=60)
+    for k, v in {"runs_root": "/nonexistent", "bootstrap": bootstrap, "live_run": kafka_run,
+                 "auto_refresh": False}.items():
+        at.session_state[k] = v
+    at.run()
+    # the app's own tap (cached per bootstrap and run) fills in the background: rerun until the chart shows
+    assert wait_for(lambda: bool(at.run().get("vega_lite_chart")), 60, every=0.5)
+    assert not at.exception
+    assert f"**live:{kafka_run}** (live topics)" in [m.value for m in at.markdown]
+    assert {m.label: m.value for m in at.metric}["trajectories"] == "300"
+    close_all()
