@@ -48,7 +48,7 @@ class PretrainConfig:
     eval_every: int = 250  # greedy reward on held-out phase-0 tasks every this many steps (0: never)
     eval_tasks: int = 256
     cache_dir: str = "runs/cache"
-    micro_batches: int = 4  # the batch is sorted by length and split, so padding costs little compute
+    micro_batches: int = 8  # the batch is sorted by length and split, so padding costs little compute
     model: ModelConfig = field(default_factory=ModelConfig)
 
 

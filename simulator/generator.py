@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from streamer.schema import DriftEvent, Task
 from simulator.drift import block_concepts, block_of, concept_for, final_concepts
 from simulator.families import FAMILIES
+from simulator.latency import LatencyConfig
 from simulator.scenario import Phase, Scenario
 
 
@@ -44,7 +45,8 @@ def generate(scn: Scenario, seed: int | None = None, t0: float | None = None,
     rng = random.Random(seed)
     t0 = time.time() if t0 is None else t0
     clock = _Clock(scn.rate, scn.arrival)
-    latency = dataclasses.asdict(scn.latency)
+    # only a non-default latency travels in tool specs (the env's default is LatencyConfig())
+    latency = dataclasses.asdict(scn.latency) if scn.latency != LatencyConfig() else None
     weights: dict[str, float] = {}
     prev: dict[str, str] = {}
     seq = 0
@@ -69,7 +71,7 @@ def generate(scn: Scenario, seed: int | None = None, t0: float | None = None,
             family = rng.choices(fams, wts)[0]
             concept = concept_for(phase, prev, family, x, rng) if index > 0 else block_concepts(phase, prev, 0)[family]
             prompt, answer, spec = FAMILIES[family].sample(rng, concept, scn.options.get(family, {}))
-            if FAMILIES[family].multi_turn:
+            if latency and FAMILIES[family].multi_turn:
                 spec["latency"] = latency
             stamp = t0 + clock.tick(rng) if scn.rate > 0 else time.time()
             yield Task(task_id=f"{scn.name}-{seed}-{seq}", family=family, concept=concept, phase=index,

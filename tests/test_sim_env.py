@@ -49,9 +49,9 @@ def test_renamed_tool_error_lists_the_available_tool_and_retry_recovers():
     env = make_env(task, NO_SLEEP)
     name = task.spec["name"]
     obs = env.step(f"<call>look({name})</call>").observation
-    assert obs == "<obs>error: no tool look; tools: find(k=x)</obs>"
+    assert obs == "<obs>error: tools: find(k=x)</obs>"
     obs = env.step(f"<call>find({name})</call>").observation  # old argument format
-    assert obs == "<obs>error: bad args; use find(k=x)</obs>"
+    assert obs == "<obs>error: use find(k=x)</obs>"
     assert env.step(f"<call>find(k={name})</call>").observation == f"<obs>{task.answer}</obs>"
     final = env.step(task.answer)
     # reward = 1 - error_penalty * errors = 1 - 0.25 * 2 = 0.5
@@ -61,7 +61,7 @@ def test_renamed_tool_error_lists_the_available_tool_and_retry_recovers():
 def test_recovery_demonstration_matches_the_env():
     task = _tool_task("find/plain/0")
     demo = FAMILIES["tool"].demonstrate(task, wrong_tool="look")
-    assert demo.startswith("<call>look(") and "error: no tool look; tools: find(x)" in demo
+    assert demo.startswith("<call>look(") and "<obs>error: tools: find(x)</obs>" in demo
     env = make_env(task, NO_SLEEP)
     text, step = demo, None
     while "</call>" in text:

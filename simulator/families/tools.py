@@ -53,6 +53,11 @@ def usage(tool: str, argfmt: str) -> str:
     return f"{tool}({ARG_FORMATS[argfmt].format('x')})"
 
 
+def tag_of(tool: str, argfmt: str) -> str:
+    """The short concept tag of warm-start prompts: the world is not named (tool use must find the facts)."""
+    return tool if argfmt == "plain" else f"{tool}/{argfmt}"
+
+
 def format_call(tool: str, argfmt: str, name: str) -> str:
     return f"<call>{tool}({ARG_FORMATS[argfmt].format(name)})</call>"
 
@@ -62,14 +67,14 @@ def observe(spec: dict[str, Any], call_text: str) -> tuple[str, bool]:
     tool, argfmt = spec["tool"], spec["argfmt"]
     m = _CALL.match(call_text)
     if not m:
-        return f"error: bad call; tools: {usage(tool, argfmt)}", False
+        return f"error: tools: {usage(tool, argfmt)}", False
     name, arg = m.group(1), m.group(2)
     if name != tool:
-        return f"error: no tool {name}; tools: {usage(tool, argfmt)}", False
+        return f"error: tools: {usage(tool, argfmt)}", False
     template = ARG_FORMATS[argfmt]
     prefix, suffix = template.split("{}")
     if not (arg.startswith(prefix) and arg.endswith(suffix) and len(arg) > len(prefix) + len(suffix)):
-        return f"error: bad args; use {usage(tool, argfmt)}", False
+        return f"error: use {usage(tool, argfmt)}", False
     key = arg[len(prefix):len(arg) - len(suffix)]
     value = world_facts(spec["world"]).get(key) if _NAME.match(key) else None
     if value is None:
@@ -103,7 +108,7 @@ class Tools:
         spec = {"tool": tool, "argfmt": argfmt, "world": world, "name": name,
                 "max_turns": int(option(options, "max_turns", 3)),
                 "error_penalty": float(option(options, "error_penalty", 0.25))}
-        return tagged(f"age of {name}?", concept, tag), world_facts(world)[name], spec
+        return tagged(f"age of {name}?", tag_of(tool, argfmt), tag), world_facts(world)[name], spec
 
     def verify(self, task: Task, answer: object) -> Verdict:
         """Scores the final answer alone; `simulator.env` adds the per-error penalty of the episode."""
