@@ -50,14 +50,14 @@ def reward_chart(reward: pd.DataFrame, marks: pd.DataFrame, spans: pd.DataFrame,
         s = spans.assign(text=spans["label"] if spans["run"].nunique() <= 1 else spans["run"] + " · " + spans["label"])
         # stack the bars of one event upwards from the bottom of the plot, one row per family (and run)
         s["row"] = s.groupby(x_col).cumcount()
-        s["ypx"] = HEIGHT + 60 - 10 - 16 * s["row"]
-        base = alt.Chart(s[[x_col, x2, "text", "ypx", "censored"]])
+        s["ypos"] = 0.04 + 0.07 * s["row"]
+        base = alt.Chart(s[[x_col, x2, "text", "ypos", "censored"]])
         layers.append(base.mark_rule(color=DRIFT, size=3, opacity=0.7).encode(
-            x=alt.X(f"{x_col}:Q"), x2=alt.X2(f"{x2}:Q"), y=alt.Y("ypx:Q", scale=None),
+            x=alt.X(f"{x_col}:Q"), x2=alt.X2(f"{x2}:Q"), y=alt.Y("ypos:Q"),
             strokeDash=alt.condition("datum.censored", alt.value([4, 3]), alt.value([1, 0])),
             tooltip=["text:N"]).properties(name="recovery_spans"))
         layers.append(base.mark_text(align="left", baseline="middle", dx=4, fontSize=10, color=DRIFT).encode(
-            x=alt.X(f"{x2}:Q"), y=alt.Y("ypx:Q", scale=None), text="text:N").properties(name="recovery_labels"))
+            x=alt.X(f"{x2}:Q"), y=alt.Y("ypos:Q"), text="text:N").properties(name="recovery_labels"))
     return alt.layer(*layers).properties(height=HEIGHT + 60, usermeta=SVG)
 
 

@@ -238,6 +238,11 @@ def eval_frame(run: RunData) -> pd.DataFrame:
 
 def forgetting_frame(run: RunData) -> pd.DataFrame:
     """Forgetting of each recurring concept (artifacts.summarize's definition, via adaptation.forgetting)."""
+    cols = ["run", "family", "concept", "left_at_s", "recurs_at_s", "before", "after", "forgetting"]
     rows = art.forgetting_rows(run.metrics, run.drift, run.trajectories) if run.drift else []
-    return pd.DataFrame(rows).assign(run=run.name) if rows else pd.DataFrame(
-        columns=["run", "family", "concept", "left_at", "recurs_at", "before", "after", "forgetting"])
+    if not rows:
+        return pd.DataFrame(columns=cols)
+    t0 = start_time(run)
+    df = pd.DataFrame(rows).assign(run=run.name)
+    # seconds since the run's start, like the wall-time axis
+    return df.assign(left_at_s=df["left_at"] - t0, recurs_at_s=df["recurs_at"] - t0)[cols]
