@@ -357,3 +357,22 @@ def test_cli_config_errors_and_print(capsys):
     assert main(["--print-config", "--loss", "cispo", "--sync"]) == 0
     out = capsys.readouterr().out
     assert '"name": "cispo"' in out and '"sync": true' in out
+
+
+def test_trainer_skips_a_step_whose_loss_overflows(tmp_path, policy0):
+    # reward 1e38 is finite (admitted) but its squared value error overflows to inf
+    t = synthetic_trajectories(policy0, 12)
+    t[5] = with_(t[5], reward=1e38)
+    cfg = make_cfg(tmp_path, "batch.max_trajectories=4", "batch.tokens=100000")
+    trainer, events = make_trainer(cfg, file_source(tmp_path, t))
+    trainer.start()
+    trainer.step_once()
+    after_first = _params(trainer.models.policy), _params(trainer.models.value)
+    trainer.step_once()
+    assert events[1].skipped and events[1].metrics["learner/count_skipped_steps"] == 1.0
+    for model, before in zip((trainer.models.policy, trainer.models.value), after_first):
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    trainer.step_once()
+    assert not events[2].skipped
+    assert all(torch.isfinite(p).all() for p in trainer.models.value.parameters())
+    assert not torch.equal(trainer.models.policy.lm_head.weight, after_first[0]["lm_head.weight"])

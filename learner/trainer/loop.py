@@ -95,21 +95,24 @@ class Trainer:
         batch = collate(fresh)
         ref = prepare(self.cfg, self.models, batch)
         warm = self.models.value is not None and self.warm_left > 0
-        applied, metrics = True, {}
+        n_applied, metrics = 0, {}
         for _ in range(self.cfg.optim.updates_per_batch):
-            metrics, applied = update(self.cfg, self.models, batch, ref, train_policy=not warm)
-            if not applied:
+            metrics, ok = update(self.cfg, self.models, batch, ref, train_policy=not warm)
+            if not ok:  # the weights keep the updates already applied; the rest of the batch is dropped
+                self.counters["skipped_updates"] += 1
                 break
+            n_applied += 1
         self.step += 1
-        self._after_update(metrics, applied, warm)
+        self._after_update(metrics, n_applied > 0, warm)
+        metrics["updates_applied"] = float(n_applied)
         step_s = time.monotonic() - t0
-        return self._event(fresh, batch.n_tokens, metrics, applied, warm, step_s, hist)
+        return self._event(fresh, batch.n_tokens, metrics, n_applied > 0, warm, step_s, hist)
 
     # ------------------------------------------------------------------ bookkeeping
     def _after_update(self, metrics: dict[str, float], applied: bool, warm: bool) -> None:
         if not applied:
             self.counters["skipped_steps"] += 1
-            log.warning("step %d: non-finite loss or gradient, update skipped", self.step)
+            log.warning("step %d: non-finite loss or gradient, step skipped", self.step)
             return
         if warm:
             self.warm_left -= 1
