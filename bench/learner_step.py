@@ -53,7 +53,7 @@ def sao_step(policy, critic, opt_p, opt_v, ids, attn, resp, rewards, old_logp) -
     v_loss.backward()
     opt_p.step()
     opt_v.step()
-    return {"clip_frac": p_stats["clip_frac"], "entropy": float((ent * resp).sum() / resp.sum())}
+    return {"clip_frac": p_stats["clip_frac"], "entropy": float((ent.detach() * resp).sum() / resp.sum())}
 
 
 def bare_step(policy, critic, ids, attn) -> None:
@@ -63,14 +63,14 @@ def bare_step(policy, critic, ids, attn) -> None:
     critic(ids, attn).mean().backward()
 
 
-def timed(fn, repeats: int) -> float:
+def timed(fn, repeats: int) -> list[float]:
     fn()  # warm-up (allocator, first-call dispatch)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,20 +83,27 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     policy = build_policy(seed=0).train()
     critic = ValueModel.from_policy(policy).train()
-    opt_p = torch.optim.AdamW(policy.parameters(), lr=3e-4)
-    opt_v = torch.optim.AdamW(critic.parameters(), lr=1e-3)
+    # fused=True: one kernel for all parameters; the default per-tensor loop costs ~14x more on CPU (28 ms vs 2 ms).
+    opt_p = torch.optim.AdamW(policy.parameters(), lr=3e-4, fused=True)
+    opt_v = torch.optim.AdamW(critic.parameters(), lr=1e-3, fused=True)
     ids, attn, resp, rewards = make_batch(args.batch)
     with torch.no_grad():  # behaviour log-probs: the current policy's, slightly perturbed (as if one version old)
         old_logp, _ = logprobs_and_entropy(policy, ids, attn)
         old_logp = old_logp + 0.05 * torch.randn(old_logp.shape, generator=torch.Generator().manual_seed(1))
     tokens = int(attn.sum())
-    t_bare = timed(lambda: bare_step(policy, critic, ids, attn), args.repeats)
-    t_sao = timed(lambda: sao_step(policy, critic, opt_p, opt_v, ids, attn, resp, rewards, old_logp), args.repeats)
+    # Interleaved rounds, min over them: the machine is shared, and the minimum is the least disturbed figure.
+    bare_times, sao_times = [], []
+    for _ in range(args.repeats):
+        bare_times += timed(lambda: bare_step(policy, critic, ids, attn), 1)
+        sao_times += timed(lambda: sao_step(policy, critic, opt_p, opt_v, ids, attn, resp, rewards, old_logp), 1)
+    t_bare, t_sao = min(bare_times), min(sao_times)
     result = {
         "bench": "learner_step", "losses": "learner.algorithms policy_loss('sao') + value_loss (clipped)",
         "threads": args.threads, "batch": args.batch, "tokens": tokens, "seq_len": int(ids.shape[1]),
         "bare_s": t_bare, "sao_s": t_sao, "bare_tokens_per_s": tokens / t_bare, "sao_tokens_per_s": tokens / t_sao,
         "ratio_sao_over_bare": t_sao / t_bare, "goal_ratio_max": 1.25,
+        "ratio_of_medians": statistics.median(sao_times) / statistics.median(bare_times),
+        "bare_times_s": bare_times, "sao_times_s": sao_times,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
