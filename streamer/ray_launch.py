@@ -1,0 +1,427 @@
+"""`sao up --ray`: the agents and the learner as Ray actors; Kafka stays the data bus.
+
+    sao up --ray                                        # a local Ray instance (ray.init())
+    sao up --ray-address auto --bootstrap kafka:9092    # join the cluster this node belongs to
+    sao up --ray-address ray://head:10001 --bootstrap kafka:9092 --ray-set agent.num_cpus=2
+
+Each agent, and each learner rank, is one `RoleActor`: it runs the very `sao <argv>` the local
+launcher would run, as a child process of the actor (its log in `<run>/logs/<role>.log` on the
+actor's node), and dies with it. Actors are created with `max_restarts`, so when one dies (its
+process or node is lost, or its role is killed) Ray starts it again and the role's main runs again:
+an agent re-joins the task consumer group (its uncommitted tasks are redelivered; the learner
+de-duplicates by task id), the learner resumes from its latest checkpoint (weights, buffer, offsets).
+With `learner_workers > 1` the learner ranks form a torchrun-style gang (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT set per actor, one placement group); a dead rank restarts the whole gang.
+The broker, simulator, metrics app and dashboard stay local child processes (streamer.processes).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from streamer.config import ConfigError, load_config
+from streamer.processes import Role, Supervisor
+
+RAY_ROLES = ("agent", "learn")  # `sao <cmd>` roles that run as actors; the rest stay local
+
+
+@dataclass
+class RoleResources:
+    num_cpus: float = 1.0  # Ray CPUs reserved per actor (each agent / each learner rank)
+    num_gpus: float = 0.0  # GPUs per actor; Ray sets CUDA_VISIBLE_DEVICES for it
+    memory_mb: int = 0  # memory reserved per actor (0: none)
+    resources: dict[str, float] = field(default_factory=dict)  # custom resources, e.g. {"rollout_node": 1}
+
+    def validate(self, where: str) -> None:
+        if self.num_cpus < 0 or self.num_gpus < 0 or self.memory_mb < 0:
+            raise ConfigError(f"{where}: num_cpus, num_gpus and memory_mb must be >= 0 (got {self})")
+
+
+@dataclass
+class LearnerResources(RoleResources):
+    num_cpus: float = 2.0  # per learner rank
+
+
+@dataclass
+class RayConfig:
+    address: str = ""  # "" -> start a local Ray instance; "auto" or "ray://head:10001" -> join that cluster
+    namespace: str = "sao"
+    local_num_cpus: int = 0  # CPUs of a local instance (0: Ray counts them)
+    agent: RoleResources = field(default_factory=RoleResources)
+    learner: LearnerResources = field(default_factory=LearnerResources)
+    learner_workers: int = 1  # learner ranks (torchrun-style, for the megatron backend); 1: one actor
+    learner_strategy: str = "PACK"  # placement of the learner ranks: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD
+    max_restarts: int = -1  # Ray restarts of a dead actor (-1: always)
+    min_uptime_s: float = 10.0  # a role that exits with an error sooner than this fails the run (no restart loop)
+    stop_timeout_s: float = 30.0  # SIGINT, then SIGKILL after this long
+
+    def validate(self) -> None:
+        self.agent.validate("ray.agent")
+        self.learner.validate("ray.learner")
+        if self.learner_workers < 1:
+            raise ConfigError(f"ray.learner_workers={self.learner_workers}: need at least 1")
+        if self.learner_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+            raise ConfigError(f"ray.learner_strategy={self.learner_strategy!r}: use PACK, SPREAD, STRICT_PACK "
+                              "or STRICT_SPREAD")
+        if self.max_restarts < -1:
+            raise ConfigError(f"ray.max_restarts={self.max_restarts}: use -1 (always) or a count >= 0")
+
+
+def ray_config(address: str = "", overrides: list[str] = ()) -> RayConfig:
+    cfg = load_config(RayConfig, None, [f"address={address}", *overrides] if address else list(overrides))
+    cfg.validate()
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------- the actor
+
+def _child_setup() -> None:
+    """In the role's process: signals as in a shell (a Ray worker blocks/ignores some, and a child inherits
+    that), and SIGKILL when the actor dies, so no orphaned learner trains next to its restarted self."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: an orphaned role lives on until stopped by hand
+
+
+class RoleActor:
+    """One role (`sao <argv>`) as a child of this actor. Wrapped by `ray.remote` in `_actor_class`.
+
+    When the child dies by a signal, or fails after running `min_uptime_s`, the actor exits so that
+    Ray restarts it (and the role). A gang rank (autostart=False) waits for `start(env)` instead.
+    """
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: str, cwd: str,
+                 min_uptime_s: float = 10.0, autostart: bool = True) -> None:
+        self.name, self.argv, self.env = name, list(argv), dict(env)
+        self.log_path = Path(log_dir) / f"{name}.log"
+        self.cwd = cwd if Path(cwd).is_dir() else None
+        self.min_uptime_s, self.autostart = min_uptime_s, autostart
+        self.proc: subprocess.Popen | None = None
+        self.stopping = False
+        self.started = 0.0
+        self.failed_fast = False
+        if autostart:
+            self.start()
+
+    def start(self, env: dict[str, str] | None = None) -> int:
+        """Start (or, stopped, start again) the role; returns its pid."""
+        if self.proc is not None and self.proc.poll() is None:
+            return self.proc.pid
+        self.env.update(env or {})
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"--- {time.strftime('%H:%M:%S')} {self.name} on {socket.gethostname()} "
+                      f"(actor pid {os.getpid()}): sao {' '.join(self.argv)}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen([sys.executable, "-m", "streamer.cli", *self.argv], stdout=log,
+                                         stderr=subprocess.STDOUT, cwd=self.cwd, preexec_fn=_child_setup,
+                                         env={**os.environ, **self.env, "PYTHONUNBUFFERED": "1"})
+        self.stopping, self.failed_fast, self.started = False, False, time.time()
+        threading.Thread(target=self._watch, args=(self.proc,), daemon=True).start()
+        return self.proc.pid
+
+    def _watch(self, proc: subprocess.Popen) -> None:
+        rc = proc.wait()
+        if self.stopping or rc == 0 or proc is not self.proc:
+            return
+        if rc > 0 and time.time() - self.started < self.min_uptime_s:
+            self.failed_fast = True  # an error at start-up: restarting would only loop
+        elif self.autostart:
+            os._exit(1)  # the actor dies with its role: Ray restarts both (a gang rank: the driver restarts)
+
+    def status(self) -> dict[str, Any]:
+        import ray
+
+        rc = None if self.proc is None else self.proc.poll()
+        state = "idle" if self.proc is None else "running" if rc is None else "exited"
+        return {"name": self.name, "state": state, "returncode": rc, "pid": self.proc.pid if self.proc else None,
+                "actor_pid": os.getpid(), "node": ray.util.get_node_ip_address(), "started": self.started,
+                "failed_fast": self.failed_fast,
+                "reconstructed": ray.get_runtime_context().was_current_actor_reconstructed}
+
+    def rendezvous(self) -> tuple[str, int]:
+        """(this node's address, a free port on it): MASTER_ADDR/PORT when this actor is rank 0."""
+        import ray
+
+        addr = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return addr, s.getsockname()[1]
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGINT (the roles checkpoint / commit and exit), SIGKILL after `timeout` s."""
+        self.stopping = True
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError as e:
+            return f"(no log: {e})"
+
+
+def _actor_class():
+    import ray
+
+    return ray.remote(RoleActor)
+
+
+def actor_options(res: RoleResources, name: str, max_restarts: int) -> dict[str, Any]:
+    opts: dict[str, Any] = {"num_cpus": res.num_cpus, "num_gpus": res.num_gpus, "name": name,
+                            "max_restarts": max_restarts, "max_task_retries": -1 if max_restarts else 0}
+    if res.memory_mb:
+        opts["memory"] = res.memory_mb * 2**20
+    if res.resources:
+        opts["resources"] = dict(res.resources)
+    return opts
+
+
+# ----------------------------------------------------------------------------------------- the driver
+
+def _ray_errors():
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError
+
+    return ActorDiedError, (ActorUnavailableError, GetTimeoutError)
+
+
+class ActorRole:
+    """The `proc` of a role that runs on Ray (Popen-like: `poll()`, `returncode`, `pid`): one actor, or
+    the gang of learner ranks. Watching it also restarts a gang whose rank was restarted by Ray."""
+
+    def __init__(self, name: str, actors: list, gang: bool, stop_timeout_s: float) -> None:
+        self.name, self.actors, self.gang, self.stop_timeout_s = name, actors, gang, stop_timeout_s
+        self.returncode: int | None = None
+        self.restarts = 0  # actor restarts seen (a gang restart counts once per restarted rank)
+        self.statuses: list[dict[str, Any]] = []
+        self._incarnation: dict[int, int] = {}  # rank -> actor pid last seen
+        self._checked = 0.0
+        if gang:
+            self.start_gang()
+
+    @property
+    def pid(self) -> int | None:
+        return self.statuses[0]["pid"] if self.statuses else None
+
+    def start_gang(self) -> None:
+        import ray
+
+        addr, port = ray.get(self.actors[0].rendezvous.remote())
+        world = len(self.actors)
+        ray.get([a.start.remote({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
+                                 "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": addr, "MASTER_PORT": str(port)})
+                 for rank, a in enumerate(self.actors)])
+
+    def refresh(self, timeout: float = 5.0) -> list[dict[str, Any]] | None:
+        """The actors' statuses, or None while one is being restarted (or its role failed for good)."""
+        import ray
+
+        died, unavailable = _ray_errors()
+        refs = [a.status.remote() for a in self.actors]
+        try:
+            statuses = ray.get(refs, timeout=timeout)
+        except died as e:
+            self.returncode = -signal.SIGKILL  # restarts exhausted (max_restarts) or killed for good
+            print(f"{self.name}: actor died for good: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+            return None
+        except unavailable:
+            return None
+        for rank, st in enumerate(statuses):
+            if self._incarnation.setdefault(rank, st["actor_pid"]) != st["actor_pid"]:
+                self._incarnation[rank] = st["actor_pid"]
+                self.restarts += 1
+                print(f"{self.name}: rank {rank} restarted by Ray on {st['node']} "
+                      f"(restart {self.restarts})", flush=True)
+        self.statuses = statuses
+        return statuses
+
+    def poll(self) -> int | None:
+        if self.returncode is not None or time.monotonic() - self._checked < 1.0:
+            return self.returncode
+        self._checked = time.monotonic()
+        statuses = self.refresh()
+        if statuses is None:
+            return self.returncode
+        failed = [s for s in statuses if s["failed_fast"]]
+        if failed:
+            self.returncode = failed[0]["returncode"]
+        elif all(s["state"] == "exited" and s["returncode"] == 0 for s in statuses):
+            self.returncode = 0
+        elif self.gang and any(s["state"] == "idle" or s["returncode"] not in (None, 0) for s in statuses):
+            self.restart_gang()  # a lone rank cannot rejoin the process group: all ranks start again
+        return self.returncode
+
+    def restart_gang(self) -> None:
+        import ray
+
+        print(f"{self.name}: restarting all {len(self.actors)} ranks", flush=True)
+        ray.get([a.stop.remote(self.stop_timeout_s) for a in self.actors])
+        self.start_gang()
+
+    def stop(self, timeout: float) -> int | None:
+        import ray
+
+        died, unavailable = _ray_errors()
+        try:
+            codes = ray.get([a.stop.remote(timeout) for a in self.actors], timeout=timeout + 30)
+        except (died, *unavailable):
+            return self.returncode
+        if self.returncode is None:
+            self.returncode = next((c for c in codes if c not in (0, None)), 0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} still running after {timeout} s")
+            time.sleep(0.5)
+        return self.returncode
+
+    def tail(self, lines: int = 20) -> str:
+        import ray
+
+        try:
+            return "\n".join(ray.get([a.tail.remote(lines) for a in self.actors], timeout=10))
+        except Exception as e:  # a dead actor has no log to give; say why instead
+            return f"(log unavailable: {type(e).__name__})"
+
+    def kill(self) -> None:
+        import ray
+
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+
+
+def init_ray(cfg: RayConfig) -> bool:
+    """Connect to (or start) Ray; False when this process was already connected."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    kwargs: dict[str, Any] = {"namespace": cfg.namespace, "log_to_driver": False, "include_dashboard": False}
+    if cfg.address:
+        kwargs["address"] = cfg.address
+    elif cfg.local_num_cpus:
+        kwargs["num_cpus"] = cfg.local_num_cpus
+    ray.init(**kwargs)
+    return True
+
+
+def _loopback(bootstrap: str) -> bool:
+    return any(h.split(":")[0] in ("127.0.0.1", "localhost", "::1") for h in bootstrap.split(",") if h)
+
+
+class RaySupervisor:
+    """`streamer.processes.Supervisor`'s interface: agents and the learner as Ray actors, the rest local."""
+
+    def __init__(self, log_dir: Path, env: dict[str, str] | None, cfg: RayConfig) -> None:
+        self.cfg, self.env = cfg, dict(env or {})
+        self.log_dir = Path(log_dir).resolve()
+        self.local = Supervisor(log_dir, env)
+        self.roles: list[Role] = []
+        self.placement_groups: list = []
+        self.owns_ray = init_ray(cfg)
+        bootstrap = self.env.get("SAO_BOOTSTRAP", "")
+        if cfg.address and _loopback(bootstrap):
+            print(f"warning: Kafka at {bootstrap} is loopback-only: actors on other nodes cannot reach it "
+                  "(use --bootstrap host:port of a Kafka every node can reach)", file=sys.stderr, flush=True)
+
+    def start(self, role: Role) -> Role:
+        if role.argv[0] not in RAY_ROLES:
+            self.local.start(role)
+        else:
+            role.proc = self._start_actors(role)
+        self.roles.append(role)
+        return role
+
+    def _start_actors(self, role: Role) -> ActorRole:
+        learner = role.argv[0] == "learn"
+        res = self.cfg.learner if learner else self.cfg.agent
+        n = self.cfg.learner_workers if learner else 1
+        run = self.env.get("SAO_RUN", "sao")
+        common = dict(argv=role.argv, env=self.env, log_dir=str(self.log_dir), cwd=os.getcwd(),
+                      min_uptime_s=self.cfg.min_uptime_s)
+        actors, pg = [], self._placement_group(res, n) if n > 1 else None
+        for rank in range(n):
+            opts = actor_options(res, f"{run}/{role.name}" + (f"-{rank}" if n > 1 else ""), self.cfg.max_restarts)
+            if pg is not None:
+                from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+                opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
+            name = f"{role.name}-{rank}" if n > 1 else role.name
+            actors.append(_actor_class().options(**opts).remote(**{**common, "name": name}, autostart=n == 1))
+        return ActorRole(role.name, actors, gang=n > 1, stop_timeout_s=self.cfg.stop_timeout_s)
+
+    def _placement_group(self, res: RoleResources, n: int):
+        import ray
+        from ray.util.placement_group import placement_group
+
+        bundle = {"CPU": res.num_cpus, **({"GPU": res.num_gpus} if res.num_gpus else {}), **res.resources}
+        pg = placement_group([dict(bundle) for _ in range(n)], strategy=self.cfg.learner_strategy)
+        ray.get(pg.ready(), timeout=600)
+        self.placement_groups.append(pg)
+        return pg
+
+    def failed(self) -> list[Role]:
+        """Required roles that exited with an error (a role Ray is restarting has not failed)."""
+        return [r for r in self.roles if r.required and r.proc.poll() not in (None, 0)]
+
+    def tail(self, role: Role, lines: int = 20) -> str:
+        return role.proc.tail(lines) if isinstance(role.proc, ActorRole) else self.local.tail(role, lines)
+
+    def stop(self, role: Role, timeout: float | None = None) -> int | None:
+        timeout = self.cfg.stop_timeout_s if timeout is None else timeout
+        if isinstance(role.proc, ActorRole):
+            return role.proc.stop(timeout)
+        return self.local.stop(role, timeout)
+
+    def stop_all(self, timeout: float | None = None) -> None:
+        for role in reversed(self.roles):  # consumers of a role stop before it
+            self.stop(role, timeout)
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Remove this run's actors and placement groups (and Ray itself when we started it)."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for role in self.roles:
+            if isinstance(role.proc, ActorRole):
+                role.proc.kill()
+        for pg in self.placement_groups:
+            remove_placement_group(pg)
+        self.placement_groups = []
+        if self.owns_ray:
+            ray.shutdown()
+            self.owns_ray = False
+
+    def wait(self, role: Role, timeout: float | None = None) -> int:
+        return role.proc.wait(timeout) if isinstance(role.proc, ActorRole) else self.local.wait(role, timeout)
+
+    def describe(self) -> dict[str, Any]:
+        return {"ray": asdict(self.cfg), "actors": {r.name: r.proc.restarts for r in self.roles
+                                                    if isinstance(r.proc, ActorRole)}}

@@ -1,0 +1,155 @@
+"""`sao up --ray`: agents and the learner as Ray actors on a local cluster, Kafka (the embedded broker)
+in between. Killing the learner's actor and an agent's actor mid-run: Ray restarts both, the learner
+resumes from its checkpoint, and every task is trained on exactly once."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from kafka_fixtures import scenario_tasks
+from streamer.config import ConfigError
+from streamer.schema import LearnerEvent, Trajectory
+from streamer.topics import Topics, partitions_by_topic
+
+ray = pytest.importorskip("ray")
+
+LEARNER = ["batch.max_trajectories=6", "batch.tokens=100000", "checkpoint.every=2", "batch.max_staleness=1000",
+           "threads=1"]
+
+
+def effective_events(path: Path) -> tuple[list[LearnerEvent], int]:
+    """(the surviving step events in step order, emitted steps that a restart redid): a restart from the
+    checkpoint at step s emits s+1, s+2, ... again, replacing what the killed learner had emitted after s."""
+    by_step: dict[int, LearnerEvent] = {}
+    redone = 0
+    for line in path.read_bytes().splitlines() if path.exists() else []:
+        try:
+            e = msgspec.json.decode(line, type=LearnerEvent)
+        except msgspec.DecodeError:
+            continue  # the line a kill cut short
+        redone += e.step in by_step
+        for s in [s for s in by_step if s > e.step]:
+            del by_step[s]
+        by_step[e.step] = e
+    return [by_step[s] for s in sorted(by_step)], redone
+
+
+def wait_for(cond, timeout: float, what: str, sup=None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.2)
+    logs = "" if sup is None else "\n".join(f"--- {r.name}:\n{sup.tail(r, 30)}" for r in sup.roles)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{logs}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_ray_config_validates_and_maps_resources():
+    from streamer.ray_launch import actor_options, ray_config
+
+    cfg = ray_config("auto", ["agent.num_cpus=0.5", "learner.num_gpus=1", "learner.memory_mb=512",
+                              "agent.resources={rollout: 1}", "max_restarts=3"])
+    assert cfg.address == "auto" and cfg.learner.num_cpus == 2.0  # default kept
+    assert actor_options(cfg.learner, "r/learner", cfg.max_restarts) == {
+        "num_cpus": 2.0, "num_gpus": 1.0, "name": "r/learner", "max_restarts": 3, "max_task_retries": -1,
+        "memory": 512 * 2**20}
+    assert actor_options(cfg.agent, "r/agent-0", 0)["resources"] == {"rollout": 1}
+    assert actor_options(cfg.agent, "r/agent-0", 0)["max_task_retries"] == 0  # no restarts: no retries
+    with pytest.raises(ConfigError, match="learner_workers"):
+        ray_config("", ["learner_workers=0"])
+    with pytest.raises(ConfigError, match="ray.agent"):
+        ray_config("", ["agent.num_cpus=-1"])
+    with pytest.raises(ConfigError, match="unknown field 'gpus'"):
+        ray_config("", ["learner.gpus=1"])
+
+
+@pytest.mark.kafka
+def test_actors_train_and_a_killed_actor_resumes_with_no_trajectory_lost(tmp_path, kafka_bus, bootstrap,
+                                                                          kafka_run, tiny_policy_dir):
+    from simulator.run import main as simulate
+    from streamer.launcher import UpConfig, roles
+    from streamer.ray_launch import RaySupervisor, ray_config
+
+    run, run_dir = kafka_run, tmp_path / kafka_run
+    kafka_bus.create_topics(partitions_by_topic(run))
+    plan = roles(UpConfig(run=run, agents=2, dashboard=False, learner=LEARNER), bootstrap, run_dir, tiny_policy_dir)
+    actors = [r for r in plan if r.argv[0] in ("learn", "agent")]  # metrics and simulator are not under test
+    for r in actors:
+        if r.argv[0] == "agent":
+            r.argv += ["--set", "max_new_tokens=4", "--set", f"agent_id={r.name}"]
+    learner, agent0 = actors[0], actors[1]
+    assert learner.argv[0] == "learn" and agent0.argv[0] == "agent"
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    cfg = ray_config("", ["agent.num_cpus=0.5", "learner.num_cpus=1", "min_uptime_s=2", "stop_timeout_s=15"])
+    sup = RaySupervisor(run_dir / "logs", {"SAO_BOOTSTRAP": bootstrap, "SAO_RUN": run}, cfg)
+    events = run_dir / "checkpoints" / "events.jsonl"
+    t0 = time.monotonic()
+    try:
+        assert not sup.owns_ray  # the test's ray.init is used, and left to the test to shut down
+        for r in actors:
+            sup.start(r)
+        # the first 30 tasks through the real simulator; train until a step past a checkpoint (every 2)
+        assert simulate(["--bootstrap", bootstrap, "--run", run, "--limit", "30", "--seed", "3"]) == 0
+        wait_for(lambda: len(effective_events(events)[0]) >= 3, 90, "3 learner steps", sup)
+        assert learner.proc.poll() is None and not sup.failed()
+        print(f"{time.monotonic() - t0:.1f}s: 3 steps")
+        old = {r.name: r.proc.statuses[0] for r in (learner, agent0)}
+        ray.kill(learner.proc.actors[0], no_restart=False)
+        ray.kill(agent0.proc.actors[0], no_restart=False)
+        killed_at = len(effective_events(events)[0])
+
+        # the rest of the stream while (and after) the two actors come back
+        tasks = scenario_tasks(60, seed=3)
+        prod = kafka_bus.producer()
+        for t in tasks[30:]:
+            prod.send(Topics(run).tasks, t, key=t.task_id)
+        prod.flush()
+        want = {t.task_id for t in tasks}
+
+        def covered():
+            assert not sup.failed(), [(r.name, r.proc.returncode) for r in sup.failed()]
+            return {t for e in effective_events(events)[0] for t in e.task_ids} >= want
+        wait_for(covered, 120, "the learner to train on all 60 tasks", sup)
+        print(f"{time.monotonic() - t0:.1f}s: all trained")
+        for r in (learner, agent0):
+            wait_for(lambda r=r: r.proc.refresh() and r.proc.restarts >= 1, 30, f"{r.name}'s restart seen", sup)
+            new = r.proc.statuses[0]
+            assert new["reconstructed"] and new["actor_pid"] != old[r.name]["actor_pid"]
+            assert not alive(old[r.name]["pid"])  # the role died with its actor: no orphan learner/agent
+    finally:
+        sup.stop_all()
+        print(f"{time.monotonic() - t0:.1f}s: stopped")
+        ray.shutdown()
+
+    history, redone = effective_events(events)
+    trained = Counter(t for e in history for t in e.task_ids)
+    assert set(trained) == want and max(trained.values()) == 1  # every task trained on exactly once
+    assert [e.step for e in history] == list(range(1, len(history) + 1))
+    assert len(history) == 10 > killed_at  # 60 tasks / 6 per batch; steps after the kill: training went on
+    assert learner.proc.returncode == 0  # stopped by SIGINT: checkpointed and exited cleanly
+    log = (run_dir / "logs" / "learner.log").read_text()
+    assert "resumed from" in log  # the restarted learner started from its checkpoint, not from scratch
+
+    reader = kafka_bus.consumer({Topics(run).trajectories: Trajectory})
+    seen: set[str] = set()
+    deadline = time.monotonic() + 20
+    while not want <= seen and time.monotonic() < deadline:
+        seen |= {p.msg.task_id for p in reader.poll(500, 0.5)}
+    assert seen == want  # every produced task has its trajectory on the bus (duplicates de-duplicated)
+    print(f"learner steps {len(history)}, killed after step {killed_at}, {redone} steps redone after restart")
