@@ -31,14 +31,14 @@ def cli_options(argv: list[str]) -> argparse.Namespace:
 
 
 @st.cache_resource(max_entries=20000, show_spinner=False)
-def _part(path: str, mtime_ns: int, size: int) -> pd.DataFrame:
+def _part(path: str, mtime_ns: int, size: int, columns: tuple[str, ...] | None) -> pd.DataFrame:
     # parts never change once renamed into place: cache each by (path, mtime, size), shared, not copied
-    return art._read_part(Path(path))
+    return art.read_part(Path(path), columns)
 
 
-def _cached_part(path: Path) -> pd.DataFrame:
+def _cached_part(path: Path, columns) -> pd.DataFrame:
     s = path.stat()
-    return _part(str(path), s.st_mtime_ns, s.st_size)
+    return _part(str(path), s.st_mtime_ns, s.st_size, tuple(columns) if columns else None)
 
 
 @st.cache_resource(show_spinner=False)
@@ -69,12 +69,20 @@ def sidebar(opts: argparse.Namespace) -> None:
         st.text_input("run (topic prefix)", key="live_run")
 
 
-def load_runs() -> list[data.RunData]:
+@st.cache_resource(max_entries=64, show_spinner=False)
+def _frames(run_dir: str, signature: tuple, window: int, delta: float) -> dict:
+    # a run's view frames are recomputed only when one of its files changed (`signature`)
+    return data.run_frames(data.load_run(run_dir, read_part=_cached_part), window, delta)
+
+
+def load_frames(window: int, delta: float) -> list[dict]:
+    """The view frames of every selected run, and of the live topics when a broker is given."""
     ss = st.session_state
-    runs = []
+    out = []
     for name in ss["runs"]:
+        run_dir = Path(ss["runs_root"]) / name
         try:
-            runs.append(data.load_run(Path(ss["runs_root"]) / name, read_part=_cached_part))
+            out.append(_frames(str(run_dir), data.run_signature(run_dir), window, delta))
         except (art.ArtifactError, OSError) as e:
             st.error(f"run '{name}': {e}")
     if ss["bootstrap"] and ss["live_run"]:
@@ -86,39 +94,36 @@ def load_runs() -> list[data.RunData]:
             (st.success if tap.ok else st.warning)(tap.status)
             snap = tap.snapshot()
             if not snap.empty:
-                runs.append(snap)
-    return runs
+                out.append(data.run_frames(snap, window, delta))
+    return out
 
 
-def _concat(frames: list[pd.DataFrame]) -> pd.DataFrame:
-    frames = [f for f in frames if len(f)]
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+def _concat(frames: list[dict], key: str) -> pd.DataFrame:
+    parts = [f[key] for f in frames if len(f[key])]
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
 
 
 def views() -> None:
     ss = st.session_state
-    runs = load_runs()
-    if not runs:
+    x_title, window, delta = ss["x_axis"], int(ss["window"]), float(ss["delta"])
+    frames = load_frames(window, delta)
+    if not frames:
         st.info(f"No run selected. Runs are read from '{ss['runs_root']}' (pick one in the sidebar), "
                 "or give a broker and a run name for live topics.")
         return
-    x_title, window, delta = ss["x_axis"], int(ss["window"]), float(ss["delta"])
     x_col = data.X_AXES[x_title]
-    header(runs, window)
-    recs = [data.recovery_frame(r, window, delta) for r in runs]
+    header([f["header"] for f in frames], window)
 
     st.subheader("Online reward per family")
-    reward = _concat([data.reward_frame(r, window) for r in runs])
-    marks = _concat([data.drift_marks(r) for r in runs])
-    spans = _concat([data.recovery_spans(r, rec) for r, rec in zip(runs, recs)])
+    reward = _concat(frames, "reward")
     if len(reward):
-        st.altair_chart(charts.reward_chart(reward, marks, spans, x_col, x_title), width="stretch",
-                        key="reward_chart")
+        chart = charts.reward_chart(reward, _concat(frames, "marks"), _concat(frames, "spans"), x_col, x_title)
+        st.altair_chart(chart, width="stretch", key="reward_chart")
     else:
         st.info("No trajectories or reward metrics yet.")
 
     st.subheader("Drift events and recovery")
-    rec = _concat(recs)
+    rec = _concat(frames, "recovery")
     if len(rec):
         cols = [c for c in ("run", "phase", "name", "family", "prev_concept", "concept", "pre_level", "trajectories",
                             "learner_steps", "censored") if c in rec]
@@ -127,13 +132,14 @@ def views() -> None:
         st.info("No drift events.")
 
     st.subheader("Eval reward per concept")
-    ev = _concat([data.eval_frame(r) for r in runs])
+    ev = _concat(frames, "eval")
     if len(ev):
         st.altair_chart(charts.lines_chart(ev, x_col, x_title, "eval reward", ["run", "concept"], name="eval"),
                         width="stretch", key="eval_chart")
-        fg = _concat([data.forgetting_frame(r) for r in runs])
+        fg = _concat(frames, "forgetting")
         if len(fg):
-            st.caption("Forgetting: eval reward when a concept recurs minus its last value before it left")
+            st.caption("Forgetting: eval reward when a concept recurs minus its last value before it left "
+                       "(times in seconds since the run's start)")
             st.dataframe(fg, hide_index=True, key="forgetting_table")
     else:
         st.info("No eval/reward metrics.")
@@ -141,23 +147,23 @@ def views() -> None:
     left, right = st.columns(2)
     with left:
         st.subheader("Staleness")
-        stal = _concat([data.staleness_counts(r) for r in runs])
+        stal = _concat(frames, "staleness")
         _chart_or_info(stal, lambda: charts.staleness_chart(stal), "staleness_chart", "No staleness data.")
     with right:
-        _metric_view(runs, "clip", "Masked / clipped token fractions", "fraction of tokens", x_col, x_title)
+        _metric_view(frames, "clip", "Masked / clipped token fractions", "fraction of tokens", x_col, x_title)
     left, right = st.columns(2)
     with left:
-        _metric_view(runs, "value", "Value loss and explained variance", "value", x_col, x_title)
+        _metric_view(frames, "value", "Value loss and explained variance", "value", x_col, x_title)
     with right:
-        _metric_view(runs, "kl_entropy", "KL and entropy", "value", x_col, x_title)
+        _metric_view(frames, "kl_entropy", "KL and entropy", "value", x_col, x_title)
     left, right = st.columns(2)
     with left:
         st.subheader("Throughput")
-        tp = _concat([data.throughput(r) for r in runs])
+        tp = _concat(frames, "throughput")
         _chart_or_info(tp, lambda: charts.lines_chart(tp, x_col, x_title, "per second", ["run", "metric"],
                                                       name="throughput"), "throughput_chart", "No throughput data.")
     with right:
-        _metric_view(runs, "idle", "Learner idle time", "idle", x_col, x_title)
+        _metric_view(frames, "idle", "Learner idle time", "idle", x_col, x_title)
 
 
 def _chart_or_info(df: pd.DataFrame, build, key: str, empty: str) -> None:
@@ -167,30 +173,22 @@ def _chart_or_info(df: pd.DataFrame, build, key: str, empty: str) -> None:
         st.info(empty)
 
 
-def _metric_view(runs, view: str, title: str, y_title: str, x_col: str, x_title: str) -> None:
+def _metric_view(frames: list[dict], view: str, title: str, y_title: str, x_col: str, x_title: str) -> None:
     st.subheader(title)
-    df = _concat([data.learner_metrics(r, view) for r in runs])
+    df = _concat(frames, view)
     _chart_or_info(df, lambda: charts.lines_chart(df, x_col, x_title, y_title, ["run", "metric"], name=view),
                    f"{view}_chart", f"No {title.lower()} in the learner events.")
 
 
-def header(runs: list[data.RunData], window: int) -> None:
-    for r in runs:
-        traj = r.trajectories
-        state = "finished" if r.summary else "live topics" if r.name.startswith("live:") else "being written"
-        st.markdown(f"**{r.name}** ({state})")
+def header(values: list[dict], window: int) -> None:
+    for h in values:
+        st.markdown(f"**{h['name']}** ({h['state']})")
         cols = st.columns(5)
-        n_traj = len(traj)
-        if not n_traj and len(r.metrics) and "trajectories" in r.metrics:  # live topics: the metrics' count
-            n_traj = int(r.metrics["trajectories"].max())
-        cols[0].metric("trajectories", f"{n_traj:,}")
-        cols[1].metric("learner steps", f"{len(r.learner):,}")
-        auc = float(data.ad.auc(traj.sort_values("finished_at")["reward"].to_numpy(float), window)) if len(traj) else None
-        cols[2].metric(f"AUC (W={window})", "–" if auc is None else f"{auc:.3f}")
-        cols[3].metric("drift events", str(len(r.drift)))
-        stal = data.staleness_counts(r)
-        mean = (stal["staleness"] * stal["count"]).sum() / stal["count"].sum() if len(stal) else None
-        cols[4].metric("mean staleness", "–" if mean is None else f"{mean:.2f}")
+        cols[0].metric("trajectories", f"{h['trajectories']:,}")
+        cols[1].metric("learner steps", f"{h['learner_steps']:,}")
+        cols[2].metric(f"AUC (W={window})", "–" if h["auc"] is None else f"{h['auc']:.3f}")
+        cols[3].metric("drift events", str(h["drift_events"]))
+        cols[4].metric("mean staleness", "–" if h["mean_staleness"] is None else f"{h['mean_staleness']:.2f}")
 
 
 def main() -> None:

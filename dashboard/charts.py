@@ -23,7 +23,20 @@ def _x(x_col: str, title: str) -> alt.X:
 def series_label(df: pd.DataFrame, cols: list[str]) -> pd.Series:
     """One legend entry per line: the run name is left out when a single run is shown."""
     use = [c for c in cols if c != "run" or df["run"].nunique() > 1]
-    return df[use].astype(str).agg(" · ".join, axis=1) if use else pd.Series("", index=df.index)
+    if not use:
+        return pd.Series("", index=df.index)
+    out = df[use[0]].astype(str)
+    for c in use[1:]:  # vectorised: a row-wise join costs seconds on a million rows
+        out = out + " · " + df[c].astype(str)
+    return out
+
+
+def _thin(df: pd.DataFrame, y: str, cols: list[str], max_points: int) -> pd.DataFrame:
+    """Downsample each line, then label it (labelling only the points kept)."""
+    if not len(df):
+        return df.assign(series=[])
+    d = downsample(df, y, by=cols if len(cols) > 1 else cols[0], max_points=max_points)
+    return d.assign(series=series_label(d, cols))
 
 
 def reward_chart(reward: pd.DataFrame, marks: pd.DataFrame, spans: pd.DataFrame, x_col: str, x_title: str,
@@ -31,8 +44,7 @@ def reward_chart(reward: pd.DataFrame, marks: pd.DataFrame, spans: pd.DataFrame,
     """Online reward per family (per run); a dashed rule and the phase name at each drift event; at
     the bottom, one bar per (event, family) from the event to its recovery, labelled with the
     recovery time (dashed and "censored" when the phase ended first)."""
-    df = reward.assign(series=series_label(reward, ["run", "family"])) if len(reward) else reward.assign(series=[])
-    df = downsample(df, "reward_w", by="series", max_points=max_points)
+    df = _thin(reward, "reward_w", ["run", "family"], max_points)
     lines = alt.Chart(df[[x_col, "reward_w", "series"]], name="reward_lines").mark_line(interpolate="linear").encode(
         x=_x(x_col, x_title), y=alt.Y("reward_w:Q", title="online reward (windowed)", scale=alt.Scale(domain=[0, 1])),
         color=alt.Color("series:N", title=None), tooltip=["series:N", f"{x_col}:Q", "reward_w:Q"])
@@ -63,8 +75,7 @@ def reward_chart(reward: pd.DataFrame, marks: pd.DataFrame, spans: pd.DataFrame,
 
 def lines_chart(df: pd.DataFrame, x_col: str, x_title: str, y_title: str, color_cols: list[str],
                 max_points: int = 2000, name: str = "lines") -> alt.Chart:
-    d = df.assign(series=series_label(df, color_cols)) if len(df) else df.assign(series=[])
-    d = downsample(d, "value", by="series", max_points=max_points)
+    d = _thin(df, "value", color_cols, max_points)
     return alt.Chart(d[[x_col, "value", "series"]], name=name).mark_line().encode(
         x=_x(x_col, x_title), y=alt.Y("value:Q", title=y_title), color=alt.Color("series:N", title=None),
         tooltip=["series:N", f"{x_col}:Q", "value:Q"]).properties(height=HEIGHT, usermeta=SVG)

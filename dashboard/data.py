@@ -42,17 +42,35 @@ class RunData:
     config: dict[str, Any] | None = None
     summary: dict[str, Any] | None = None
 
+    _axes: "Axes | None" = dataclasses.field(default=None, repr=False)
+
+    @property
+    def axes(self) -> "Axes":
+        """The run's x-axis mapping, built once (the frames below all need it)."""
+        if self._axes is None:
+            self._axes = Axes(self)
+        return self._axes
+
     @property
     def empty(self) -> bool:
         return not (len(self.trajectories) or len(self.learner) or len(self.metrics) or self.drift)
 
 
-def load_run(run_dir: str | Path, read_part: Callable[[Path], pd.DataFrame] | None = None) -> RunData:
-    """Read a run directory (finished or being written)."""
-    kw = {"read_part": read_part} if read_part else {}
+# trajectory columns the views use (ids and timings of a million trajectories are not read)
+TRAJ_COLUMNS = ("family", "concept", "phase", "reward", "success", "policy_version", "learner_version",
+                "learner_step", "created_at", "finished_at", "n_tokens")
+
+
+def load_run(run_dir: str | Path, read_part: Callable[[Path, Any], pd.DataFrame] = art.read_part) -> RunData:
+    """Read a run directory (finished or being written); `read_part(path, columns)` may cache."""
     d = Path(run_dir)
-    return RunData(name=d.name, trajectories=art.read_table(d, "trajectories", **kw),
-                   learner=art.read_table(d, "learner", **kw), metrics=art.read_table(d, "metrics", **kw),
+    traj = art.read_table(d, "trajectories", lambda p: read_part(p, TRAJ_COLUMNS))
+    for col in ("family", "concept"):  # grouping a million rows by category codes, not strings
+        if col in traj:
+            traj[col] = traj[col].astype("category")
+    return RunData(name=d.name, trajectories=ad.sort_by(traj, "finished_at") if len(traj) else traj,
+                   learner=art.read_table(d, "learner", lambda p: read_part(p, None)),
+                   metrics=art.read_table(d, "metrics", lambda p: read_part(p, None)),
                    drift=[_builtins(e) for e in art.read_drift(d)], config=art.read_config(d),
                    summary=art.read_summary(d))
 
@@ -83,7 +101,7 @@ class Axes:
     def __init__(self, run: RunData):
         self.t0 = start_time(run)
         if len(run.trajectories) and "finished_at" in run.trajectories:
-            self.traj_t = np.sort(run.trajectories["finished_at"].to_numpy(float))
+            self.traj_t = ad.sort_by(run.trajectories, "finished_at")["finished_at"].to_numpy(float)
             self.traj_n = np.arange(1, len(self.traj_t) + 1, dtype=float)
         else:  # live topics carry no trajectories: use the metrics' running count
             m = run.metrics
@@ -109,7 +127,7 @@ class Axes:
 def reward_frame(run: RunData, window: int) -> pd.DataFrame:
     """Online reward per family: windowed over W trajectories of the family (adaptation.online_reward),
     or, without trajectory rows (live topics), the metrics app's `metrics/reward` points."""
-    axes = Axes(run)
+    axes = run.axes
     if len(run.trajectories):
         df = ad.online_reward(run.trajectories, window, by="family")
         df = axes.add(df, "finished_at")
@@ -148,7 +166,7 @@ def drift_marks(run: RunData) -> pd.DataFrame:
     rows = [{"run": run.name, "phase": e["phase"], "time": float(e.get("time", 0.0)),
              "label": e.get("name") or f"phase {e['phase']}"} for e in run.drift]
     df = pd.DataFrame(rows, columns=["run", "phase", "time", "label"])
-    return Axes(run).add(df, "time") if len(df) else df.assign(x_time=[], x_traj=[], x_step=[])
+    return run.axes.add(df, "time") if len(df) else df.assign(x_time=[], x_traj=[], x_step=[])
 
 
 def recovery_spans(run: RunData, recoveries: pd.DataFrame) -> pd.DataFrame:
@@ -160,7 +178,7 @@ def recovery_spans(run: RunData, recoveries: pd.DataFrame) -> pd.DataFrame:
     rec = recoveries.dropna(subset=["until"])
     if not len(rec):
         return pd.DataFrame(columns=cols)
-    axes = Axes(run)
+    axes = run.axes
     start, end = axes.add(rec[["time"]], "time"), axes.add(rec[["until"]], "until")
     df = pd.DataFrame({"run": run.name, "family": rec["family"].to_numpy(), "censored": rec["censored"].to_numpy(),
                        "label": [f"{r.family}: {_rec_text(r)}" for r in rec.itertuples()]})
@@ -183,7 +201,7 @@ def learner_metrics(run: RunData, view: str) -> pd.DataFrame:
     cols = [c for c in run.learner.columns if pat.match(str(c).rsplit("/", 1)[-1])] if len(run.learner) else []
     if not cols:
         return pd.DataFrame(columns=["run", "metric", "value", "x_time", "x_traj", "x_step"])
-    df = Axes(run).add(run.learner.sort_values("time"), "time")
+    df = run.axes.add(run.learner.sort_values("time"), "time")
     long = df.melt(id_vars=["x_time", "x_traj", "x_step"], value_vars=cols, var_name="metric", value_name="value")
     return long.dropna(subset=["value"]).assign(run=run.name)
 
@@ -206,7 +224,7 @@ def staleness_counts(run: RunData) -> pd.DataFrame:
 def throughput(run: RunData, bucket_s: float = 5.0) -> pd.DataFrame:
     """Long frame of trajectories/s (finish times bucketed by `bucket_s`) and learner tokens/s
     (each step's tokens over the time since the previous step)."""
-    axes = Axes(run)
+    axes = run.axes
     frames = []
     if len(run.trajectories):
         t = np.sort(run.trajectories["finished_at"].to_numpy(float))
@@ -230,7 +248,7 @@ def eval_frame(run: RunData) -> pd.DataFrame:
     ev = art.eval_points(run.metrics)
     if not len(ev):
         return pd.DataFrame(columns=["run", "concept", "value", "x_time", "x_traj", "x_step"])
-    df = Axes(run).add(ev.sort_values("time"), "time")
+    df = run.axes.add(ev.sort_values("time"), "time")
     if "family" in df:
         df["concept"] = df["family"].fillna("") + "/" + df["concept"].astype(str)
     return df.assign(run=run.name)
@@ -246,3 +264,42 @@ def forgetting_frame(run: RunData) -> pd.DataFrame:
     df = pd.DataFrame(rows).assign(run=run.name)
     # seconds since the run's start, like the wall-time axis
     return df.assign(left_at_s=df["left_at"] - t0, recurs_at_s=df["recurs_at"] - t0)[cols]
+
+
+def run_signature(run_dir: str | Path) -> tuple:
+    """(name, mtime, size) of every file the dashboard reads: changes whenever the run does."""
+    d = Path(run_dir)
+    files = [f for t in art.TABLES for f in art.table_files(d, t)]
+    files += [d / n for n in ("drift.jsonl", "summary.json", "config.json")]
+    sig = []
+    for f in files:
+        try:
+            st = f.stat()
+        except FileNotFoundError:
+            continue
+        sig.append((f.name, st.st_mtime_ns, st.st_size))
+    return tuple(sig)
+
+
+def header_values(run: RunData, window: int, staleness: pd.DataFrame) -> dict[str, Any]:
+    n_traj = len(run.trajectories)
+    if not n_traj and len(run.metrics) and "trajectories" in run.metrics:  # live topics: the metrics' count
+        n_traj = int(run.metrics["trajectories"].max())
+    auc = ad.auc(run.trajectories["reward"].to_numpy(float), window) if len(run.trajectories) else None
+    mean = float((staleness["staleness"] * staleness["count"]).sum() / staleness["count"].sum()) if len(staleness) else None
+    state = "finished" if run.summary else "live topics" if run.name.startswith("live:") else "being written"
+    return {"name": run.name, "state": state, "trajectories": n_traj, "learner_steps": len(run.learner),
+            "auc": auc, "drift_events": len(run.drift), "mean_staleness": mean}
+
+
+def run_frames(run: RunData, window: int, delta: float) -> dict[str, Any]:
+    """Every view's frame for one run (what the page shows, before downsampling for the charts)."""
+    rec = recovery_frame(run, window, delta)
+    stal = staleness_counts(run)
+    out: dict[str, Any] = {"recovery": rec, "reward": reward_frame(run, window), "marks": drift_marks(run),
+                           "spans": recovery_spans(run, rec), "eval": eval_frame(run),
+                           "forgetting": forgetting_frame(run), "staleness": stal, "throughput": throughput(run)}
+    for view in VIEW_METRICS:
+        out[view] = learner_metrics(run, view)
+    out["header"] = header_values(run, window, stal)
+    return out

@@ -203,6 +203,11 @@ def rate(times, weights=None) -> float:
     return total / float(t.max() - t.min())
 
 
+def sort_by(df: pd.DataFrame, col: str) -> pd.DataFrame:
+    """Stable sort by `col`, skipped when already sorted (the usual case: rows are written in finish order)."""
+    return df if df[col].is_monotonic_increasing else df.sort_values(col, kind="stable")
+
+
 def online_reward(trajectories: pd.DataFrame, window: int = DEFAULT_WINDOW, by: str | None = "family",
                   time_col: str = "finished_at") -> pd.DataFrame:
     """Windowed online reward per group (`by`, or the whole stream when None), in generation order.
@@ -211,7 +216,7 @@ def online_reward(trajectories: pd.DataFrame, window: int = DEFAULT_WINDOW, by: 
     stream, from 1: the "trajectories" x-axis) and `reward_w` (windowed within the group).
     """
     _require(trajectories, ("reward", time_col) + ((by,) if by else ()), "trajectories")
-    df = trajectories.sort_values(time_col, kind="stable").reset_index(drop=True)
+    df = sort_by(trajectories, time_col).reset_index(drop=True)
     df["n"] = np.arange(1, len(df) + 1)
     df["reward_w"] = np.nan
     groups = df.groupby(by, sort=False).indices.values() if by else [np.arange(len(df))]
@@ -233,13 +238,15 @@ def drift_recoveries(trajectories: pd.DataFrame, drift_events: Iterable[Mapping]
     """
     _require(trajectories, ("family", "phase", "reward", "finished_at"), "trajectories")
     steps_t = _as_1d(learner_times, "learner_times")
-    df = trajectories.sort_values("finished_at", kind="stable")
+    df = sort_by(trajectories, "finished_at")
+    # positions of each (family, phase) once: filtering a million rows per event costs seconds
+    groups = df.groupby(["family", "phase"], sort=False).indices
+    empty = np.zeros(0, dtype=int)
     rows = []
     for e in drift_events:
         for fam in e.get("families") or sorted(e.get("concepts", {})):
-            f = df[df["family"] == fam]
-            pre = f[f["phase"] == e["prev_phase"]]
-            post = f[f["phase"] == e["phase"]]
+            pre = df.iloc[groups.get((fam, e["prev_phase"]), empty)]
+            post = df.iloc[groups.get((fam, e["phase"]), empty)]
             rec = recovery(pre["reward"].to_numpy(float), post["reward"].to_numpy(float), window, delta)
             t0 = float(e.get("time") or (post["created_at"].min() if "created_at" in post and len(post) else math.nan))
             end_i = rec.index if rec.index is not None else len(post) - 1

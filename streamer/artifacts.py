@@ -234,8 +234,16 @@ def _finite(obj: Any) -> Any:
 
 # ---------------------------------------------------------------- readers
 
-def _read_part(path: Path) -> pd.DataFrame:
-    return pq.read_table(path).to_pandas()
+def read_part(path: Path, columns: Iterable[str] | None = None) -> pd.DataFrame:
+    """One parquet file; `columns`: only those (the ones this file has), which is much faster on wide
+    tables of a million rows."""
+    if columns is None:
+        return pq.read_table(path).to_pandas()
+    have = set(pq.read_schema(path).names)
+    return pq.read_table(path, columns=[c for c in columns if c in have]).to_pandas()
+
+
+_read_part = read_part
 
 
 def table_files(run_dir: str | Path, table: str) -> list[Path]:
@@ -346,7 +354,7 @@ def summarize(run_dir: str | Path, window: int = ad.DEFAULT_WINDOW, delta: float
                            "n_trajectories": int(len(traj)), "n_learner_steps": int(len(learner)),
                            "n_drift_events": len(drift)}
     if len(traj):
-        traj = traj.sort_values("finished_at", kind="stable")
+        traj = ad.sort_by(traj, "finished_at")
         out["auc"] = ad.auc(traj["reward"].to_numpy(float), window)
         out["auc_per_family"] = {f: ad.auc(g["reward"].to_numpy(float), window) for f, g in traj.groupby("family")}
         out["final_reward_per_concept"] = {
