@@ -44,6 +44,9 @@ class UpConfig:
     drain_seconds: float = 5.0  # after the last trajectory, let the learner finish its batch
     pretrain: list[str] = field(default_factory=list)  # PretrainConfig overrides
     learner: list[str] = field(default_factory=list)  # LearnerConfig overrides
+    ray: bool = False  # agents and learner as Ray actors (streamer.ray_launch)
+    ray_address: str = ""  # join this Ray cluster ("auto", "ray://head:10001"); implies --ray
+    ray_set: list[str] = field(default_factory=list)  # RayConfig overrides, e.g. agent.num_cpus=2
 
 
 def parse_args(argv: list[str]) -> UpConfig:
@@ -66,10 +69,23 @@ def parse_args(argv: list[str]) -> UpConfig:
     p.add_argument("--pretrain", action="append", default=[], metavar="KEY=VALUE", help="warm-start override")
     p.add_argument("--set", dest="learner", action="append", default=[], metavar="KEY=VALUE",
                    help="learner override, e.g. batch.tokens=2048")
+    p.add_argument("--ray", action="store_true", help="run agents and learner as Ray actors (local Ray if no address)")
+    p.add_argument("--ray-address", default=d.ray_address, help="join this Ray cluster: auto, ray://head:10001")
+    p.add_argument("--ray-set", dest="ray_set", action="append", default=[], metavar="KEY=VALUE",
+                   help="Ray resources/restarts, e.g. agent.num_cpus=2 learner.num_gpus=1 max_restarts=5")
     cfg = UpConfig(**vars(p.parse_args(argv)))
     if cfg.agents < 1:
         p.error(f"--agents {cfg.agents}: need at least one agent")
     cfg.run = cfg.run or time.strftime("up-%Y%m%d-%H%M%S")
+    cfg.ray = cfg.ray or bool(cfg.ray_address)
+    if cfg.ray:
+        from streamer.config import ConfigError
+        from streamer.ray_launch import ray_config
+
+        try:
+            ray_config(cfg.ray_address, cfg.ray_set)
+        except ConfigError as e:
+            p.error(f"--ray-set: {e}")
     return cfg
 
 
@@ -145,7 +161,13 @@ def run(cfg: UpConfig) -> int:
         broker = EmbeddedBroker(BrokerSettings(port=0, log_path=str(run_dir / "logs" / "broker.log"))).start()
         print(f"broker: embedded Tansu at {broker.bootstrap}", flush=True)
     bootstrap = cfg.bootstrap or broker.bootstrap
-    sup = Supervisor(run_dir / "logs", env={"SAO_BOOTSTRAP": bootstrap, "SAO_RUN": cfg.run})
+    env = {"SAO_BOOTSTRAP": bootstrap, "SAO_RUN": cfg.run}
+    if cfg.ray:  # agents and learner as Ray actors; broker, simulator, metrics, dashboard stay local
+        from streamer.ray_launch import RaySupervisor, ray_config
+
+        sup = RaySupervisor(run_dir / "logs", env, ray_config(cfg.ray_address, cfg.ray_set))
+    else:
+        sup = Supervisor(run_dir / "logs", env=env)
     tap, tap_thread = None, None
     reason = "interrupted (Ctrl-C)"
     try:
