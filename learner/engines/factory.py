@@ -25,10 +25,9 @@ def _hf(model, tokenizer):
 
 
 def _vllm(model, tokenizer):
-    raise NotImplementedError(
-        "engine 'vllm' is not implemented yet: it will live in learner/engines/vllm_engine.py and needs the optional "
-        "extra `pip install 'sao-lab[vllm]'` in a separate GPU environment (vLLM pins its own torch/transformers)"
-    )
+    from learner.engines.vllm import VLLMEngine  # from_policy raises VLLMUnavailable (names the extra) without vllm
+
+    return VLLMEngine.from_policy(model, tokenizer)
 
 
 ENGINES: dict[str, Callable[[Qwen3MoeForCausalLM, CharTokenizer | None], Engine]] = {
