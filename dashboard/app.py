@@ -31,14 +31,15 @@ def cli_options(argv: list[str]) -> argparse.Namespace:
 
 
 @st.cache_resource(max_entries=20000, show_spinner=False)
-def _part(path: str, mtime_ns: int, size: int, columns: tuple[str, ...] | None) -> pd.DataFrame:
+def _part(path: str, mtime_ns: int, size: int, columns: tuple[str, ...] | None,
+          categorical: tuple[str, ...]) -> pd.DataFrame:
     # parts never change once renamed into place: cache each by (path, mtime, size), shared, not copied
-    return art.read_part(Path(path), columns)
+    return art.read_part(Path(path), columns, categorical)
 
 
-def _cached_part(path: Path, columns) -> pd.DataFrame:
+def _cached_part(path: Path, columns, categorical) -> pd.DataFrame:
     s = path.stat()
-    return _part(str(path), s.st_mtime_ns, s.st_size, tuple(columns) if columns else None)
+    return _part(str(path), s.st_mtime_ns, s.st_size, tuple(columns) if columns else None, tuple(categorical))
 
 
 @st.cache_resource(show_spinner=False)

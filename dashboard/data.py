@@ -17,6 +17,7 @@ from typing import Any, Callable
 import numpy as np
 import pandas as pd
 
+from dashboard.downsample import downsample
 from streamer import adaptation as ad
 from streamer import artifacts as art
 
@@ -57,20 +58,21 @@ class RunData:
 
 
 # trajectory columns the views use (ids and timings of a million trajectories are not read)
-TRAJ_COLUMNS = ("family", "concept", "phase", "reward", "success", "policy_version", "learner_version",
-                "learner_step", "created_at", "finished_at", "n_tokens")
+TRAJ_COLUMNS = ("family", "concept", "phase", "reward", "policy_version", "learner_version", "created_at",
+                "finished_at")
+CATEGORICAL = ("family", "concept")
 
 
-def load_run(run_dir: str | Path, read_part: Callable[[Path, Any], pd.DataFrame] = art.read_part) -> RunData:
-    """Read a run directory (finished or being written); `read_part(path, columns)` may cache."""
+def load_run(run_dir: str | Path, read_part: Callable[..., pd.DataFrame] = art.read_part) -> RunData:
+    """Read a run directory (finished or being written); `read_part(path, columns, categorical)` may cache."""
     d = Path(run_dir)
-    traj = art.read_table(d, "trajectories", lambda p: read_part(p, TRAJ_COLUMNS))
-    for col in ("family", "concept"):  # grouping a million rows by category codes, not strings
-        if col in traj:
-            traj[col] = traj[col].astype("category")
+    traj = art.read_table(d, "trajectories", lambda p: read_part(p, TRAJ_COLUMNS, CATEGORICAL))
+    for col in CATEGORICAL:  # grouping a million rows by category codes, not strings
+        if col in traj and not isinstance(traj[col].dtype, pd.CategoricalDtype):
+            traj[col] = traj[col].astype("category")  # parts with different categories concatenate to str
     return RunData(name=d.name, trajectories=ad.sort_by(traj, "finished_at") if len(traj) else traj,
-                   learner=art.read_table(d, "learner", lambda p: read_part(p, None)),
-                   metrics=art.read_table(d, "metrics", lambda p: read_part(p, None)),
+                   learner=art.read_table(d, "learner", lambda p: read_part(p, None, ())),
+                   metrics=art.read_table(d, "metrics", lambda p: read_part(p, None, ())),
                    drift=[_builtins(e) for e in art.read_drift(d)], config=art.read_config(d),
                    summary=art.read_summary(d))
 
@@ -124,12 +126,15 @@ class Axes:
         return out
 
 
-def reward_frame(run: RunData, window: int) -> pd.DataFrame:
+def reward_frame(run: RunData, window: int, max_points: int = 4000) -> pd.DataFrame:
     """Online reward per family: windowed over W trajectories of the family (adaptation.online_reward),
-    or, without trajectory rows (live topics), the metrics app's `metrics/reward` points."""
+    or, without trajectory rows (live topics), the metrics app's `metrics/reward` points.
+    Long series are min/max-downsampled to about `max_points` (dashboard.downsample)."""
     axes = run.axes
     if len(run.trajectories):
-        df = ad.online_reward(run.trajectories, window, by="family")
+        df = ad.online_reward(run.trajectories[["family", "reward", "finished_at"]], window, by="family")
+        # thin to what a chart can show before mapping x: a million rows stay cheap
+        df = downsample(df, "reward_w", by="family", max_points=max_points)
         df = axes.add(df, "finished_at")
         df["x_traj"] = df["n"].astype(float)
         return df.assign(run=run.name)[["run", "family", "reward_w", "x_time", "x_traj", "x_step"]]
@@ -227,11 +232,13 @@ def throughput(run: RunData, bucket_s: float = 5.0) -> pd.DataFrame:
     axes = run.axes
     frames = []
     if len(run.trajectories):
-        t = np.sort(run.trajectories["finished_at"].to_numpy(float))
-        b = np.floor((t - t[0]) / bucket_s)
-        edges, counts = np.unique(b, return_counts=True)
-        tt = t[0] + (edges + 1) * bucket_s  # bucket end
-        frames.append(axes.add(pd.DataFrame({"time": tt, "metric": "trajectories/s", "value": counts / bucket_s}), "time"))
+        t = run.trajectories["finished_at"].to_numpy(float)
+        t_min = float(np.nanmin(t))
+        counts = np.bincount(((t[~np.isnan(t)] - t_min) // bucket_s).astype(np.int64))
+        edges = np.flatnonzero(counts)
+        tt = t_min + (edges + 1) * bucket_s  # bucket end
+        frames.append(axes.add(pd.DataFrame({"time": tt, "metric": "trajectories/s",
+                                             "value": counts[edges] / bucket_s}), "time"))
     if len(run.learner) >= 2:
         lr = run.learner.sort_values("time")
         dt = lr["time"].diff().to_numpy(float)

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 from pathlib import Path
 
@@ -29,9 +28,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return a
 
 
-def command(a: argparse.Namespace) -> list[str]:
-    """The `streamlit run` command line (a launcher may spawn it itself)."""
-    cmd = [sys.executable, "-m", "streamlit", "run", str(APP),
+def streamlit_args(a: argparse.Namespace) -> list[str]:
+    """Arguments of `streamlit run` for these options."""
+    cmd = ["run", str(APP),
            "--server.address", a.address, "--server.port", str(a.port), "--server.headless", "true",
            "--server.fileWatcherType", "none", "--browser.gatherUsageStats", "false", "--",
            "--runs", a.runs, "--refresh", str(a.refresh)]
@@ -42,10 +41,29 @@ def command(a: argparse.Namespace) -> list[str]:
     return cmd
 
 
+def command(a: argparse.Namespace) -> list[str]:
+    """The dashboard as a separate process (for a launcher that spawns it)."""
+    return [sys.executable, "-m", "streamlit", *streamlit_args(a)]
+
+
+def preload() -> None:
+    """Import what the page needs before the server starts: the first visitor would otherwise wait
+    for pandas, pyarrow and Altair to import inside the first script run (seconds on a busy CPU)."""
+    import pyarrow.parquet  # noqa: F401
+
+    import dashboard.charts  # noqa: F401
+    import dashboard.data  # noqa: F401
+    import dashboard.live  # noqa: F401
+
+
 def main(argv: list[str]) -> int:
     a = parse(argv)
     print(f"dashboard: http://{a.address}:{a.port}  (runs: {a.runs})", flush=True)
+    preload()
+    from streamlit.web import cli as stcli
+
     try:
-        return subprocess.call(command(a))
+        stcli.main(args=streamlit_args(a), prog_name="streamlit", standalone_mode=False)
     except KeyboardInterrupt:
         return 130
+    return 0

@@ -218,10 +218,11 @@ def online_reward(trajectories: pd.DataFrame, window: int = DEFAULT_WINDOW, by: 
     _require(trajectories, ("reward", time_col) + ((by,) if by else ()), "trajectories")
     df = sort_by(trajectories, time_col).reset_index(drop=True)
     df["n"] = np.arange(1, len(df) + 1)
-    df["reward_w"] = np.nan
-    groups = df.groupby(by, sort=False).indices.values() if by else [np.arange(len(df))]
+    rewards, out = df["reward"].to_numpy(float), np.full(len(df), np.nan)
+    groups = df.groupby(by, sort=False, observed=True).indices.values() if by else [np.arange(len(df))]
     for idx in groups:
-        df.loc[idx, "reward_w"] = windowed_reward(df["reward"].to_numpy(float)[idx], window)
+        out[idx] = windowed_reward(rewards[idx], window)
+    df["reward_w"] = out
     return df
 
 
@@ -240,7 +241,7 @@ def drift_recoveries(trajectories: pd.DataFrame, drift_events: Iterable[Mapping]
     steps_t = _as_1d(learner_times, "learner_times")
     df = sort_by(trajectories, "finished_at")
     # positions of each (family, phase) once: filtering a million rows per event costs seconds
-    groups = df.groupby(["family", "phase"], sort=False).indices
+    groups = df.groupby(["family", "phase"], sort=False, observed=True).indices
     empty = np.zeros(0, dtype=int)
     rows = []
     for e in drift_events:

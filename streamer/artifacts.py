@@ -234,13 +234,13 @@ def _finite(obj: Any) -> Any:
 
 # ---------------------------------------------------------------- readers
 
-def read_part(path: Path, columns: Iterable[str] | None = None) -> pd.DataFrame:
-    """One parquet file; `columns`: only those (the ones this file has), which is much faster on wide
-    tables of a million rows."""
-    if columns is None:
-        return pq.read_table(path).to_pandas()
+def read_part(path: Path, columns: Iterable[str] | None = None, categorical: Iterable[str] = ()) -> pd.DataFrame:
+    """One parquet file; `columns`: only those (the ones this file has), `categorical`: string columns
+    to read as pandas categoricals. Both much faster on a million rows."""
     have = set(pq.read_schema(path).names)
-    return pq.read_table(path, columns=[c for c in columns if c in have]).to_pandas()
+    cols = None if columns is None else [c for c in columns if c in have]
+    cats = [c for c in categorical if c in have and (cols is None or c in cols)]
+    return pq.read_table(path, columns=cols, read_dictionary=cats or None).to_pandas()
 
 
 _read_part = read_part
