@@ -32,6 +32,7 @@ from streamer.config import ConfigError, load_config
 from streamer.processes import Role, Supervisor
 
 RAY_ROLES = ("agent", "learn")  # `sao <cmd>` roles that run as actors; the rest stay local
+SAO = ["-m", "streamer.cli"]  # python arguments that run `sao <argv>`
 
 
 @dataclass
@@ -106,8 +107,9 @@ class RoleActor:
     """
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: str, cwd: str,
-                 min_uptime_s: float = 10.0, autostart: bool = True) -> None:
+                 min_uptime_s: float = 10.0, autostart: bool = True, entry: list[str] | None = None) -> None:
         self.name, self.argv, self.env = name, list(argv), dict(env)
+        self.entry = list(SAO if entry is None else entry)
         self.log_path = Path(log_dir) / f"{name}.log"
         self.cwd = cwd if Path(cwd).is_dir() else None
         self.min_uptime_s, self.autostart = min_uptime_s, autostart
@@ -128,7 +130,7 @@ class RoleActor:
             log.write(f"--- {time.strftime('%H:%M:%S')} {self.name} on {socket.gethostname()} "
                       f"(actor pid {os.getpid()}): sao {' '.join(self.argv)}\n".encode())
             log.flush()
-            self.proc = subprocess.Popen([sys.executable, "-m", "streamer.cli", *self.argv], stdout=log,
+            self.proc = subprocess.Popen([sys.executable, *self.entry, *self.argv], stdout=log,
                                          stderr=subprocess.STDOUT, cwd=self.cwd, preexec_fn=_child_setup,
                                          env={**os.environ, **self.env, "PYTHONUNBUFFERED": "1"})
         self.stopping, self.failed_fast, self.started = False, False, time.time()
@@ -250,7 +252,8 @@ class ActorRole:
         except unavailable:
             return None
         for rank, st in enumerate(statuses):
-            if self._incarnation.setdefault(rank, st["actor_pid"]) != st["actor_pid"]:
+            seen = self._incarnation.setdefault(rank, -1 if st["reconstructed"] else st["actor_pid"])
+            if seen != st["actor_pid"]:  # (restarts before the first look count as one)
                 self._incarnation[rank] = st["actor_pid"]
                 self.restarts += 1
                 print(f"{self.name}: rank {rank} restarted by Ray on {st['node']} "
@@ -344,6 +347,7 @@ class RaySupervisor:
         self.local = Supervisor(log_dir, env)
         self.roles: list[Role] = []
         self.placement_groups: list = []
+        self.entry = list(SAO)  # how an actor runs a role: python <entry> <argv>
         self.owns_ray = init_ray(cfg)
         bootstrap = self.env.get("SAO_BOOTSTRAP", "")
         if cfg.address and _loopback(bootstrap):
@@ -364,7 +368,7 @@ class RaySupervisor:
         n = self.cfg.learner_workers if learner else 1
         run = self.env.get("SAO_RUN", "sao")
         common = dict(argv=role.argv, env=self.env, log_dir=str(self.log_dir), cwd=os.getcwd(),
-                      min_uptime_s=self.cfg.min_uptime_s)
+                      min_uptime_s=self.cfg.min_uptime_s, entry=self.entry)
         actors, pg = [], self._placement_group(res, n) if n > 1 else None
         for rank in range(n):
             opts = actor_options(res, f"{run}/{role.name}" + (f"-{rank}" if n > 1 else ""), self.cfg.max_restarts)

@@ -23,6 +23,16 @@ LEARNER = ["batch.max_trajectories=6", "batch.tokens=100000", "checkpoint.every=
            "threads=1"]
 
 
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray cluster of 2 CPUs, shared by this module's tests."""
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
 def effective_events(path: Path) -> tuple[list[LearnerEvent], int]:
     """(the surviving step events in step order, emitted steps that a restart redid): a restart from the
     checkpoint at step s emits s+1, s+2, ... again, replacing what the killed learner had emitted after s."""
@@ -79,7 +89,8 @@ def test_ray_config_validates_and_maps_resources():
 
 
 @pytest.mark.kafka
-def test_actors_train_and_a_killed_actor_resumes_with_no_trajectory_lost(tmp_path, kafka_bus, bootstrap,
+@pytest.mark.slow  # ~50 s on 2 busy cores: Ray, 3 actors, a restart of two of them
+def test_actors_train_and_a_killed_actor_resumes_with_no_trajectory_lost(local_ray, tmp_path, kafka_bus, bootstrap,
                                                                           kafka_run, tiny_policy_dir):
     from simulator.run import main as simulate
     from streamer.launcher import UpConfig, roles
@@ -95,7 +106,6 @@ def test_actors_train_and_a_killed_actor_resumes_with_no_trajectory_lost(tmp_pat
     learner, agent0 = actors[0], actors[1]
     assert learner.argv[0] == "learn" and agent0.argv[0] == "agent"
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     cfg = ray_config("", ["agent.num_cpus=0.5", "learner.num_cpus=1", "min_uptime_s=2", "stop_timeout_s=15"])
     sup = RaySupervisor(run_dir / "logs", {"SAO_BOOTSTRAP": bootstrap, "SAO_RUN": run}, cfg)
     events = run_dir / "checkpoints" / "events.jsonl"
@@ -135,7 +145,6 @@ def test_actors_train_and_a_killed_actor_resumes_with_no_trajectory_lost(tmp_pat
     finally:
         sup.stop_all()
         print(f"{time.monotonic() - t0:.1f}s: stopped")
-        ray.shutdown()
 
     history, redone = effective_events(events)
     trained = Counter(t for e in history for t in e.task_ids)
@@ -153,3 +162,53 @@ def test_actors_train_and_a_killed_actor_resumes_with_no_trajectory_lost(tmp_pat
         seen |= {p.msg.task_id for p in reader.poll(500, 0.5)}
     assert seen == want  # every produced task has its trajectory on the bus (duplicates de-duplicated)
     print(f"learner steps {len(history)}, killed after step {killed_at}, {redone} steps redone after restart")
+
+
+# A stand-in for a torchrun-style learner rank: join the gloo group from the env the gang sets, all-reduce
+# (rank + 1), record what it saw, then idle until SIGINT.
+GANG_RANK = r"""
+import json, os, signal, sys, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+x = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(x)
+keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+rec = {"sum": x.item(), "pid": os.getpid(), **{k: os.environ[k] for k in keys}}
+with open(os.path.join(os.environ["GANG_OUT"], f"{os.getpid()}.json"), "w") as f:
+    json.dump(rec, f)
+signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_learner_gang_gets_torchrun_env_and_restarts_whole_when_a_rank_dies(local_ray, tmp_path):
+    import json
+
+    from streamer.processes import Role
+    from streamer.ray_launch import RaySupervisor, ray_config
+
+    out = tmp_path / "gang"
+    out.mkdir()
+    cfg = ray_config("", ["learner_workers=2", "learner.num_cpus=0.5", "stop_timeout_s=10"])
+    sup = RaySupervisor(tmp_path / "logs", {"GANG_OUT": str(out), "SAO_RUN": "gang"}, cfg)
+    sup.entry = ["-c", GANG_RANK]
+    records = lambda: [json.loads(f.read_text()) for f in out.glob("*.json")]  # noqa: E731
+    try:
+        learner = sup.start(Role("learner", ["learn"]))
+        wait_for(lambda: len(records()) == 2, 60, "both ranks to all-reduce", sup)
+        first = records()
+        ray.kill(learner.proc.actors[1], no_restart=False)
+        wait_for(lambda: learner.proc.poll() is None and len(records()) == 4, 60, "the gang to restart", sup)
+        assert learner.proc.restarts == 1 and not sup.failed()
+    finally:
+        sup.stop_all()
+    second = [r for r in records() if r["pid"] not in {f["pid"] for f in first}]
+    for lot in (first, second):
+        # world of 2: each rank adds rank + 1, so every rank sees 1 + 2 = 3
+        assert sorted(r["RANK"] for r in lot) == ["0", "1"] and all(r["WORLD_SIZE"] == "2" for r in lot)
+        assert all(r["sum"] == 3.0 and r["LOCAL_RANK"] == "0" for r in lot)
+        assert len({(r["MASTER_ADDR"], r["MASTER_PORT"]) for r in lot}) == 1
+    assert first[0]["MASTER_PORT"] != second[0]["MASTER_PORT"]  # a fresh rendezvous for the new gang
+    assert not any(alive(r["pid"]) for r in first + second)  # the old rank 0 was stopped, not left behind
+    assert learner.proc.returncode == 0  # SIGINT: both ranks exited cleanly
