@@ -3,6 +3,7 @@
 # Prints step time, tokens/s and model FLOP utilisation; saves runs/bench/gpu_check.json.
 #   bash bench/gpu_check.sh                  # all GPUs, EP = number of GPUs (must divide 16 experts)
 #   EP=2 SEQ=2048 bash bench/gpu_check.sh    # overrides; PEAK_TFLOPS=... for GPUs not in the table
+#   VLLM_PY=~/vllm-env/bin/python bash bench/gpu_check.sh   # also the vLLM engine (SKIP_MEGATRON=1: only it)
 # Model: bench/megatron_step.py --size gpu (8 layers, hidden 1024, 16 experts top-2, width 1024).
 # On CPU-only machines it stops: the CPU path is tested by tests/test_megatron_backend.py.
 set -euo pipefail
@@ -18,7 +19,24 @@ BATCH=${BATCH:-$((8 * NGPU))}
 SEQ=${SEQ:-1024}
 PEAK=${PEAK_TFLOPS:+--peak-tflops $PEAK_TFLOPS}
 "$PY" -c "import torch; print('gpus:', [torch.cuda.get_device_name(i) for i in range($NGPU)], 'torch', torch.__version__)"
+if [ "${SKIP_MEGATRON:-0}" != 1 ]; then
 "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NGPU" bench/megatron_step.py --worker \
   --ep "$EP" --size gpu --dtype bfloat16 --batch "$BATCH" --seq "$SEQ" --steps 10 --warmup 3 \
   $PEAK --out runs/bench/gpu_check.json
 echo "saved runs/bench/gpu_check.json"
+fi
+
+# vLLM engine (learner/engines/vllm.py). vLLM pins its own torch/transformers, so it usually lives in its own
+# environment: VLLM_PY=/path/to/vllm-env/bin/python (that env: pip install -e '.[vllm,dev]'). Runs the GPU tests
+# of the engine (generation, log-probs vs the learner at fp32, in-place reload) and the log-prob mismatch bench
+# at bfloat16 (what rollouts use) and float32. SKIP_MEGATRON=1 runs only this part.
+VLLM_PY=${VLLM_PY:-$PY}
+if "$VLLM_PY" -c "import vllm" 2>/dev/null; then
+  "$VLLM_PY" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+  "$VLLM_PY" -m pytest tests/test_vllm_engine.py -q -rs
+  "$VLLM_PY" bench/logprob_mismatch.py --engine vllm --vllm "dtype=bfloat16" --out runs/bench/logprob_mismatch_vllm_bf16.json
+  "$VLLM_PY" bench/logprob_mismatch.py --engine vllm --vllm "dtype=float32 enforce_eager=true" \
+    --out runs/bench/logprob_mismatch_vllm_fp32.json
+else
+  echo "gpu_check: vllm not importable by $VLLM_PY; vLLM checks skipped (set VLLM_PY to the python of a vllm env)" >&2
+fi
