@@ -166,3 +166,19 @@ def test_top_p_filter_by_hand():
     # top_p small: only the argmax survives.
     assert top_p_filter(logits, 0.1).softmax(-1)[0].tolist() == [1.0, 0.0, 0.0]
     assert math.isclose(float(top_p_filter(logits, 1.0).logsumexp(-1)), 0.0, abs_tol=1e-6)
+
+
+def test_rows_leaving_the_batch_do_not_disturb_the_others(policy):
+    # Stopping on a quarter of the vocabulary ends most of 16 rows within a few steps, so the sampler drops
+    # finished rows from its cache (once they are half the batch); survivors must still match a fresh forward.
+    engine = TorchSampler(policy, TOK)
+    stop_ids = list(range(8, 8 + (V - 8) // 4))
+    prompts = _prompts([5, 12, 3, 8] * 4, seed=11)
+    gens = engine.generate(prompts, 20, seed=2, stop=stop_ids)
+    lengths = sorted(len(g.token_ids) for g in gens)
+    assert lengths[-1] >= lengths[len(lengths) // 2] + 2  # half had ended (compaction) while someone kept going
+    for p, g in zip(prompts, gens):
+        torch.testing.assert_close(torch.tensor(g.logprobs), _reference_logprobs(policy, p, g), atol=1e-5, rtol=0)
+        stopped = g.token_ids[-1] in stop_ids
+        assert g.finish_reason == ("stop" if stopped else "length")
+        assert not set(g.token_ids[:-1]) & set(stop_ids)

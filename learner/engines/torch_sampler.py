@@ -39,6 +39,43 @@ class TorchSampler(Engine):
         check_sampling(max_new_tokens, temperature, top_p)
         spec = resolve_stop(stop, self.tokenizer, self.eos_id)
         pw = self._packed
+        B = len(prompts)
+        cache, rope, logits, next_pos = self._prefill(prompts, max_new_tokens)
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        stop_ids = torch.tensor(sorted(spec.token_ids | ({spec.eos_id} - {None})), dtype=torch.long)
+        toks: list[list[int]] = [[] for _ in range(B)]
+        lps: list[list[float]] = [[] for _ in range(B)]
+        slps: list[list[float]] = [[] for _ in range(B)]
+        reasons: list[str | None] = [None] * B
+        alive = list(range(B))  # cache row j holds prompt alive[j]
+        for step in range(max_new_tokens):
+            token, lp, slp = sample_next(logits, temperature, top_p, gen)
+            for i, t, a, b in zip(alive, token.tolist(), lp.tolist(), slp.tolist()):
+                if reasons[i] is None:  # finished rows ride along until the next compaction; ignore them
+                    toks[i].append(t), lps[i].append(a), slps[i].append(b)
+            candidates = alive if spec.strings else [alive[j] for j in torch.isin(token, stop_ids).nonzero().flatten().tolist()]
+            for i in candidates:
+                if reasons[i] is None:
+                    reasons[i] = spec.reason_at(toks[i], self.tokenizer)
+            keep = [j for j, i in enumerate(alive) if reasons[i] is None]
+            if not keep or step == max_new_tokens - 1:
+                break
+            if len(keep) <= len(alive) // 2:  # drop finished rows once they are half the batch
+                idx = torch.tensor(keep)
+                cache.select_rows(idx)
+                token, next_pos, alive = token[idx], next_pos[idx], [alive[j] for j in keep]
+            logits = forward_step(pw, cache, token[:, None], next_pos, torch.ones(len(alive), 1, dtype=torch.bool), rope)
+            next_pos = next_pos + 1
+        out = []
+        for i in range(B):
+            text = self.tokenizer.decode(toks[i]) if self.tokenizer is not None else ""
+            out.append(Generation(toks[i], lps[i], slps[i], reasons[i] or "length", self.version, text))
+        return out
+
+    def _prefill(self, prompts: list[list[int]], max_new_tokens: int):
+        """Left-pad the prompts, fill a fresh cache with them; returns the cache, rope table, [B, V] logits
+        of the last prompt token and the [B, 1] position of the first generated token."""
+        pw = self._packed
         B, P = len(prompts), max(len(p) for p in prompts)
         pad = self.model.config.pad_token_id or 0
         ids = torch.full((B, P), pad, dtype=torch.long)
@@ -49,31 +86,4 @@ class TorchSampler(Engine):
         cache = KVCache(pw, B, P + max_new_tokens)
         rope = rope_table(pw, P + max_new_tokens)
         logits = forward_step(pw, cache, ids, (valid.long().cumsum(-1) - 1).clamp(min=0), valid, rope)
-        next_pos = valid.sum(-1, keepdim=True)  # [B, 1]: position of the first generated token
-        gen = torch.Generator().manual_seed(seed) if seed is not None else None
-        stop_ids = torch.tensor(sorted(spec.token_ids | ({spec.eos_id} - {None})), dtype=torch.long)
-        toks, lps, slps = [], [], []
-        ends: list[int | None] = [None] * B
-        reasons = ["length"] * B
-        all_valid = torch.ones(B, 1, dtype=torch.bool)
-        for step in range(max_new_tokens):
-            token, lp, slp = sample_next(logits, temperature, top_p, gen)
-            toks.append(token), lps.append(lp), slps.append(slp)
-            hits = torch.isin(token, stop_ids).nonzero().flatten().tolist() if not spec.strings else range(B)
-            for i in hits:
-                if ends[i] is None:
-                    generated = torch.stack(toks, 1)[i].tolist() if spec.strings else [int(token[i])]
-                    reason = spec.reason_at(generated, self.tokenizer)
-                    if reason is not None:
-                        ends[i], reasons[i] = step + 1, reason
-            if all(e is not None for e in ends) or step == max_new_tokens - 1:
-                break
-            logits = forward_step(pw, cache, token[:, None], next_pos, all_valid, rope)
-            next_pos = next_pos + 1
-        tok_t, lp_t, slp_t = torch.stack(toks, 1).tolist(), torch.stack(lps, 1).tolist(), torch.stack(slps, 1).tolist()
-        out = []
-        for i in range(B):
-            n = ends[i] if ends[i] is not None else len(tok_t[i])
-            text = self.tokenizer.decode(tok_t[i][:n]) if self.tokenizer is not None else ""
-            out.append(Generation(tok_t[i][:n], lp_t[i][:n], slp_t[i][:n], reasons[i], self.version, text))
-        return out
+        return cache, rope, logits, valid.sum(-1, keepdim=True)

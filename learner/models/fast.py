@@ -91,6 +91,10 @@ class KVCache:
         self.valid = torch.zeros(batch, slots, dtype=torch.bool)
         self.length = 0  # slots filled so far (the same for every row: padding fills the gaps)
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows `rows` (finished sequences leave the batch)."""
+        self.k, self.v, self.valid = self.k[:, rows], self.v[:, rows], self.valid[rows]
+
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), w, eps)  # one fused op; same fp32 values as HF Qwen3MoeRMSNorm
