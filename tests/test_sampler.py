@@ -179,6 +179,6 @@ def test_rows_leaving_the_batch_do_not_disturb_the_others(policy):
     assert lengths[-1] >= lengths[len(lengths) // 2] + 2  # half had ended (compaction) while someone kept going
     for p, g in zip(prompts, gens):
         torch.testing.assert_close(torch.tensor(g.logprobs), _reference_logprobs(policy, p, g), atol=1e-5, rtol=0)
-        stopped = g.token_ids[-1] in stop_ids
-        assert g.finish_reason == ("stop" if stopped else "length")
-        assert not set(g.token_ids[:-1]) & set(stop_ids)
+        last = g.token_ids[-1]
+        assert g.finish_reason == ("eos" if last == EOS_ID else "stop" if last in stop_ids else "length")
+        assert not set(g.token_ids[:-1]) & set(stop_ids + [EOS_ID])
