@@ -4,7 +4,7 @@
     sao up --ray-address auto --bootstrap kafka:9092    # join the cluster this node belongs to
     sao up --ray-address ray://head:10001 --bootstrap kafka:9092 --ray-set agent.num_cpus=2
 
-Each agent, and each learner rank, is one `RoleActor`: it runs the very `sao <argv>` the local
+Each agent, and each learner rank, is one `streamer.ray.actor.RoleActor`: it runs the very `sao <argv>` the local
 launcher would run, as a child process of the actor (its log in `<run>/logs/<role>.log` on the
 actor's node), and dies with it. Actors are created with `max_restarts`, so when one dies (its
 process or node is lost, or its role is killed) Ray starts it again and the role's main runs again:
@@ -19,20 +19,17 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
 import sys
-import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from streamer.config import ConfigError, load_config
 from streamer.processes import Role, Supervisor
+from streamer.ray.actor import SAO, RoleActor
 
 RAY_ROLES = ("agent", "learn")  # `sao <cmd>` roles that run as actors; the rest stay local
-SAO = ["-m", "streamer.cli"]  # python arguments that run `sao <argv>`
 
 
 @dataclass
@@ -56,7 +53,7 @@ class LearnerResources(RoleResources):
 class RayConfig:
     address: str = ""  # "" -> start a local Ray instance; "auto" or "ray://head:10001" -> join that cluster
     namespace: str = "sao"
-    local_num_cpus: int = 0  # CPUs of a local instance (0: Ray counts them)
+    local_num_cpus: int = 0  # logical CPUs of a local instance (0: at least 8; Ray's CPUs schedule, never pin)
     agent: RoleResources = field(default_factory=RoleResources)
     learner: LearnerResources = field(default_factory=LearnerResources)
     learner_workers: int = 1  # learner ranks (torchrun-style, for the megatron backend); 1: one actor
@@ -81,109 +78,6 @@ def ray_config(address: str = "", overrides: list[str] = ()) -> RayConfig:
     cfg = load_config(RayConfig, None, [f"address={address}", *overrides] if address else list(overrides))
     cfg.validate()
     return cfg
-
-
-# ----------------------------------------------------------------------------------------- the actor
-
-def _child_setup() -> None:
-    """In the role's process: signals as in a shell (a Ray worker blocks/ignores some, and a child inherits
-    that), and SIGKILL when the actor dies, so no orphaned learner trains next to its restarted self."""
-    signal.pthread_sigmask(signal.SIG_SETMASK, set())
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_DFL)
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: an orphaned role lives on until stopped by hand
-
-
-class RoleActor:
-    """One role (`sao <argv>`) as a child of this actor. Wrapped by `ray.remote` in `_actor_class`.
-
-    When the child dies by a signal, or fails after running `min_uptime_s`, the actor exits so that
-    Ray restarts it (and the role). A gang rank (autostart=False) waits for `start(env)` instead.
-    """
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: str, cwd: str,
-                 min_uptime_s: float = 10.0, autostart: bool = True, entry: list[str] | None = None) -> None:
-        self.name, self.argv, self.env = name, list(argv), dict(env)
-        self.entry = list(SAO if entry is None else entry)
-        self.log_path = Path(log_dir) / f"{name}.log"
-        self.cwd = cwd if Path(cwd).is_dir() else None
-        self.min_uptime_s, self.autostart = min_uptime_s, autostart
-        self.proc: subprocess.Popen | None = None
-        self.stopping = False
-        self.started = 0.0
-        self.failed_fast = False
-        if autostart:
-            self.start()
-
-    def start(self, env: dict[str, str] | None = None) -> int:
-        """Start (or, stopped, start again) the role; returns its pid."""
-        if self.proc is not None and self.proc.poll() is None:
-            return self.proc.pid
-        self.env.update(env or {})
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            log.write(f"--- {time.strftime('%H:%M:%S')} {self.name} on {socket.gethostname()} "
-                      f"(actor pid {os.getpid()}): sao {' '.join(self.argv)}\n".encode())
-            log.flush()
-            self.proc = subprocess.Popen([sys.executable, *self.entry, *self.argv], stdout=log,
-                                         stderr=subprocess.STDOUT, cwd=self.cwd, preexec_fn=_child_setup,
-                                         env={**os.environ, **self.env, "PYTHONUNBUFFERED": "1"})
-        self.stopping, self.failed_fast, self.started = False, False, time.time()
-        threading.Thread(target=self._watch, args=(self.proc,), daemon=True).start()
-        return self.proc.pid
-
-    def _watch(self, proc: subprocess.Popen) -> None:
-        rc = proc.wait()
-        if self.stopping or rc == 0 or proc is not self.proc:
-            return
-        if rc > 0 and time.time() - self.started < self.min_uptime_s:
-            self.failed_fast = True  # an error at start-up: restarting would only loop
-        elif self.autostart:
-            os._exit(1)  # the actor dies with its role: Ray restarts both (a gang rank: the driver restarts)
-
-    def status(self) -> dict[str, Any]:
-        import ray
-
-        rc = None if self.proc is None else self.proc.poll()
-        state = "idle" if self.proc is None else "running" if rc is None else "exited"
-        return {"name": self.name, "state": state, "returncode": rc, "pid": self.proc.pid if self.proc else None,
-                "actor_pid": os.getpid(), "node": ray.util.get_node_ip_address(), "started": self.started,
-                "failed_fast": self.failed_fast,
-                "reconstructed": ray.get_runtime_context().was_current_actor_reconstructed}
-
-    def rendezvous(self) -> tuple[str, int]:
-        """(this node's address, a free port on it): MASTER_ADDR/PORT when this actor is rank 0."""
-        import ray
-
-        addr = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return addr, s.getsockname()[1]
-
-    def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGINT (the roles checkpoint / commit and exit), SIGKILL after `timeout` s."""
-        self.stopping = True
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-    def tail(self, lines: int = 20) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError as e:
-            return f"(no log: {e})"
 
 
 def _actor_class():
@@ -214,8 +108,9 @@ class ActorRole:
     """The `proc` of a role that runs on Ray (Popen-like: `poll()`, `returncode`, `pid`): one actor, or
     the gang of learner ranks. Watching it also restarts a gang whose rank was restarted by Ray."""
 
-    def __init__(self, name: str, actors: list, gang: bool, stop_timeout_s: float) -> None:
+    def __init__(self, name: str, actors: list, gang: bool, stop_timeout_s: float, demand: str = "") -> None:
         self.name, self.actors, self.gang, self.stop_timeout_s = name, actors, gang, stop_timeout_s
+        self.demand, self.created, self.warned = demand, time.monotonic(), False
         self.returncode: int | None = None
         self.restarts = 0  # actor restarts seen (a gang restart counts once per restarted rank)
         self.statuses: list[dict[str, Any]] = []
@@ -237,7 +132,7 @@ class ActorRole:
                                  "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": addr, "MASTER_PORT": str(port)})
                  for rank, a in enumerate(self.actors)])
 
-    def refresh(self, timeout: float = 5.0) -> list[dict[str, Any]] | None:
+    def refresh(self, timeout: float = 2.0) -> list[dict[str, Any]] | None:
         """The actors' statuses, or None while one is being restarted (or its role failed for good)."""
         import ray
 
@@ -267,6 +162,7 @@ class ActorRole:
         self._checked = time.monotonic()
         statuses = self.refresh()
         if statuses is None:
+            self._warn_if_pending()
             return self.returncode
         failed = [s for s in statuses if s["failed_fast"]]
         if failed:
@@ -276,6 +172,16 @@ class ActorRole:
         elif self.gang and any(s["state"] == "idle" or s["returncode"] not in (None, 0) for s in statuses):
             self.restart_gang()  # a lone rank cannot rejoin the process group: all ranks start again
         return self.returncode
+
+    def _warn_if_pending(self) -> None:
+        import ray
+
+        if self.statuses or self.warned or time.monotonic() - self.created < 60:
+            return
+        self.warned = True
+        free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
+        print(f"warning: {self.name} has not started after 60 s: it asks for {self.demand}, the cluster has {free} "
+              "free (lower it with --ray-set, e.g. agent.num_cpus=0.5)", file=sys.stderr, flush=True)
 
     def restart_gang(self) -> None:
         import ray
@@ -328,8 +234,8 @@ def init_ray(cfg: RayConfig) -> bool:
     kwargs: dict[str, Any] = {"namespace": cfg.namespace, "log_to_driver": False, "include_dashboard": False}
     if cfg.address:
         kwargs["address"] = cfg.address
-    elif cfg.local_num_cpus:
-        kwargs["num_cpus"] = cfg.local_num_cpus
+    elif not os.environ.get("RAY_ADDRESS"):  # (with it set, ray.init joins that cluster)
+        kwargs["num_cpus"] = cfg.local_num_cpus or max(os.cpu_count() or 1, 8)
     ray.init(**kwargs)
     return True
 
@@ -378,15 +284,21 @@ class RaySupervisor:
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
             name = f"{role.name}-{rank}" if n > 1 else role.name
             actors.append(_actor_class().options(**opts).remote(**{**common, "name": name}, autostart=n == 1))
-        return ActorRole(role.name, actors, gang=n > 1, stop_timeout_s=self.cfg.stop_timeout_s)
+        demand = f"{n} x {res.num_cpus:g} CPU" + (f" + {res.num_gpus:g} GPU" if res.num_gpus else "")
+        return ActorRole(role.name, actors, gang=n > 1, stop_timeout_s=self.cfg.stop_timeout_s, demand=demand)
 
     def _placement_group(self, res: RoleResources, n: int):
         import ray
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import placement_group, remove_placement_group
 
         bundle = {"CPU": res.num_cpus, **({"GPU": res.num_gpus} if res.num_gpus else {}), **res.resources}
         pg = placement_group([dict(bundle) for _ in range(n)], strategy=self.cfg.learner_strategy)
-        ray.get(pg.ready(), timeout=600)
+        try:
+            ray.get(pg.ready(), timeout=300)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(pg)
+            raise RuntimeError(f"ray: no room for {n} learner ranks of {bundle} ({self.cfg.learner_strategy}) after "
+                               f"300 s; free: {ray.available_resources()}") from None
         self.placement_groups.append(pg)
         return pg
 
@@ -425,7 +337,3 @@ class RaySupervisor:
 
     def wait(self, role: Role, timeout: float | None = None) -> int:
         return role.proc.wait(timeout) if isinstance(role.proc, ActorRole) else self.local.wait(role, timeout)
-
-    def describe(self) -> dict[str, Any]:
-        return {"ray": asdict(self.cfg), "actors": {r.name: r.proc.restarts for r in self.roles
-                                                    if isinstance(r.proc, ActorRole)}}
