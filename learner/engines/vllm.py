@@ -188,7 +188,11 @@ class VLLMEngine(Engine):
         self._names = checkpoint_names(self.model_dir / WEIGHTS_FILE)
         self._owned_dir = _owned_dir  # temporary directories this engine removes on close
         self._swap_dir = tempfile.mkdtemp(prefix="sao-vllm-weights-")
-        self.llm = vllm.LLM(**self.settings.llm_kwargs(self.model_dir, self.config.vocab_size))
+        try:
+            self.llm = vllm.LLM(**self.settings.llm_kwargs(self.model_dir, self.config.vocab_size))
+        except BaseException:
+            self.close()
+            raise
 
     @classmethod
     def from_policy(cls, model: Any, tokenizer: CharTokenizer | None = None,
