@@ -1,5 +1,7 @@
 """SAO Lab dashboard: `streamlit run dashboard/app.py -- --runs runs/ [--bootstrap HOST:PORT --run NAME]`.
 
+Open `http://127.0.0.1:8501/?run=a&run=b` to start with runs a and b side by side.
+
 Read-only. Opens runs under the runs directory (finished or being written) and optionally tails a
 live run's topics. The sidebar's selections live in `st.session_state` (keys below), outside the
 fragment that re-renders the views every few seconds, so a refresh never loses them.
@@ -56,8 +58,9 @@ def sidebar(opts: argparse.Namespace) -> None:
     sb = st.sidebar
     sb.text_input("runs directory", key="runs_root")
     names = [p.name for p in art.list_runs(ss["runs_root"])]
-    if "runs" not in ss:
-        ss["runs"] = names[:1]
+    if "runs" not in ss:  # first run of a session: `?run=a&run=b` in the URL, else the newest run
+        wanted = [r for r in st.query_params.get_all("run") if r in names]
+        ss["runs"] = wanted or names[:1]
     ss["runs"] = [r for r in ss["runs"] if r in names]  # a run deleted meanwhile
     sb.multiselect("runs (side by side)", names, key="runs")
     sb.radio("x-axis", list(data.X_AXES), key="x_axis")
