@@ -88,6 +88,18 @@ def test_ray_config_validates_and_maps_resources():
         ray_config("", ["learner.gpus=1"])
 
 
+
+def test_sao_up_ray_flags(capsys):
+    from streamer.launcher import parse_args
+
+    cfg = parse_args(["--ray-address", "ray://head:10001", "--ray-set", "agent.num_cpus=2"])
+    assert cfg.ray and cfg.ray_address == "ray://head:10001" and cfg.ray_set == ["agent.num_cpus=2"]
+    assert parse_args(["--ray"]).ray and not parse_args([]).ray  # --ray alone: a local Ray instance
+    with pytest.raises(SystemExit):
+        parse_args(["--ray", "--ray-set", "agent.cpus=2"])
+    assert "unknown field 'cpus'" in capsys.readouterr().err
+
+
 @pytest.mark.kafka
 @pytest.mark.slow  # ~50 s on 2 busy cores: Ray, 3 actors, a restart of two of them
 def test_actors_train_and_a_killed_actor_resumes_with_no_trajectory_lost(local_ray, tmp_path, kafka_bus, bootstrap,
