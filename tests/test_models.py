@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from learner.models import (
     CharTokenizer, ModelConfig, ValueModel, build_policy, count_params, expert_counts, load_policy,
@@ -142,3 +142,15 @@ def test_every_expert_receives_tokens(policy, value_model):
         assert counts.shape == (4, 8)
         assert torch.all(counts.sum(-1) == 2 * 8 * 32)  # each real token goes to exactly two experts per layer
         assert torch.all(counts > 0), counts
+
+
+def test_saved_policy_dir_loads_with_auto_tokenizer(policy, tmp_path):
+    tok = CharTokenizer()
+    save_policy(policy, tmp_path / "p", tok)
+    hf = AutoTokenizer.from_pretrained(tmp_path / "p")
+    assert len(hf) == tok.vocab_size and (hf.pad_token_id, hf.bos_token_id, hf.eos_token_id) == (0, 1, 2)
+    # Markup wins over its characters, unknown characters map to <unk>, whitespace and newlines are tokens.
+    for text in ["abc 12+3=15\n", "<call>lookup(x)</call><obs> 42 </obs>", "Ab  \u00e9 x", "<ca<call>ll>"]:
+        ids = tok.encode(text)
+        assert hf.encode(text, add_special_tokens=False) == ids, text
+        assert hf.decode(ids, skip_special_tokens=True) == tok.decode(ids)

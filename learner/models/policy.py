@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM
 
 from learner.models.config import ModelConfig, to_hf_config
-from learner.models.tokenizer import CharTokenizer
+from learner.models.tokenizer import CharTokenizer, save_hf_tokenizer
 
 
 def build_policy(cfg: ModelConfig | None = None, vocab_size: int | None = None, seed: int | None = 0) -> Qwen3MoeForCausalLM:
@@ -37,6 +37,7 @@ def save_policy(model: Qwen3MoeForCausalLM, path: str | Path, tokenizer: CharTok
     model.save_pretrained(path, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save(path)
+        save_hf_tokenizer(tokenizer, path)  # so AutoTokenizer.from_pretrained(path) works too
     return path
 
 

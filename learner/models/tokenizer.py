@@ -65,3 +65,24 @@ class CharTokenizer:
 def in_alphabet(text: str) -> bool:
     """True if `text` encodes without <unk> (markup included)."""
     return UNK_ID not in CharTokenizer().encode(text)
+
+
+def hf_tokenizer(tok: CharTokenizer | None = None):
+    """The same vocabulary as a transformers `PreTrainedTokenizerFast` (ids, markup and decoding identical), so a
+    saved policy directory also loads with `AutoTokenizer` (vLLM, HF tooling). Built locally, no hub."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = tok or CharTokenizer()
+    core = Tokenizer(models.WordLevel({t: i for i, t in enumerate(tok.id_to_token)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one piece per character
+    core.decoder = decoders.Fuse()  # concatenate, no spaces between pieces
+    core.add_special_tokens([AddedToken(s, normalized=False, special=True) for s in SPECIALS])
+    core.add_tokens([AddedToken(m, normalized=False, special=False) for m in MARKUP])  # matched before characters
+    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                   unk_token="<unk>", clean_up_tokenization_spaces=False)
+
+
+def save_hf_tokenizer(tok: CharTokenizer, path: str | Path) -> None:
+    """Write tokenizer.json and its configs next to sao_tokenizer.json."""
+    hf_tokenizer(tok).save_pretrained(str(path))
