@@ -100,10 +100,8 @@ def write(run_dir: str | Path, n: int, parts: int = 4, delay_s: float = 0.0, see
                 emitted += 1
         if delay_s and k < parts - 1:
             time.sleep(delay_s)
-    if close:
-        w.close()
-    else:
-        w._drift.close()
+    # close=False leaves the parts as a live run has them (no compaction, no summary)
+    w.close(compact=close, summary=close)
     return Path(run_dir)
 
 

@@ -367,6 +367,9 @@ def summarize(run_dir: str | Path, window: int = ad.DEFAULT_WINDOW, delta: float
     if len(learner):
         out["learner_tokens_per_s"] = ad.rate(learner["time"], learner["n_tokens"])
         out["learner_steps_per_s"] = ad.rate(learner["time"])
+        # idle-time metrics of the learner (e.g. "perf/idle_s"): their mean over the run
+        out["learner_idle"] = {c: float(pd.to_numeric(learner[c], errors="coerce").mean())
+                               for c in learner.columns if re.match(r"^idle", str(c).rsplit("/", 1)[-1])}
     out["forgetting"] = forgetting_rows(metrics, drift, traj)
     return _finite(out)
 

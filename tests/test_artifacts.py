@@ -118,7 +118,8 @@ def test_summarize_hand_computed(tmp_path):
     w.drift(DriftEvent(phase=1, prev_phase=0, name="p1", schedule="abrupt", families=["arith"],
                        concepts={"arith": "arith1"}, prev_concepts={"arith": "arith0"}, at_seq=2, time=2.5))
     for s, t in enumerate([3.0, 4.0, 6.0]):
-        w.learner_event(LearnerEvent(step=s, version=s, time=t, n_trajectories=2, n_tokens=100))
+        w.learner_event(LearnerEvent(step=s, version=s, time=t, n_trajectories=2, n_tokens=100,
+                                     metrics={"perf/idle_s": float(s)}))
     # eval of arith0: 0.9 at t=2 (before it left at 2.5); it never recurs -> no forgetting rows
     w.metric(MetricPoint(name="eval/reward", value=0.9, time=2.0, labels={"family": "arith", "concept": "arith0"}))
     w.close(window=2)
@@ -136,6 +137,7 @@ def test_summarize_hand_computed(tmp_path):
     # 5 trajectories over 4 s; 300 tokens over 3 s
     assert s["trajectories_per_s"] == pytest.approx(1.25)
     assert s["learner_tokens_per_s"] == pytest.approx(100.0)
+    assert s["learner_idle"] == {"perf/idle_s": 1.0}  # mean of 0, 1, 2
     assert s["forgetting"] == []
     json.dumps(s, allow_nan=False)  # NaN-free JSON
 

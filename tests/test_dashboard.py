@@ -211,3 +211,35 @@ def test_downsampling_keeps_extremes_and_bounds_points():
     out = downsample(df, "v", by="g", max_points=400)
     assert len(out) <= 400 and set(out["g"]) == {"a", "b"}
     assert out["v"].is_monotonic_increasing  # order kept
+
+
+def test_censored_recovery_is_shown_as_censored(tmp_path):
+    run = tmp_path / "c1"
+    w = art.RunWriter(run, flush_seconds=1e9)
+    # phase 0 rewards [1,1]; phase 1 rewards [0,0,0] never recover: censored at the phase length 3
+    for k, (ph, r) in enumerate([(0, 1.0), (0, 1.0), (1, 0.0), (1, 0.0), (1, 0.0)]):
+        w.trajectory(_traj(k, ph, r, 0))
+    w.drift(DriftEvent(phase=1, prev_phase=0, name="p1", schedule="abrupt", families=["a"], concepts={"a": "c1"},
+                       at_seq=2, time=T0 + 1.5))
+    w.close(window=2)
+    at = app(tmp_path)
+    row = at.dataframe[0].value.iloc[0]
+    assert (row["trajectories"], bool(row["censored"])) == (3, True)
+    span = chart_data(at, "reward_lines")["recovery_spans"]
+    # the span runs from the event (x 1.5) to the phase's last trajectory (t=104 -> x 4.0)
+    assert span[["x_time", "x2_time"]].values.tolist() == [[1.5, 4.0]]
+    assert span["text"].tolist() == ["a: censored ≥3 traj"]
+    assert span["censored"].tolist() == [True]
+
+
+def test_launcher_options_bind_localhost_and_pass_app_options():
+    from dashboard import launch
+
+    a = launch.parse(["--port", "8600", "--runs", "r/", "--bootstrap", "h:1", "--run", "x"])
+    args = launch.streamlit_args(a)
+    assert args[:2] == ["run", str(launch.APP)]
+    assert args[args.index("--server.address") + 1] == "127.0.0.1"
+    assert args[args.index("--server.port") + 1] == "8600"
+    assert args[args.index("--") + 1:] == ["--runs", "r/", "--refresh", "3.0", "--bootstrap", "h:1", "--run", "x"]
+    with pytest.raises(SystemExit):
+        launch.parse(["--port", "70000"])
