@@ -240,6 +240,12 @@ def init_ray(cfg: RayConfig) -> bool:
     return True
 
 
+def distributed_learner(argv: list[str]) -> bool:
+    """Does this `sao learn` argv select the megatron backend (`--backend megatron` or `backend=megatron`)?"""
+    pairs = zip(argv, argv[1:] + [""])
+    return "backend=megatron" in argv or any(a == "--backend" and b == "megatron" for a, b in pairs)
+
+
 def _loopback(bootstrap: str) -> bool:
     return any(h.split(":")[0] in ("127.0.0.1", "localhost", "::1") for h in bootstrap.split(",") if h)
 
@@ -272,6 +278,10 @@ class RaySupervisor:
         learner = role.argv[0] == "learn"
         res = self.cfg.learner if learner else self.cfg.agent
         n = self.cfg.learner_workers if learner else 1
+        if n > 1 and not distributed_learner(role.argv):
+            raise ConfigError(f"ray.learner_workers={n}: only the megatron backend trains as one job over several "
+                              "ranks; add --set backend=megatron, or use learner_workers=1 (the torch backend would "
+                              f"run {n} independent learners on one checkpoint directory)")
         run = self.env.get("SAO_RUN", "sao")
         common = dict(argv=role.argv, env=self.env, log_dir=str(self.log_dir), cwd=os.getcwd(),
                       min_uptime_s=self.cfg.min_uptime_s, entry=self.entry)
