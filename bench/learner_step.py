@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         sao_times += timed(lambda: sao_step(policy, critic, opt_p, opt_v, ids, attn, resp, rewards, old_logp), 1)
     t_bare, t_sao = min(bare_times), min(sao_times)
     result = {
-        "bench": "learner_step", "load_avg_1m": os.getloadavg()[0], "losses": "learner.algorithms policy_loss('sao') + value_loss (clipped)",
+        "bench": "learner_step", "load_avg_1m": os.getloadavg()[0],
+        "losses": "learner.algorithms policy_loss('sao') + value_loss (clipped)",
         "threads": args.threads, "batch": args.batch, "tokens": tokens, "seq_len": int(ids.shape[1]),
         "bare_s": t_bare, "sao_s": t_sao, "bare_tokens_per_s": tokens / t_bare, "sao_tokens_per_s": tokens / t_sao,
         "ratio_sao_over_bare": t_sao / t_bare, "goal_ratio_max": 1.25,

@@ -72,8 +72,9 @@ def main(argv: list[str] | None = None) -> int:
               f"hf {row['hf_tokens_per_s']:8,.0f} tok/s  speedup {row['speedup']:.2f}x (goal >= 1.0x)", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"bench": "sampler", "load_avg_1m": os.getloadavg()[0], "threads": args.threads, "goal_speedup_min": 1.0, "rows": rows},
-                              indent=2))
+    result = {"bench": "sampler", "load_avg_1m": os.getloadavg()[0], "threads": args.threads,
+              "goal_speedup_min": 1.0, "rows": rows}
+    out.write_text(json.dumps(result, indent=2))
     print(f"-> {out}")
     return 0
 
