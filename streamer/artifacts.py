@@ -12,8 +12,9 @@
 A live run buffers rows and flushes them every `flush_seconds` to a new numbered part file,
 written to a temporary name and renamed, so a reader never sees half a part; readers still skip
 an unreadable part (e.g. a copy in progress) rather than fail. `close()` compacts the parts into
-one file: renamed in place first, then the parts removed, so a reader that sees the single file
-sees every row.
+one file, renamed in place before the parts are removed; the file records the last part number it
+holds, and readers take the file plus only the parts after that number, so no row is ever read
+twice or missed, and a run restarted after compaction appends new parts that are read too.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from streamer.schema import DriftEvent, LearnerEvent, MetricPoint, SchemaError, 
 
 TABLES = ("trajectories", "learner", "metrics")
 _PART = re.compile(r"^part-(\d+)(?:-[A-Za-z0-9_.]+)?\.parquet$")
+_COMPACTED = "sao.compacted_through"  # parquet metadata key of a table's single file
 MP_FIELDS = ("name", "value", "time", "window", "count", "trajectories", "learner_step")
 
 
@@ -105,13 +107,15 @@ class TableWriter:
                  writer_id: str = ""):
         if writer_id and not re.fullmatch(r"[A-Za-z0-9_.]+", writer_id):
             raise ArtifactError(f"writer_id '{writer_id}': use letters, digits, '_' or '.'")
+        self.table = table
         self.single, self.parts = table_paths(run_dir, table)
         self.parts.mkdir(parents=True, exist_ok=True)
         self.flush_seconds, self.flush_rows, self.writer_id = flush_seconds, flush_rows, writer_id
         self.rows: list[dict[str, Any]] = []
         self.last_flush = time.monotonic()
-        # a restarted writer continues the numbering instead of overwriting parts
-        self.seq = max((int(m.group(1)) for p in self.parts.iterdir() if (m := _PART.match(p.name))), default=0)
+        # a restarted writer continues the numbering (past the compacted parts too) instead of reusing it
+        existing = [_part_seq(p.name) for p in self.parts.iterdir() if _PART.match(p.name)]
+        self.seq = max(existing + [compacted_through(self.single)])
 
     def add(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
@@ -142,24 +146,31 @@ class TableWriter:
         return self._write_part(df)
 
     def compact(self) -> Path:
-        """Flush, then merge every part into the single file and remove the parts."""
+        """Flush, then merge the parts into the single file and remove them. The file records the
+        last part number it holds, so a reader never counts a row twice, even mid-compaction.
+        Assumes no other writer of this table is still writing (close the last one with compact)."""
         self.flush()
-        df = read_table_dir(self.parts)
-        if self.single.exists():
-            df = pd.concat([_read_part(self.single), df], ignore_index=True)
-        _write_atomic(df, self.single)
-        for p in sorted(self.parts.glob("part-*.parquet")):
+        files = table_files(self.single.parent, self.table)
+        parts = [f for f in files if f != self.single]
+        if parts:
+            through = max([self.seq, compacted_through(self.single)] + [_part_seq(p.name) for p in parts])
+            df = read_table(self.single.parent, self.table)
+            _write_atomic(df, self.single, {_COMPACTED: str(through)})
+        for p in self.parts.glob("part-*.parquet"):  # also leftovers of an interrupted compaction
             p.unlink(missing_ok=True)
         try:
             self.parts.rmdir()
         except OSError:
-            pass  # another writer's parts or temporary files remain
+            pass  # temporary files of another writer remain
         return self.single
 
 
-def _write_atomic(df: pd.DataFrame, path: Path) -> None:
+def _write_atomic(df: pd.DataFrame, path: Path, metadata: dict[str, str] | None = None) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    pq.write_table(pa.Table.from_pandas(df, preserve_index=False), tmp)
+    table = pa.Table.from_pandas(df, preserve_index=False)
+    if metadata:
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), **metadata})
+    pq.write_table(table, tmp)
     os.replace(tmp, path)
 
 
@@ -243,45 +254,53 @@ def read_part(path: Path, columns: Iterable[str] | None = None, categorical: Ite
     return pq.read_table(path, columns=cols, read_dictionary=cats or None).to_pandas()
 
 
-_read_part = read_part
+def compacted_through(single: Path) -> int:
+    """The last part number merged into a table's single file (0: no single file)."""
+    try:
+        meta = pq.read_schema(single).metadata or {}
+    except FileNotFoundError:
+        return 0
+    except (OSError, pa.ArrowException) as e:
+        raise ArtifactError(f"{single}: unreadable ({e})") from None
+    return int(meta.get(_COMPACTED.encode(), b"0"))
+
+
+def _part_seq(name: str) -> int:
+    return int(_PART.match(name).group(1))
 
 
 def table_files(run_dir: str | Path, table: str) -> list[Path]:
-    """The files holding a table now: the single file when compacted, else its parts in order.
-    Parts never change once written, so a reader may cache each one by path."""
+    """The files holding a table now: the single file (if any), then the parts not merged into it,
+    in order. Parts never change once written, so a reader may cache each one by path."""
     single, parts = table_paths(run_dir, table)
-    if single.exists():
-        return [single]
-    return [parts / n for n in sorted(p.name for p in parts.iterdir() if _PART.match(p.name))] if parts.is_dir() else []
+    done = compacted_through(single)
+    files = [single] if single.exists() else []
+    if parts.is_dir():
+        names = sorted(p.name for p in parts.iterdir() if _PART.match(p.name) and _part_seq(p.name) > done)
+        files += [parts / n for n in names]
+    return files
 
 
-def read_table_dir(parts: Path, read_part=_read_part) -> pd.DataFrame:
-    """Concatenate the parts of a table directory (`read_part(path)` may be a caching reader)."""
-    frames = []
-    names = sorted(p.name for p in parts.iterdir() if _PART.match(p.name)) if parts.is_dir() else []
-    for name in names:
+def read_table(run_dir: str | Path, table: str, read_part=read_part) -> pd.DataFrame:
+    """All rows of a table so far (empty DataFrame when none). An unreadable part is skipped with a
+    warning; an unreadable single file raises ArtifactError."""
+    single, _ = table_paths(run_dir, table)
+    for _ in range(3):  # a compaction removed a part between our listing and reading it: list again
+        frames = []
         try:
-            frames.append(read_part(parts / name))
-        except FileNotFoundError:
-            continue  # compacted away while we listed
-        except (OSError, pa.ArrowException) as e:
-            warnings.warn(f"{parts / name}: skipped unreadable part ({e})", stacklevel=2)
-    frames = [f for f in frames if len(f)]
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-
-
-def read_table(run_dir: str | Path, table: str, read_part=_read_part) -> pd.DataFrame:
-    """All rows of a table so far (empty DataFrame when none)."""
-    single, parts = table_paths(run_dir, table)
-    for _ in range(3):  # a compaction running between our listing and reading: read again
-        try:
-            if single.exists():
-                return read_part(single)
-            return read_table_dir(parts, read_part)
+            for f in table_files(run_dir, table):
+                try:
+                    frames.append(read_part(f))
+                except FileNotFoundError:
+                    raise
+                except (OSError, pa.ArrowException) as e:
+                    if f == single:
+                        raise ArtifactError(f"{single}: unreadable ({e})") from None
+                    warnings.warn(f"{f}: skipped unreadable part ({e})", stacklevel=2)
         except FileNotFoundError:
             continue
-        except (OSError, pa.ArrowException) as e:
-            raise ArtifactError(f"{single}: unreadable ({e})") from None
+        frames = [f for f in frames if len(f)]
+        return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     return pd.DataFrame()
 
 
