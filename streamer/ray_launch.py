@@ -108,8 +108,10 @@ class ActorRole:
     """The `proc` of a role that runs on Ray (Popen-like: `poll()`, `returncode`, `pid`): one actor, or
     the gang of learner ranks. Watching it also restarts a gang whose rank was restarted by Ray."""
 
-    def __init__(self, name: str, actors: list, gang: bool, stop_timeout_s: float, demand: str = "") -> None:
+    def __init__(self, name: str, actors: list, gang: bool, stop_timeout_s: float, demand: str = "",
+                 max_restarts: int = -1) -> None:
         self.name, self.actors, self.gang, self.stop_timeout_s = name, actors, gang, stop_timeout_s
+        self.max_restarts, self.gang_restarts = max_restarts, 0
         self.demand, self.created, self.warned = demand, time.monotonic(), False
         self.returncode: int | None = None
         self.restarts = 0  # actor restarts seen (a gang restart counts once per restarted rank)
@@ -170,7 +172,10 @@ class ActorRole:
         elif all(s["state"] == "exited" and s["returncode"] == 0 for s in statuses):
             self.returncode = 0
         elif self.gang and any(s["state"] == "idle" or s["returncode"] not in (None, 0) for s in statuses):
-            self.restart_gang()  # a lone rank cannot rejoin the process group: all ranks start again
+            if 0 <= self.max_restarts <= self.gang_restarts:
+                self.returncode = next((s["returncode"] for s in statuses if s["returncode"]), 1)
+            else:
+                self.restart_gang()  # a lone rank cannot rejoin the process group: all ranks start again
         return self.returncode
 
     def _warn_if_pending(self) -> None:
@@ -186,7 +191,8 @@ class ActorRole:
     def restart_gang(self) -> None:
         import ray
 
-        print(f"{self.name}: restarting all {len(self.actors)} ranks", flush=True)
+        self.gang_restarts += 1
+        print(f"{self.name}: restarting all {len(self.actors)} ranks (gang restart {self.gang_restarts})", flush=True)
         ray.get([a.stop.remote(self.stop_timeout_s) for a in self.actors])
         self.start_gang()
 
@@ -295,7 +301,8 @@ class RaySupervisor:
             name = f"{role.name}-{rank}" if n > 1 else role.name
             actors.append(_actor_class().options(**opts).remote(**{**common, "name": name}, autostart=n == 1))
         demand = f"{n} x {res.num_cpus:g} CPU" + (f" + {res.num_gpus:g} GPU" if res.num_gpus else "")
-        return ActorRole(role.name, actors, gang=n > 1, stop_timeout_s=self.cfg.stop_timeout_s, demand=demand)
+        return ActorRole(role.name, actors, gang=n > 1, stop_timeout_s=self.cfg.stop_timeout_s, demand=demand,
+                         max_restarts=self.cfg.max_restarts)
 
     def _placement_group(self, res: RoleResources, n: int):
         import ray

@@ -5,6 +5,7 @@ resumes from its checkpoint, and every task is trained on exactly once."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections import Counter
 from pathlib import Path
@@ -135,7 +136,7 @@ def test_actors_train_and_a_killed_actor_resumes_with_no_trajectory_lost(local_r
         print(f"{time.monotonic() - t0:.1f}s: 3 steps")
         old = {r.name: r.proc.statuses[0] for r in (learner, agent0)}
         ray.kill(learner.proc.actors[0], no_restart=False)
-        ray.kill(agent0.proc.actors[0], no_restart=False)
+        os.kill(old["agent-0"]["pid"], signal.SIGKILL)  # the role's process, not its actor: the actor follows it
         killed_at = len(effective_events(events)[0])
 
         # the rest of the stream while (and after) the two actors come back
@@ -188,8 +189,10 @@ x = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(x)
 keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 rec = {"sum": x.item(), "pid": os.getpid(), **{k: os.environ[k] for k in keys}}
-with open(os.path.join(os.environ["GANG_OUT"], f"{os.getpid()}.json"), "w") as f:
+path = os.path.join(os.environ["GANG_OUT"], f"{os.getpid()}.json")
+with open(path + ".tmp", "w") as f:
     json.dump(rec, f)
+os.replace(path + ".tmp", path)
 signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
 while True:
     time.sleep(0.1)
@@ -216,15 +219,20 @@ def test_learner_gang_gets_torchrun_env_and_restarts_whole_when_a_rank_dies(loca
         first = records()
         ray.kill(learner.proc.actors[1], no_restart=False)
         wait_for(lambda: learner.proc.poll() is None and len(records()) == 4, 60, "the gang to restart", sup)
-        assert learner.proc.restarts == 1 and not sup.failed()
+        assert learner.proc.restarts == 1 and learner.proc.gang_restarts == 1 and not sup.failed()
+        # a rank's process dies but its actor lives: the gang restarts again, with no Ray restart
+        os.kill(next(r["pid"] for r in records() if r["pid"] not in {f["pid"] for f in first}), signal.SIGKILL)
+        wait_for(lambda: learner.proc.poll() is None and len(records()) == 6, 60, "the second gang restart", sup)
+        assert learner.proc.restarts == 1 and learner.proc.gang_restarts == 2 and not sup.failed()
     finally:
         sup.stop_all()
-    second = [r for r in records() if r["pid"] not in {f["pid"] for f in first}]
-    for lot in (first, second):
+    by_pid = sorted(records(), key=lambda r: os.stat(out / f"{r['pid']}.json").st_mtime)
+    first, second, third = by_pid[:2], by_pid[2:4], by_pid[4:]
+    for lot in (first, second, third):
         # world of 2: each rank adds rank + 1, so every rank sees 1 + 2 = 3
         assert sorted(r["RANK"] for r in lot) == ["0", "1"] and all(r["WORLD_SIZE"] == "2" for r in lot)
         assert all(r["sum"] == 3.0 and r["LOCAL_RANK"] == "0" for r in lot)
         assert len({(r["MASTER_ADDR"], r["MASTER_PORT"]) for r in lot}) == 1
     assert first[0]["MASTER_PORT"] != second[0]["MASTER_PORT"]  # a fresh rendezvous for the new gang
-    assert not any(alive(r["pid"]) for r in first + second)  # the old rank 0 was stopped, not left behind
+    assert not any(alive(r["pid"]) for r in by_pid)  # the old rank 0 was stopped, not left behind
     assert learner.proc.returncode == 0  # SIGINT: both ranks exited cleanly
