@@ -37,8 +37,9 @@ from streamer import adaptation as ad
 from streamer.schema import DriftEvent, LearnerEvent, MetricPoint, SchemaError, Trajectory, decode_json, encode_json
 
 TABLES = ("trajectories", "learner", "metrics")
-_PART = re.compile(r"^part-(\d+)(?:-[A-Za-z0-9_.]+)?\.parquet$")
-_COMPACTED = "sao.compacted_through"  # parquet metadata key of a table's single file
+_PART = re.compile(r"^part-(\d+)(?:-([A-Za-z0-9_.]+))?\.parquet$")
+# parquet metadata key of a table's single file: JSON {writer_id: last part number merged}
+_COMPACTED = "sao.compacted_through"
 MP_FIELDS = ("name", "value", "time", "window", "count", "trajectories", "learner_step")
 
 
@@ -113,9 +114,10 @@ class TableWriter:
         self.flush_seconds, self.flush_rows, self.writer_id = flush_seconds, flush_rows, writer_id
         self.rows: list[dict[str, Any]] = []
         self.last_flush = time.monotonic()
-        # a restarted writer continues the numbering (past the compacted parts too) instead of reusing it
-        existing = [_part_seq(p.name) for p in self.parts.iterdir() if _PART.match(p.name)]
-        self.seq = max(existing + [compacted_through(self.single)])
+        # a restarted writer continues its numbering (past its compacted parts too) instead of reusing it
+        mine = [seq for seq, wid in (_part_key(p.name) for p in self.parts.iterdir() if _PART.match(p.name))
+                if wid == writer_id]
+        self.seq = max(mine + [compacted_through(self.single).get(writer_id, 0)])
 
     def add(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
@@ -137,6 +139,7 @@ class TableWriter:
         self.seq += 1
         suffix = f"-{self.writer_id}" if self.writer_id else ""
         path = self.parts / f"part-{self.seq:05d}{suffix}.parquet"
+        self.parts.mkdir(parents=True, exist_ok=True)
         _write_atomic(df, path)
         return path
 
@@ -146,22 +149,26 @@ class TableWriter:
         return self._write_part(df)
 
     def compact(self) -> Path:
-        """Flush, then merge the parts into the single file and remove them. The file records the
-        last part number it holds, so a reader never counts a row twice, even mid-compaction.
-        Assumes no other writer of this table is still writing (close the last one with compact)."""
+        """Flush, then merge the parts into the single file and remove them. The file records, per
+        writer, the last part number it holds, so a reader never counts a row twice (even
+        mid-compaction) and parts another writer adds meanwhile or later are still read."""
         self.flush()
         files = table_files(self.single.parent, self.table)
         parts = [f for f in files if f != self.single]
         if parts:
-            through = max([self.seq, compacted_through(self.single)] + [_part_seq(p.name) for p in parts])
+            through = compacted_through(self.single)
+            for p in parts:
+                seq, wid = _part_key(p.name)
+                through[wid] = max(through.get(wid, 0), seq)
             df = read_table(self.single.parent, self.table)
-            _write_atomic(df, self.single, {_COMPACTED: str(through)})
-        for p in self.parts.glob("part-*.parquet"):  # also leftovers of an interrupted compaction
-            p.unlink(missing_ok=True)
-        try:
-            self.parts.rmdir()
-        except OSError:
-            pass  # temporary files of another writer remain
+            _write_atomic(df, self.single, {_COMPACTED: json.dumps(through, sort_keys=True)})
+            for p in parts:
+                p.unlink(missing_ok=True)
+        for p in self.parts.glob("part-*.parquet"):  # leftovers of an interrupted compaction
+            seq, wid = _part_key(p.name)
+            if seq <= compacted_through(self.single).get(wid, 0):
+                p.unlink(missing_ok=True)
+        # the (empty) parts directory stays: another writer of this table may still add parts to it
         return self.single
 
 
@@ -254,19 +261,25 @@ def read_part(path: Path, columns: Iterable[str] | None = None, categorical: Ite
     return pq.read_table(path, columns=cols, read_dictionary=cats or None).to_pandas()
 
 
-def compacted_through(single: Path) -> int:
-    """The last part number merged into a table's single file (0: no single file)."""
+def compacted_through(single: Path) -> dict[str, int]:
+    """Per writer id ("" for none), the last part number merged into a table's single file."""
     try:
         meta = pq.read_schema(single).metadata or {}
     except FileNotFoundError:
-        return 0
+        return {}
     except (OSError, pa.ArrowException) as e:
         raise ArtifactError(f"{single}: unreadable ({e})") from None
-    return int(meta.get(_COMPACTED.encode(), b"0"))
+    raw = meta.get(_COMPACTED.encode())
+    try:
+        return {str(k): int(v) for k, v in json.loads(raw).items()} if raw else {}
+    except (ValueError, AttributeError):
+        raise ArtifactError(f"{single}: bad {_COMPACTED} metadata {raw!r}") from None
 
 
-def _part_seq(name: str) -> int:
-    return int(_PART.match(name).group(1))
+def _part_key(name: str) -> tuple[int, str]:
+    """'part-00003-tap.parquet' -> (3, 'tap')."""
+    m = _PART.match(name)
+    return int(m.group(1)), m.group(2) or ""
 
 
 def table_files(run_dir: str | Path, table: str) -> list[Path]:
@@ -276,8 +289,9 @@ def table_files(run_dir: str | Path, table: str) -> list[Path]:
     done = compacted_through(single)
     files = [single] if single.exists() else []
     if parts.is_dir():
-        names = sorted(p.name for p in parts.iterdir() if _PART.match(p.name) and _part_seq(p.name) > done)
-        files += [parts / n for n in names]
+        keys = [(_part_key(p.name), p.name) for p in parts.iterdir() if _PART.match(p.name)]
+        # in order of part number then writer: each writer's rows stay in the order it wrote them
+        files += [parts / n for (seq, wid), n in sorted(keys) if seq > done.get(wid, 0)]
     return files
 
 

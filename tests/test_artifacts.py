@@ -50,21 +50,25 @@ def test_parts_are_readable_while_writing_and_compacted_at_close(tmp_path):
     assert df["traj_id"].tolist() == ["t0", "t1", "t2", "t3", "t4"]
     assert df["learner_step"].isna().tolist() == [True, True, True, False, False]
     w.close()
-    assert (run / "trajectories.parquet").exists() and not (run / "trajectories").exists()
+    assert (run / "trajectories.parquet").exists() and not list((run / "trajectories").iterdir())
     assert art.read_trajectories(run)["reward"].tolist() == [1.0, 1.0, 1.0, 0.0, 0.0]
     assert art.read_config(run) == {"seed": 1}
     assert art.read_summary(run)["n_trajectories"] == 5
     assert (run / "checkpoints").is_dir()
 
 
-def test_restarted_writer_continues_numbering(tmp_path):
+def test_restarted_writer_continues_numbering_per_writer_id(tmp_path):
     w = art.TableWriter(tmp_path, "metrics", flush_seconds=1e9)
     w.add({"name": "a", "value": 1.0})
     w.flush()
-    w2 = art.TableWriter(tmp_path, "metrics", flush_seconds=1e9, writer_id="b")
-    w2.add({"name": "b", "value": 2.0})
-    assert w2.flush().name == "part-00002-b.parquet"
-    assert art.read_metrics(tmp_path)["name"].tolist() == ["a", "b"]
+    w2 = art.TableWriter(tmp_path, "metrics", flush_seconds=1e9)  # the same writer, restarted
+    w2.add({"name": "c", "value": 3.0})
+    assert w2.flush().name == "part-00002.parquet"
+    wb = art.TableWriter(tmp_path, "metrics", flush_seconds=1e9, writer_id="b")  # another writer
+    wb.add({"name": "b", "value": 2.0})
+    assert wb.flush().name == "part-00001-b.parquet"
+    # read in (part number, writer) order
+    assert art.read_metrics(tmp_path)["name"].tolist() == ["a", "b", "c"]
 
 
 def test_time_based_flush(tmp_path):
@@ -155,14 +159,14 @@ def test_restart_after_compaction_appends_and_reads_every_row_once(tmp_path):
         w.add({"name": "m", "value": v})
         w.flush()
     w.compact()  # parts 1-2 merged; the single file records "through 2"
-    assert art.compacted_through(tmp_path / "metrics.parquet") == 2
+    assert art.compacted_through(tmp_path / "metrics.parquet") == {"": 2}
     w2 = art.TableWriter(tmp_path, "metrics", flush_seconds=1e9)  # a restarted run
     w2.add({"name": "m", "value": 3.0})
     assert w2.flush().name == "part-00003.parquet"  # numbering continues past the compacted parts
     assert art.read_metrics(tmp_path)["value"].tolist() == [1.0, 2.0, 3.0]
     w2.compact()
     assert art.read_metrics(tmp_path)["value"].tolist() == [1.0, 2.0, 3.0]
-    assert art.compacted_through(tmp_path / "metrics.parquet") == 3
+    assert art.compacted_through(tmp_path / "metrics.parquet") == {"": 3}
 
 
 def test_reader_mid_compaction_sees_no_duplicates(tmp_path):
@@ -172,7 +176,25 @@ def test_reader_mid_compaction_sees_no_duplicates(tmp_path):
         w.add({"step": s})
         w.flush()
     merged = art.read_learner(tmp_path)
-    art._write_atomic(merged, tmp_path / "learner.parquet", {"sao.compacted_through": "2"})
+    art._write_atomic(merged, tmp_path / "learner.parquet", {"sao.compacted_through": '{"": 2}'})
     assert (tmp_path / "learner" / "part-00001.parquet").exists()
     assert art.read_learner(tmp_path)["step"].tolist() == [1, 2]
     assert art.table_files(tmp_path, "learner") == [tmp_path / "learner.parquet"]
+
+
+def test_compaction_by_one_writer_keeps_another_writers_later_parts(tmp_path):
+    # the tap compacts at close while the learner (its own writer id) is still writing the same table
+    tap = art.TableWriter(tmp_path, "learner", flush_seconds=1e9, writer_id="tap")
+    lrn = art.TableWriter(tmp_path, "learner", flush_seconds=1e9, writer_id="learner")
+    for s in (1, 2, 3):
+        lrn.add({"step": s})
+        lrn.flush()  # part-00001..3-learner
+    tap.add({"step": 0})
+    tap.flush()  # part-00001-tap
+    tap.compact()
+    assert art.compacted_through(tmp_path / "learner.parquet") == {"learner": 3, "tap": 1}
+    lrn.add({"step": 4})
+    assert lrn.flush().name == "part-00004-learner.parquet"
+    assert sorted(art.read_learner(tmp_path)["step"].tolist()) == [0, 1, 2, 3, 4]
+    # a new learner process after that continues at 5, not 1
+    assert art.TableWriter(tmp_path, "learner", writer_id="learner").seq == 4
