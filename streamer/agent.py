@@ -151,8 +151,8 @@ class Agent:
 
     def step(self) -> int:
         """Swap weights if a new version is out, then handle at most one task. Returns tasks handled."""
-        if self.follower is not None:
-            self.follower.maybe_swap(self.engine)
+        if self.follower is not None and self.follower.maybe_swap(self.engine):
+            self.write_status(force=True)
         polled = self.tasks.poll(max_records=1, timeout=self.s.poll_timeout_s)
         for task, tp, offset in polled:
             self.handle(task)
@@ -180,6 +180,7 @@ class Agent:
                 "assignment": sorted(f"{tp.topic}:{tp.partition}" for tp in self.tasks.assignment()),
                 "dead_letters": self.tasks.dead_letters + (f.consumer.dead_letters if f else 0),
                 "refused": {str(k): v for k, v in (f.refused if f else {}).items()},
+                "swapped_at": f.swapped_at if f else 0.0,
                 "busy_seconds": round(self.stats.busy_seconds, 4), "time": time.time()}
 
     def write_status(self, force: bool = False) -> None:

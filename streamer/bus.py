@@ -191,11 +191,14 @@ class Consumer:
 # ----------------------------------------------------------------------------------------- Kafka
 
 def compression_type(setting: str) -> str | None:
-    """'auto': lz4 when its codec is installed, else gzip (crc32c-checked either way)."""
+    """'auto': lz4 when its codec is installed, else none.
+
+    Measured (bench/transport.py, 3 KB trajectories, 2 cores): gzip cuts producer throughput 3-5x for
+    a 34% size cut; lz4 keeps it (27% cut, which matters on the in-memory broker)."""
     from kafka import codec
 
     if setting == "auto":
-        return "lz4" if codec.has_lz4() else "gzip"
+        return "lz4" if codec.has_lz4() else None
     return None if setting == "none" else setting
 
 

@@ -38,7 +38,7 @@ class ClientSettings:
     session_timeout_ms: int = 6000
     heartbeat_interval_ms: int = 1000
     max_poll_interval_ms: int = 300_000  # one rollout with slow tools must fit between polls
-    compression: Literal["none", "gzip", "lz4", "snappy", "zstd", "auto"] = "auto"  # auto: lz4 if installed
+    compression: Literal["none", "gzip", "lz4", "snappy", "zstd", "auto"] = "auto"  # auto: lz4 if installed, else none
     linger_ms: int = 5
     batch_size: int = 256 * 1024
     max_message_bytes: int = 4 * 1024 * 1024  # bigger messages go to the DLQ on the consumer side

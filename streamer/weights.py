@@ -148,6 +148,7 @@ class PolicyFollower:
         self.newest: PolicyVersion | None = None  # the newest announcement seen
         self.refused: dict[int, str] = {}  # version -> why
         self.swaps = 0
+        self.swapped_at = 0.0  # wall-clock time of the last swap
 
     def poll(self, timeout: float = 0.0) -> PolicyVersion | None:
         """The newest announced version above the current one and not refused, if any."""
@@ -175,4 +176,5 @@ class PolicyFollower:
                  time.time() - pv.created_at)
         self.version = pv.version
         self.swaps += 1
+        self.swapped_at = time.time()
         return True
