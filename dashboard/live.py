@@ -20,7 +20,8 @@ from dashboard.data import RunData
 from streamer import artifacts as art
 from streamer.schema import DriftEvent, LearnerEvent, MetricPoint
 
-RETRY_S = 3.0
+RETRY_S = 3.0  # after a failure
+RESYNC_S = 10.0  # quiet this long: re-read the topics from the start (doubling up to 5 min)
 _TAPS: "weakref.WeakSet[LiveTap]" = weakref.WeakSet()
 
 
@@ -36,27 +37,41 @@ def kafka_consumer_factory(bootstrap: str, run: str):
 
 class LiveTap:
     def __init__(self, bootstrap: str, run: str, consumer_factory: Callable[[str, str], Any] | None = None,
-                 retry_s: float = RETRY_S):
-        self.bootstrap, self.run, self.retry_s = bootstrap, run, retry_s
+                 retry_s: float = RETRY_S, resync_s: float = RESYNC_S):
+        self.bootstrap, self.run, self.retry_s, self.resync_s = bootstrap, run, retry_s, resync_s
         self.factory = consumer_factory or kafka_consumer_factory
         self.lock = threading.Lock()
         self.rows: dict[str, list[dict]] = {"metrics": [], "learner": [], "drift": []}
         self.seen: set[bytes] = set()
-        self.status = f"connecting to {bootstrap} for run '{run}'..."
+        self._status = f"connecting to {bootstrap} for run '{run}'..."
         self.ok = False
+        self.last_message: float | None = None  # monotonic time of the last message read
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._loop, name=f"live-{run}", daemon=True)
         self.thread.start()
         _TAPS.add(self)
 
     def _loop(self) -> None:
+        resync = self.resync_s
         while not self.stop_event.is_set():
             consumer = None
             try:
                 consumer = self.factory(self.bootstrap, self.run)
                 self._set_status(True, f"live: {self.bootstrap}, run '{self.run}'")
+                quiet_since = time.monotonic()
                 while not self.stop_event.is_set():
-                    self._add(consumer.poll(max_records=2000, timeout=0.5))
+                    polled = consumer.poll(max_records=2000, timeout=0.5)
+                    self._add(polled)
+                    if polled:
+                        quiet_since, resync = time.monotonic(), self.resync_s
+                    elif time.monotonic() - quiet_since > resync:
+                        # a restarted in-memory broker starts its offsets again at 0, below our
+                        # positions, and may not say so: re-read from the start (rows de-duplicate),
+                        # backing off while the run stays quiet
+                        resync = min(resync * 2, 300.0)
+                        break
+                if not self.stop_event.is_set():
+                    continue
             except Exception as e:  # any broker or client failure: report it, retry; the page keeps working
                 self._set_status(False, f"broker {self.bootstrap}, run '{self.run}': {_reason(e)} "
                                         f"(retrying every {self.retry_s:g} s)")
@@ -70,10 +85,26 @@ class LiveTap:
 
     def _set_status(self, ok: bool, text: str) -> None:
         with self.lock:
-            self.ok, self.status = ok, text
+            self.ok, self._status = ok, text
+
+    @property
+    def status(self) -> str:
+        """One line for the page. A consumer does not fail while the broker is away, it just reads
+        nothing: say how long it has been quiet."""
+        with self.lock:
+            text, ok, last = self._status, self.ok, self.last_message
+        if ok:
+            n = sum(len(v) for v in self.rows.values())
+            quiet = time.monotonic() - last if last is not None else None
+            text += f" · {n} messages"
+            if quiet is not None and quiet > 30:
+                text += f" · none for {quiet:.0f} s (run idle, or broker away)"
+        return text
 
     def _add(self, polled) -> None:
         with self.lock:
+            if polled:
+                self.last_message = time.monotonic()
             for p in polled:
                 msg = p.msg if hasattr(p, "msg") else p
                 key = msgspec.json.encode(msg)

@@ -99,3 +99,40 @@ def test_app_tails_live_topics_on_the_embedded_broker(kafka_bus, bootstrap, kafk
     assert f"**live:{kafka_run}** (live topics)" in [m.value for m in at.markdown]
     assert {m.label: m.value for m in at.metric}["trajectories"] == "300"
     close_all()
+
+
+@pytest.mark.kafka
+def test_tap_survives_a_broker_restart(tmp_path, kafka_run):
+    from dashboard.browser import free_port
+    from streamer.broker import EmbeddedBroker
+    from streamer.bus import KafkaBus
+    from streamer.settings import BrokerSettings
+
+    port = free_port()
+
+    def broker(i: int) -> EmbeddedBroker:
+        return EmbeddedBroker(BrokerSettings(port=port, log_path=str(tmp_path / f"b{i}.log"))).start()
+
+    b = broker(0)
+    bus = KafkaBus(b.bootstrap)
+    bus.create_topics(partitions_by_topic(kafka_run))
+    p = bus.producer()
+    publish(p, kafka_run)
+    p.close()
+    tap = LiveTap(b.bootstrap, kafka_run, retry_s=0.5, resync_s=2.0)
+    try:
+        assert wait_for(lambda: len(tap.snapshot().metrics) == 3, 60), tap.status
+        b.stop()
+        # the in-memory broker comes back empty on the same port; new points must still arrive
+        b = broker(1)
+        bus.create_topics(partitions_by_topic(kafka_run))
+        p = bus.producer()
+        p.send(Topics(kafka_run).metrics, MetricPoint(name="metrics/reward", value=0.9, time=20.0,
+                                                      labels={"family": "a"}, trajectories=400))
+        p.flush()
+        p.close()
+        assert wait_for(lambda: len(tap.snapshot().metrics) == 4, 90), tap.status
+        assert tap.snapshot().metrics["value"].tolist()[-1] == 0.9
+    finally:
+        tap.close()
+        b.stop()
