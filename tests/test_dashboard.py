@@ -243,3 +243,26 @@ def test_launcher_options_bind_localhost_and_pass_app_options():
     assert args[args.index("--") + 1:] == ["--runs", "r/", "--refresh", "3.0", "--bootstrap", "h:1", "--run", "x"]
     with pytest.raises(SystemExit):
         launch.parse(["--port", "70000"])
+
+
+def test_forgetting_table_when_a_concept_recurs(tmp_path):
+    run = tmp_path / "f1"
+    w = art.RunWriter(run, flush_seconds=1e9)
+    # concept c0 on [100, 102), c1 on [102, 104), c0 again from 104
+    for k, ph in enumerate([0, 0, 1, 1, 2, 2]):
+        w.trajectory(_traj(k, ph, 1.0, 0))
+    for ph, (prev, new), t in [(1, ("c0", "c1"), 102.0), (2, ("c1", "c0"), 104.0)]:
+        w.drift(DriftEvent(phase=ph, prev_phase=ph - 1, name=f"p{ph}", schedule="recurring", families=["a"],
+                           concepts={"a": new}, prev_concepts={"a": prev}, at_seq=2 * ph, time=t))
+    # eval of c0: 0.9 at 101.5 (last before it left at 102), 0.5 at 103.5 (last before it recurs at 104)
+    for t, v in [(101.0, 0.8), (101.5, 0.9), (103.5, 0.5), (105.0, 0.95)]:
+        w.metric(MetricPoint(name="eval/reward", value=v, time=t, labels={"family": "a", "concept": "c0"}))
+    w.close(window=2)
+    at = app(tmp_path)
+    fg = at.dataframe[1].value  # [0] is the drift table
+    row = fg.iloc[0]
+    # forgetting = 0.5 - 0.9 = -0.4; times in seconds since the run's start (t0 = 100)
+    assert (row["family"], row["concept"], row["before"], row["after"]) == ("a", "c0", 0.9, 0.5)
+    assert row["forgetting"] == pytest.approx(-0.4)
+    assert (row["left_at_s"], row["recurs_at_s"]) == (2.0, 4.0)
+    assert len(fg) == 1
