@@ -247,9 +247,10 @@ def init_ray(cfg: RayConfig) -> bool:
 
 
 def distributed_learner(argv: list[str]) -> bool:
-    """Does this `sao learn` argv select the megatron backend (`--backend megatron` or `backend=megatron`)?"""
+    """Does this `sao learn` argv select the megatron backend (`--backend megatron`, `backend.name=megatron`)?"""
     pairs = zip(argv, argv[1:] + [""])
-    return "backend=megatron" in argv or any(a == "--backend" and b == "megatron" for a, b in pairs)
+    return (any(a in ("backend=megatron", "backend.name=megatron", "--backend=megatron") for a in argv)
+            or any(a == "--backend" and b == "megatron" for a, b in pairs))
 
 
 def _loopback(bootstrap: str) -> bool:
@@ -286,7 +287,7 @@ class RaySupervisor:
         n = self.cfg.learner_workers if learner else 1
         if n > 1 and not distributed_learner(role.argv):
             raise ConfigError(f"ray.learner_workers={n}: only the megatron backend trains as one job over several "
-                              "ranks; add --set backend=megatron, or use learner_workers=1 (the torch backend would "
+                              "ranks; add --set backend.name=megatron, or use learner_workers=1 (the torch backend would "
                               f"run {n} independent learners on one checkpoint directory)")
         run = self.env.get("SAO_RUN", "sao")
         common = dict(argv=role.argv, env=self.env, log_dir=str(self.log_dir), cwd=os.getcwd(),

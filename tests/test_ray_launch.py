@@ -81,7 +81,8 @@ def test_ray_config_validates_and_maps_resources():
         "memory": 512 * 2**20}
     assert actor_options(cfg.agent, "r/agent-0", 0)["resources"] == {"rollout": 1}
     assert actor_options(cfg.agent, "r/agent-0", 0)["max_task_retries"] == 0  # no restarts: no retries
-    assert distributed_learner(["learn", "--backend", "megatron"]) and distributed_learner(["learn", "backend=megatron"])
+    assert all(distributed_learner(["learn", *a]) for a in (["--backend", "megatron"], ["--backend=megatron"],
+                                                            ["backend.name=megatron"], ["backend=megatron"]))
     assert not distributed_learner(["learn", "--backend", "torch", "--run", "megatron"])
     with pytest.raises(ConfigError, match="learner_workers"):
         ray_config("", ["learner_workers=0"])
@@ -212,7 +213,7 @@ def test_learner_gang_gets_torchrun_env_and_restarts_whole_when_a_rank_dies(loca
     sup.entry = ["-c", GANG_RANK]
     records = lambda: [json.loads(f.read_text()) for f in out.glob("*.json")]  # noqa: E731
     try:
-        with pytest.raises(ConfigError, match="backend=megatron"):  # N torch learners would fight over one run
+        with pytest.raises(ConfigError, match="backend.name=megatron"):  # N torch learners would fight over one run
             sup.start(Role("learner", ["learn"]))
         learner = sup.start(Role("learner", ["learn", "backend=megatron"]))
         wait_for(lambda: len(records()) == 2, 60, "both ranks to all-reduce", sup)
