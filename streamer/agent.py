@@ -137,6 +137,7 @@ class Agent:
         self.status_path = status_path
         self.stopping = False
         self._last_status = 0.0
+        self._counted_version, self._version_tasks = -1, 0  # tasks answered with the current version
 
     def handle(self, task: Task) -> list[Trajectory]:
         t0 = time.perf_counter()
@@ -149,13 +150,26 @@ class Agent:
         self.stats.trajectories += len(trajs)
         return trajs
 
+    def _waiting_for_version(self) -> bool:
+        """Synchronous baseline: this version has had its share of tasks; block on the policy topic instead."""
+        if self._counted_version != self.engine.version:
+            self._counted_version, self._version_tasks = self.engine.version, 0
+        return bool(self.s.sync_tasks_per_version) and self._version_tasks >= self.s.sync_tasks_per_version
+
     def step(self) -> int:
         """Swap weights if a new version is out, then handle at most one task. Returns tasks handled."""
-        if self.follower is not None and self.follower.maybe_swap(self.engine):
+        if self._waiting_for_version():
+            if self.follower is None or not self.follower.maybe_swap(self.engine, self.s.poll_timeout_s):
+                self.write_status()
+                return 0
             self.write_status(force=True)
+        elif self.follower is not None and self.follower.maybe_swap(self.engine):
+            self.write_status(force=True)
+        self._waiting_for_version()  # restarts the count when the version just changed
         polled = self.tasks.poll(max_records=1, timeout=self.s.poll_timeout_s)
         for task, tp, offset in polled:
             self.handle(task)
+            self._version_tasks += 1
             if not self.tasks.commit({tp: offset + 1}):
                 self.stats.commit_failures += 1
         self.write_status()
@@ -181,6 +195,7 @@ class Agent:
                 "dead_letters": self.tasks.dead_letters + (f.consumer.dead_letters if f else 0),
                 "refused": {str(k): v for k, v in (f.refused if f else {}).items()},
                 "swapped_at": f.swapped_at if f else 0.0,
+                "waiting_for_version": self._waiting_for_version(),
                 "busy_seconds": round(self.stats.busy_seconds, 4), "time": time.time()}
 
     def write_status(self, force: bool = False) -> None:

@@ -76,6 +76,7 @@ class AgentSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     max_tasks: int = 0  # stop after this many tasks (0: run until stopped)
+    sync_tasks_per_version: int = 0  # synchronous baseline: answer this many tasks, then wait for a new version
     idle_exit_s: float = 0.0  # stop after this long without tasks (0: never)
     poll_timeout_s: float = 0.5
     seed: int = 0
@@ -87,6 +88,8 @@ class AgentSettings:
     def validate(self) -> None:
         if self.group_size < 1:
             raise ConfigError("AgentSettings.group_size: must be >= 1 (1 = single rollout)")
+        if self.sync_tasks_per_version < 0:
+            raise ConfigError("AgentSettings.sync_tasks_per_version: must be >= 0 (0 = asynchronous)")
         if self.max_new_tokens < 1 or self.max_turns < 1:
             raise ConfigError("AgentSettings.max_new_tokens / max_turns: must be >= 1")
         self.client.validate()

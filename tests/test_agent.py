@@ -145,3 +145,20 @@ def test_offline_agent_answers_a_task_file(tmp_path, tiny_policy_dir):
 def test_bad_settings_are_refused_with_the_field_name(capsys):
     assert main(["--set", "group_size=0"]) == 2
     assert "group_size" in capsys.readouterr().err
+
+
+def test_sync_baseline_waits_for_a_new_version_after_its_share(tmp_path, tiny_policy_dir):
+    from streamer.weights import WeightStore, announce
+
+    bus, s = _setup(scenario_tasks(6), sync_tasks_per_version=2, weights_dir=str(tmp_path / "w"))
+    engine = make_engine("torch", tiny_policy_dir)
+    agent = build_agent(s, bus, engine, engine.tokenizer)
+    s.poll_timeout_s = 0.0
+    done = sum(agent.step() for _ in range(10))
+    assert done == 2 and agent.status()["waiting_for_version"]  # its share of v0, then it waits
+    store = WeightStore(tmp_path / "w")
+    announce(bus.producer(), "a", store.publish(tiny_policy_dir, version=1, step=1))
+    done = sum(agent.step() for _ in range(10))
+    assert done == 2 and engine.version == 1
+    trajs = sorted(_trajectories(bus, "a"), key=lambda t: t.started_at)
+    assert [t.policy_version for t in trajs] == [0, 0, 1, 1]
