@@ -58,9 +58,9 @@ def sidebar(opts: argparse.Namespace) -> None:
     sb = st.sidebar
     sb.text_input("runs directory", key="runs_root")
     names = [p.name for p in art.list_runs(ss["runs_root"])]
-    if "runs" not in ss:  # first run of a session: `?run=a&run=b` in the URL, else the newest run
+    if "runs" not in ss:  # first run of a session: `?run=a&run=b` in the URL, the live run's directory, the newest
         wanted = [r for r in st.query_params.get_all("run") if r in names]
-        ss["runs"] = wanted or names[:1]
+        ss["runs"] = wanted or ([ss["live_run"]] if ss["live_run"] in names else names[:1])
     ss["runs"] = [r for r in ss["runs"] if r in names]  # a run deleted meanwhile
     sb.multiselect("runs (side by side)", names, key="runs")
     sb.radio("x-axis", list(data.X_AXES), key="x_axis")
@@ -89,7 +89,11 @@ def load_frames(window: int, delta: float) -> list[dict]:
             out.append(_frames(str(run_dir), data.run_signature(run_dir), window, delta))
         except (art.ArtifactError, OSError) as e:
             st.error(f"run '{name}': {e}")
-    if ss["bootstrap"] and ss["live_run"]:
+    if ss["bootstrap"] and ss["live_run"] and ss["live_run"] in ss["runs"]:
+        # `sao up` records the run's topics into runs/<run>/ as well: its files hold everything (the
+        # trajectories too), so the topics would only show the same run twice
+        st.caption(f"Run '{ss['live_run']}' is read from its directory (written live); its topics are not tailed.")
+    elif ss["bootstrap"] and ss["live_run"]:
         try:
             tap = _tap(ss["bootstrap"], ss["live_run"])
         except ValueError as e:  # a bad run name

@@ -266,3 +266,11 @@ def test_forgetting_table_when_a_concept_recurs(tmp_path):
     assert row["forgetting"] == pytest.approx(-0.4)
     assert (row["left_at_s"], row["recurs_at_s"]) == (2.0, 4.0)
     assert len(fg) == 1
+
+
+def test_live_run_with_a_directory_is_read_from_files_not_topics(runs_root):
+    # as `sao up` starts it: --bootstrap and --run name a run whose directory the tap is writing
+    at = app(runs_root, bootstrap="127.0.0.1:1", live_run="r1")
+    assert at.session_state["runs"] == ["r1"]
+    assert any("read from its directory" in c.value for c in at.caption)
+    assert not at.warning  # no tap was started, so no broker message
