@@ -204,8 +204,15 @@ def main() -> None:
     st.title("SAO Lab: adaptation under drift")
     sidebar(cli_options(sys.argv[1:]))
     ss = st.session_state
-    every = float(ss["refresh_s"]) if ss["auto_refresh"] else None
+    every = float(ss["refresh_s"]) if ss["auto_refresh"] and anything_live() else None
     st.fragment(run_every=every)(views)()
+
+
+def anything_live() -> bool:
+    """A selected run without its summary (still being written), or live topics: worth refreshing."""
+    ss = st.session_state
+    unfinished = any(not (Path(ss["runs_root"]) / r / "summary.json").exists() for r in ss["runs"])
+    return unfinished or bool(ss["bootstrap"] and ss["live_run"] and ss["live_run"] not in ss["runs"])
 
 
 if __name__ == "__main__":  # `streamlit run` and AppTest execute the script as __main__
