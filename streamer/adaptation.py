@@ -240,14 +240,16 @@ def drift_recoveries(trajectories: pd.DataFrame, drift_events: Iterable[Mapping]
     _require(trajectories, ("family", "phase", "reward", "finished_at"), "trajectories")
     steps_t = _as_1d(learner_times, "learner_times")
     df = sort_by(trajectories, "finished_at")
-    # positions of each (family, phase) once: filtering a million rows per event costs seconds
-    groups = df.groupby(["family", "phase"], sort=False, observed=True).indices
-    empty = np.zeros(0, dtype=int)
+    # integer codes once: comparing a million strings per event costs far more
+    fam_codes, fam_names = pd.factorize(df["family"])
+    fam_index = {str(f): i for i, f in enumerate(fam_names)}
+    phases = df["phase"].to_numpy()
     rows = []
     for e in drift_events:
         for fam in e.get("families") or sorted(e.get("concepts", {})):
-            pre = df.iloc[groups.get((fam, e["prev_phase"]), empty)]
-            post = df.iloc[groups.get((fam, e["phase"]), empty)]
+            in_fam = fam_codes == fam_index.get(fam, -2)
+            pre = df[in_fam & (phases == e["prev_phase"])]
+            post = df[in_fam & (phases == e["phase"])]
             rec = recovery(pre["reward"].to_numpy(float), post["reward"].to_numpy(float), window, delta)
             t0 = float(e.get("time") or (post["created_at"].min() if "created_at" in post and len(post) else math.nan))
             end_i = rec.index if rec.index is not None else len(post) - 1
