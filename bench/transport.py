@@ -220,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     broker = None if a.bootstrap else EmbeddedBroker(BrokerSettings(port=0, log_path=str(work / "broker.log"))).start()
     bootstrap = a.bootstrap or broker.bootstrap
     res: dict = {"n": a.n, "tokens_per_trajectory": 256, "host": platform.node(), "cpus": os.cpu_count(),
-                 "time": time.time(), "broker": "external" if a.bootstrap else "embedded tansu"}
+                 "time": time.time(), "broker": "external" if a.bootstrap else "embedded tansu",
+                 "loadavg_start": os.getloadavg()}
     try:
         bus = KafkaBus(bootstrap, ClientSettings(client_id="sao-bench"))
         trajs = make_trajectories(a.n)
@@ -245,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if broker is not None:
             broker.stop()
+    res["loadavg_end"] = os.getloadavg()
     best_p = max(v["per_s"] for v in res["produce"].values())
     best_c = max(v["per_s"] for v in res["consume"].values())
     res["goals"] = {"produce>=5000/s": best_p >= 5000, "consume>=5000/s": best_c >= 5000,
@@ -261,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{100 * res['overhead_fraction_of_agent_time']:.1f}%")
     print(f"policy propagation to {a.agents} agents: {res['propagation']['seconds']} s "
           f"({res['propagation']['checkpoint_mb']:.1f} MB checkpoint)")
+    print(f"load average {res['loadavg_start'][0]:.1f} -> {res['loadavg_end'][0]:.1f} on {os.cpu_count()} cpus")
     print("goals:", res["goals"], "->", a.out)
     return 0
 

@@ -104,6 +104,7 @@ class Consumer:
         self.dead_by_reason: Counter[str] = Counter()
         self._high: dict[TopicPartition, int] = {}
         self._pending: dict[TopicPartition, set[int]] = {}
+        self.tracks_commits = True  # False for group-less taps: nothing to commit, nothing to remember
 
     # --- transport hooks
     def _raw_poll(self, max_records: int, timeout: float) -> list[RawRecord]:
@@ -136,7 +137,8 @@ class Consumer:
             if msg is None:
                 dead += 1
                 continue
-            self._pending.setdefault(rec.tp, set()).add(rec.offset)
+            if self.tracks_commits:
+                self._pending.setdefault(rec.tp, set()).add(rec.offset)
             out.append(Polled(msg, rec.tp, rec.offset))
         if dead and self.dlq_producer is not None:
             self.dlq_producer.flush()
@@ -254,6 +256,7 @@ class KafkaConsumerClient(Consumer):
             self._c.subscribe(list(types), listener=_Listener())
         else:
             self._c.assign(self._all_partitions(list(types)))
+            self.tracks_commits = False
 
     def _all_partitions(self, topics: list[str], wait_s: float = 10.0) -> list[TopicPartition]:
         deadline = time.monotonic() + wait_s
@@ -404,6 +407,7 @@ class MemoryConsumer(Consumer):
                  producer: Producer | None) -> None:
         super().__init__(types, dlq, producer, bus.settings.max_message_bytes, group_id or "memory")
         self.bus, self.group_id = bus, group_id
+        self.tracks_commits = group_id is not None
         self._positions: dict[TopicPartition, int] = {}
         bus.create_topics({t: 1 for t in types})
         bus.members.setdefault(group_id or f"_solo{id(self)}", []).append(self)
