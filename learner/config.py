@@ -8,6 +8,7 @@ Build one with `streamer.config.load_config(LearnerConfig, yaml_path, ["loss.nam
   value      the critic: warm-up, re-warm-up on a value-loss spike, clipped loss
   batch      token-budgeted batches, staleness, weight publication, sync mode
   checkpoint where and how often (model + optimizers + RNG + consumed offsets, together)
+  backend    torch (one process) or megatron (megatron-core GPTModel, expert parallel, under torchrun)
 """
 
 from __future__ import annotations
@@ -112,6 +113,17 @@ class IOConfig:
     events: str = ""  # LearnerEvent JSONL file; "" -> <checkpoint.dir>/events.jsonl
 
 
+BACKENDS = ("torch", "megatron")
+BACKEND_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass
+class BackendConfig:
+    name: str = "torch"  # torch: one process; megatron: megatron-core MoE, one process per rank (torchrun)
+    expert_parallel: int = 1  # megatron: ranks the experts are split over (divides world size, num_experts)
+    dtype: str = "float32"  # megatron weights: float32 (CPU, parity) or bfloat16 (GPUs)
+
+
 @dataclass
 class LearnerConfig:
     loss: LossConfig = field(default_factory=LossConfig)
@@ -122,6 +134,7 @@ class LearnerConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     io: IOConfig = field(default_factory=IOConfig)
     model: ModelConfig = field(default_factory=ModelConfig)  # used when io.init is empty
+    backend: BackendConfig = field(default_factory=BackendConfig)
     seed: int = 0
     max_steps: int = 0  # stop after this many steps (0: run until the source ends)
     threads: int = 2  # torch intra-op threads
@@ -163,6 +176,26 @@ def _validate(c: LearnerConfig) -> None:
     if a.estimator != "gae" and a.group_size < 2:
         _fail("advantage.group_size", f"{a.group_size}: a group estimator needs groups of >= 2")
     _validate_numbers(c)
+    _validate_backend(c.backend, c.model, bool(c.io.init))
+
+
+def _validate_backend(b: BackendConfig, model: ModelConfig, from_init: bool) -> None:
+    """Static checks; the world size (divisible by expert_parallel) is checked when the ranks join."""
+    if b.name not in BACKENDS:
+        _fail("backend.name", f"'{b.name}' unknown; choose one of {', '.join(BACKENDS)}")
+    if b.dtype not in BACKEND_DTYPES:
+        _fail("backend.dtype", f"'{b.dtype}' unknown; choose one of {', '.join(BACKEND_DTYPES)}")
+    if b.expert_parallel < 1:
+        _fail("backend.expert_parallel", f"{b.expert_parallel} must be >= 1")
+    if b.name == "torch" and (b.expert_parallel != 1 or b.dtype != "float32"):
+        _fail("backend.expert_parallel" if b.expert_parallel != 1 else "backend.dtype",
+              "expert parallelism and bfloat16 weights need the megatron backend; set backend.name=megatron")
+    if b.name == "megatron" and not from_init and model.num_experts % b.expert_parallel:
+        _fail("backend.expert_parallel", f"{b.expert_parallel} does not divide model.num_experts "
+                                         f"{model.num_experts}; use a divisor of it")
+    if b.name == "megatron" and not from_init and model.experts_per_token == 1 and model.norm_topk_prob:
+        _fail("model.experts_per_token", "1 with model.norm_topk_prob=true cannot run on megatron-core (it "
+                                         "refuses top-1 routing after the softmax); use >= 2")
 
 
 def _validate_numbers(c: LearnerConfig) -> None:

@@ -3,8 +3,13 @@
     sao learn --trajectories runs/x/trajectories.jsonl --checkpoint-dir runs/x/ckpt   # replay a recording
     sao learn --run exp1 --bootstrap 127.0.0.1:9092 --weights-dir runs/exp1/weights     # live, from Kafka
     sao learn --config learner.yaml loss.name=ppo batch.tokens=2048 --sync               # overrides
+    sao learn --backend megatron --nproc 2 backend.expert_parallel=2 --trajectories ...  # megatron, 2 ranks
 
 Restarting with the same checkpoint directory resumes where the last checkpoint left off.
+
+The megatron backend runs one process per rank: `--nproc N` re-executes `sao learn` under
+`python -m torch.distributed.run --nproc_per_node N` on this machine; any launcher that sets
+torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...: torchrun itself, the Ray gang) works too.
 """
 
 from __future__ import annotations
@@ -13,6 +18,9 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -26,7 +34,7 @@ log = logging.getLogger("learner.train")
 FLAGS = {  # command-line flag -> config key
     "trajectories": "io.trajectories", "run": "io.run", "bootstrap": "io.bootstrap", "init": "io.init",
     "weights_dir": "io.weights_dir", "run_dir": "io.run_dir", "checkpoint_dir": "checkpoint.dir",
-    "max_steps": "max_steps", "loss": "loss.name",
+    "max_steps": "max_steps", "loss": "loss.name", "backend": "backend.name",
 }
 
 
@@ -37,9 +45,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.add_argument(f"--{flag.replace('_', '-')}", dest=flag, help=f"sets {FLAGS[flag]}")
     p.add_argument("--sync", action="store_true", help="synchronous: wait for a full batch of the current version")
     p.add_argument("--follow", action="store_true", help="keep reading the trajectory file as it grows")
+    p.add_argument("--nproc", type=int, default=0,
+                   help="megatron: run N ranks on this machine (re-executes under torchrun)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
     p.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. loss.name=ppo")
-    return p.parse_args(argv)
+    return p.parse_intermixed_args(argv)  # overrides may sit between flags
 
 
 def build_config(args: argparse.Namespace) -> LearnerConfig:
@@ -48,7 +58,9 @@ def build_config(args: argparse.Namespace) -> LearnerConfig:
         overrides.append("batch.sync=true")
     if args.follow:
         overrides.append("io.follow=true")
-    return load_config(LearnerConfig, args.config, overrides + list(args.overrides))
+    # `backend=megatron` (as streamer.ray_launch spells it) is short for backend.name=megatron
+    rest = [f"backend.name={o.split('=', 1)[1]}" if o.startswith("backend=") else o for o in args.overrides]
+    return load_config(LearnerConfig, args.config, overrides + rest)
 
 
 def build_models(cfg: LearnerConfig):
@@ -64,7 +76,36 @@ def build_models(cfg: LearnerConfig):
     policy.train()
     if value is not None:
         value.train()
+    if cfg.backend.name == "megatron":
+        return build_megatron_models(cfg, policy, value)
     return build_optimizers(cfg, policy, value)
+
+
+def build_megatron_models(cfg: LearnerConfig, policy, value):
+    """Models over megatron (every rank builds them from the same seeded HF weights); joins the
+    ranks' process group, so every rank must call it."""
+    from learner.backends.megatron.learner import MegatronOptions, megatron_trainer_models
+
+    b, world = cfg.backend, int(os.environ.get("WORLD_SIZE", "1"))
+    if world % b.expert_parallel:
+        raise ConfigError(f"LearnerConfig.backend.expert_parallel: {b.expert_parallel} does not divide the world "
+                          f"size {world}; launch a multiple of it (--nproc / torchrun --nproc_per_node)")
+    n_exp = policy.config.num_experts
+    if n_exp % b.expert_parallel:
+        raise ConfigError(f"LearnerConfig.backend.expert_parallel: {b.expert_parallel} does not divide the "
+                          f"{n_exp} experts of the policy ({cfg.io.init or 'model'}); use a divisor of it")
+    models, _ = megatron_trainer_models(cfg, policy, value, MegatronOptions(b.expert_parallel, b.dtype))
+    return models
+
+
+def rank_group(cfg: LearnerConfig):
+    """The ranks of a megatron learner (after build_models joined them); None for the torch backend."""
+    if cfg.backend.name != "megatron":
+        return None
+    from learner.backends.megatron import parallel
+    from learner.trainer.ranks import RankGroup
+
+    return RankGroup(parallel.device())
 
 
 def build_source(cfg: LearnerConfig):
@@ -130,25 +171,61 @@ def build_outputs(cfg: LearnerConfig):
     return publisher, sinks, closers
 
 
+def torchrun_argv(argv: list[str], nproc: int) -> list[str]:
+    """`sao learn argv` (less --nproc) as `nproc` local ranks under torchrun."""
+    rest, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            rest.append(a)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--nnodes", "1",
+            "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "streamer.cli", "learn", *rest]
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
     try:
         cfg = build_config(args)
+        if args.nproc and cfg.backend.name != "megatron":
+            raise ConfigError("--nproc: only the megatron backend runs as several ranks; add --backend megatron")
+        if args.nproc < 0:
+            raise ConfigError(f"--nproc {args.nproc}: must be >= 1")
     except ConfigError as e:
         print(f"sao learn: {e}", file=sys.stderr)
         return 2
     if args.print_config:
         print(json.dumps(dataclasses.asdict(cfg), indent=1))
         return 0
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.nproc and "RANK" not in os.environ:  # not yet a rank: become N of them
+        return subprocess.call(torchrun_argv(argv, args.nproc))
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format=f"%(asctime)s %(name)s{f' rank {rank}' if rank else ''} %(levelname)s %(message)s")
     logging.getLogger("kafka").setLevel(logging.WARNING)
     torch.set_num_threads(cfg.threads)
+    try:
+        return train(cfg)
+    except ConfigError as e:
+        print(f"sao learn: {e}", file=sys.stderr)
+        return 2
+
+
+def train(cfg: LearnerConfig) -> int:
     from learner.trainer.loop import Trainer
 
     models = build_models(cfg)
-    source = build_source(cfg)
-    publisher, sinks, closers = build_outputs(cfg)
-    trainer = Trainer(cfg, models, source, publisher, sinks)
+    group = rank_group(cfg)
+    leader = group is None or group.leader
+    source = build_source(cfg) if leader else None
+    publisher, sinks, closers = build_outputs(cfg) if leader else (None, [], [])
+    trainer = Trainer(cfg, models, source, publisher, sinks, group)
     trainer.install_signal_handlers()
     resumed = trainer.resume()
     log.info("%s at step %d, version %d", "resumed" if resumed else "starting", trainer.step, trainer.version)
@@ -157,7 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for close in closers:
             close()
-        source.close()
+        if source is not None:
+            source.close()
+        if group is not None:
+            from learner.backends.megatron import parallel
+
+            parallel.shutdown()
     log.info("done: %d steps this run, step %d, version %d, counts %s", n, trainer.step, trainer.version,
              dict(trainer.admission.counts + trainer.counters))
     return 0

@@ -3,12 +3,17 @@
     <root>/step_00000120/
         policy.safetensors  value.safetensors        model weights (tied weights stored once)
         optim_policy.safetensors + optim_policy.json optimizer state: tensors + the rest as JSON
+        optim_policy.rank00001.safetensors + .json   several ranks (megatron): one per rank, since
+                                                     under expert parallelism each rank's AdamW differs
         rng.safetensors                              torch CPU RNG state
         pending.jsonl                                trajectories read but not yet trained on
         state.json                                   step, version, source positions, counters
 
 Everything is written into `<root>/.tmp-step_...` and renamed into place, so a kill -9 at any
-moment leaves either the previous checkpoint or the new one, never a half-written one.
+moment leaves either the previous checkpoint or the new one, never a half-written one. Several
+ranks: the leader makes the temporary directory (`begin_checkpoint`), every rank writes its
+optimizers into it (`save_optimizers`), then the leader writes the rest and renames it
+(`finish_checkpoint`); the directory must be shared by the ranks (one machine, or a shared path).
 """
 
 from __future__ import annotations
@@ -78,18 +83,43 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 def save_checkpoint(root: str | Path, step: int, models: dict[str, torch.nn.Module],
                     optimizers: dict[str, torch.optim.Optimizer], state: dict[str, Any],
                     pending: list[Trajectory], keep: int = 2) -> Path:
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:08d}"
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    tmp = begin_checkpoint(root, step)
+    save_optimizers(tmp, optimizers)
+    return finish_checkpoint(root, tmp, step, models, state, pending, keep)
+
+
+def tmp_dir(root: str | Path, step: int, tag: str | None = None) -> Path:
+    """The temporary directory of a checkpoint being written (tag: the writer; default its pid)."""
+    return Path(root) / f".tmp-step_{step:08d}-{tag or os.getpid()}"
+
+
+def begin_checkpoint(root: str | Path, step: int, tag: str | None = None) -> Path:
+    tmp = tmp_dir(root, step, tag)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    for name, model in models.items():
-        save_model(model, str(tmp / f"{name}.safetensors"))
+    return tmp
+
+
+def _optim_name(name: str, rank: int | None) -> str:
+    return f"optim_{name}" if rank is None else f"optim_{name}.rank{rank:05d}"
+
+
+def save_optimizers(directory: Path, optimizers: dict[str, torch.optim.Optimizer], rank: int | None = None) -> None:
     for name, opt in optimizers.items():
         tensors, meta = flatten_optimizer(opt)
-        save_file(tensors, str(tmp / f"optim_{name}.safetensors"))
-        (tmp / f"optim_{name}.json").write_text(json.dumps(meta))
+        base = _optim_name(name, rank)
+        save_file(tensors, str(directory / f"{base}.safetensors"))
+        (directory / f"{base}.json").write_text(json.dumps(meta))
+
+
+def finish_checkpoint(root: str | Path, tmp: Path, step: int, models: dict[str, torch.nn.Module],
+                      state: dict[str, Any], pending: list[Trajectory], keep: int = 2) -> Path:
+    """Models, RNG, pending trajectories and state into `tmp`, then rename it to `step_<step>`."""
+    root = Path(root)
+    final = root / f"step_{step:08d}"
+    for name, model in models.items():
+        save_model(model, str(tmp / f"{name}.safetensors"))
     save_file({"torch_cpu": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
     with (tmp / "pending.jsonl").open("wb") as f:
         for t in pending:
@@ -106,8 +136,10 @@ def save_checkpoint(root: str | Path, step: int, models: dict[str, torch.nn.Modu
 
 
 def load_checkpoint(path: str | Path, models: dict[str, torch.nn.Module],
-                    optimizers: dict[str, torch.optim.Optimizer]) -> tuple[dict[str, Any], list[Trajectory]]:
-    """Restore models, optimizers and the RNG in place; returns (state, pending trajectories)."""
+                    optimizers: dict[str, torch.optim.Optimizer],
+                    rank: int | None = None) -> tuple[dict[str, Any], list[Trajectory]]:
+    """Restore models, optimizers (this rank's, when saved per rank) and the RNG in place;
+    returns (state, pending trajectories)."""
     path = Path(path)
     if not (path / "state.json").is_file():
         raise FileNotFoundError(f"{path}: not a learner checkpoint (no state.json)")
@@ -117,8 +149,12 @@ def load_checkpoint(path: str | Path, models: dict[str, torch.nn.Module],
             raise FileNotFoundError(f"{path}: no {file.name}; was it saved with a value model?")
         load_model(model, str(file), strict=True)
     for name, opt in optimizers.items():
-        meta = json.loads((path / f"optim_{name}.json").read_text())
-        unflatten_optimizer(opt, load_file(str(path / f"optim_{name}.safetensors")), meta)
+        base = path / _optim_name(name, rank)
+        if not base.with_name(base.name + ".json").is_file():
+            raise FileNotFoundError(f"{path}: no {base.name}.json; was it saved by a different backend or "
+                                    "number of ranks?")
+        meta = json.loads(base.with_name(base.name + ".json").read_text())
+        unflatten_optimizer(opt, load_file(str(base.with_name(base.name + ".safetensors"))), meta)
     torch.set_rng_state(load_file(str(path / "rng.safetensors"))["torch_cpu"])
     pending = [decode_json(line, Trajectory) for line in (path / "pending.jsonl").read_bytes().splitlines() if line]
     return json.loads((path / "state.json").read_text()), pending

@@ -4,20 +4,29 @@ Exactly-once: a record read from the source is, at every moment, either trained 
 the weights), dropped (counted), or buffered. A checkpoint stores the weights, the buffer and the
 source positions together, so a restart from it neither loses nor repeats a trajectory; the steps
 after the last checkpoint are simply redone from the same records.
+
+Over several ranks (`group`, the megatron backend under torchrun; see learner.trainer.ranks) every
+rank runs this loop: the leader (rank 0) alone reads the source, batches, emits events, writes the
+weight store and commits offsets; it broadcasts each batch (or the decision to stop) and every rank
+trains on its rows. Exporting weights (publication, checkpoints) is collective: every rank calls it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import time
 from collections import Counter
 from typing import Callable
 
+import torch
+
 from learner.config import LearnerConfig
 from learner.trainer import checkpoint as ckpt
 from learner.trainer.batching import Batcher, collate, group_key
 from learner.trainer.publish import Publisher
+from learner.trainer.ranks import RankGroup
 from learner.trainer.source import Source
 from learner.trainer.staleness import Admission, histogram, staleness
 from learner.trainer.step import Models, prepare, update
@@ -27,9 +36,14 @@ log = logging.getLogger(__name__)
 
 
 class Trainer:
-    def __init__(self, cfg: LearnerConfig, models: Models, source: Source, publisher: Publisher | None = None,
-                 sinks: list[Callable[[LearnerEvent], None]] = ()) -> None:
+    def __init__(self, cfg: LearnerConfig, models: Models, source: Source | None, publisher: Publisher | None = None,
+                 sinks: list[Callable[[LearnerEvent], None]] = (), group: RankGroup | None = None) -> None:
+        """With `group`, only the leader passes a source, publisher and sinks (the others None, [])."""
         self.cfg, self.models, self.source, self.publisher, self.sinks = cfg, models, source, publisher, list(sinks)
+        self.group = group
+        self.leader = group is None or group.leader
+        # every rank advances the version; only the leader knows whether there is a weight store
+        self.publishes = publisher is not None if group is None else bool(group.share_int(int(publisher is not None)))
         grouped = not cfg.uses_value_model
         b = cfg.batch
         self.admission = Admission(b.max_staleness, grouped, b.dedup_window, b.sync)
@@ -48,7 +62,7 @@ class Trainer:
         """Train until max_steps or the end of a finite source; returns the number of steps run."""
         self.start()
         started, last_ckpt = self.step, self.step
-        while not self.stop and not (self.cfg.max_steps and self.step >= self.cfg.max_steps):
+        while self._keep_going():
             if not self.step_once():
                 break
             if self.step - last_ckpt >= self.cfg.checkpoint.every:
@@ -57,9 +71,15 @@ class Trainer:
         self.checkpoint()
         return self.step - started
 
+    def _keep_going(self) -> bool:
+        go = not self.stop and not (self.cfg.max_steps and self.step >= self.cfg.max_steps)
+        return go if self.group is None else bool(self.group.share_int(int(go)))  # the leader decides
+
     def step_once(self) -> bool:
         """Wait for a batch, train on it, emit the event; False once a finite source is drained."""
-        trajs = self.next_batch()
+        trajs = self.next_batch() if self.leader else None
+        if self.group is not None:
+            trajs = self.group.share_trajectories(trajs)
         if trajs is None:
             return False
         event = self.train_on(trajs)
@@ -96,8 +116,9 @@ class Trainer:
         ref = prepare(self.cfg, self.models, batch)
         warm = self.models.value is not None and self.warm_left > 0
         n_applied, metrics = 0, {}
+        shard = self.group.shard(len(fresh)) if self.group is not None else None
         for _ in range(self.cfg.optim.updates_per_batch):
-            metrics, ok = update(self.cfg, self.models, batch, ref, train_policy=not warm)
+            metrics, ok = update(self.cfg, self.models, batch, ref, train_policy=not warm, shard=shard)
             if not ok:  # the weights keep the updates already applied; the rest of the batch is dropped
                 self.counters["skipped_updates"] += 1
                 break
@@ -137,9 +158,18 @@ class Trainer:
     def _publish(self, version: int) -> None:
         """A version exists only once published: without a publisher (replaying a recording with
         no agents listening) the version stays put and staleness is the recording's own."""
-        if self.publisher is not None:
-            self.publisher.publish(self.models.policy, version, self.step)
+        if self.publishes:
+            model = self._hf("policy")  # collective under megatron
+            if self.publisher is not None:
+                self.publisher.publish(model, version, self.step)
             self.version = version
+
+    def _hf(self, name: str) -> torch.nn.Module:
+        """The HF-format model to save or publish (megatron: exported, a collective over the ranks)."""
+        lrn = self.models.learner
+        if lrn is None:
+            return self.models.policy if name == "policy" else self.models.value
+        return lrn.export_hf_policy() if name == "policy" else lrn.export_hf_value()
 
     def _event(self, trajs, n_tokens, metrics, applied, warm, step_s, hist) -> LearnerEvent:
         m = {f"learner/{k}": float(v) for k, v in metrics.items()}
@@ -163,23 +193,56 @@ class Trainer:
             models["value"], opts["value"] = self.models.value, self.models.value_opt
         return models, opts
 
+    def _layout(self) -> dict:
+        """How the optimizer state is split; a checkpoint resumes only under the same layout."""
+        if self.group is None:
+            return {"backend": self.cfg.backend.name, "world_size": 1, "expert_parallel": 1}
+        return {"backend": self.cfg.backend.name, "world_size": self.group.world,
+                "expert_parallel": self.cfg.backend.expert_parallel}
+
     def checkpoint(self) -> None:
         state = {"version": self.version, "policy_steps": self.policy_steps, "positions": self.positions,
                  "admission": self.admission.state(), "counters": dict(self.counters),
-                 "value_ema": self.value_ema, "warm_left": self.warm_left}
+                 "value_ema": self.value_ema, "warm_left": self.warm_left, "layout": self._layout()}
         models, opts = self._parts()
-        ckpt.save_checkpoint(self.cfg.checkpoint.dir, self.step, models, opts, state, self.batcher.pending(),
-                             self.cfg.checkpoint.keep)
-        self.source.commit(self.positions)
+        hf = {name: self._hf(name) for name in models}  # collective under megatron
+        root, g = self.cfg.checkpoint.dir, self.group
+        if g is None:
+            ckpt.save_checkpoint(root, self.step, hf, opts, state, self.batcher.pending(), self.cfg.checkpoint.keep)
+            self.source.commit(self.positions)
+            return
+        tmp = ckpt.tmp_dir(root, self.step, "ranks")
+        if g.leader:
+            ckpt.begin_checkpoint(root, self.step, "ranks")
+        g.barrier()
+        ckpt.save_optimizers(tmp, opts, rank=g.rank)
+        g.barrier()
+        if g.leader:
+            ckpt.finish_checkpoint(root, tmp, self.step, hf, state, self.batcher.pending(), self.cfg.checkpoint.keep)
+            self.source.commit(self.positions)
+        g.barrier()
 
     def resume(self) -> bool:
         """Restore from the latest checkpoint in checkpoint.dir, if any; the source seeks to its offsets."""
-        ckpt.clean_tmp(self.cfg.checkpoint.dir)
+        if self.leader:
+            ckpt.clean_tmp(self.cfg.checkpoint.dir)
+        if self.group is not None:
+            self.group.barrier()
         path = ckpt.latest_checkpoint(self.cfg.checkpoint.dir)
         if path is None or not self.cfg.checkpoint.resume:
             return False
+        self._check_layout(path)
         models, opts = self._parts()
-        state, pending = ckpt.load_checkpoint(path, models, opts)
+        lrn = self.models.learner
+        if lrn is not None:  # the checkpoint holds HF-format weights: load them there, then convert
+            models = {"policy": lrn.empty_hf_policy()}
+            if self.models.value is not None:
+                models["value"] = lrn.empty_hf_value()
+        state, pending = ckpt.load_checkpoint(path, models, opts, self.group.rank if self.group else None)
+        if lrn is not None:
+            lrn.load_hf_policy(models["policy"])
+            if "value" in models:
+                lrn.load_hf_value(models["value"])
         self.step, self.version, self.policy_steps = state["step"], state["version"], state["policy_steps"]
         self.positions = {k: int(v) for k, v in state["positions"].items()}
         self.admission.load_state(state["admission"])
@@ -190,12 +253,24 @@ class Trainer:
         log.info("resumed from %s: step %d, version %d, %d buffered", path, self.step, self.version, len(pending))
         return True
 
+    def _check_layout(self, path) -> None:
+        saved = json.loads((path / "state.json").read_text()).get("layout")
+        saved = saved or {"backend": "torch", "world_size": 1, "expert_parallel": 1}  # before layouts were saved
+        if saved != self._layout():
+            raise ValueError(f"checkpoint {path} was written by {saved}, this learner is {self._layout()}: "
+                             "resume with the same backend, ranks and backend.expert_parallel, or use a new "
+                             "checkpoint.dir (io.init can start from its policy.safetensors' directory)")
+
     def start(self) -> None:
         """Seek the source to the restored positions and publish the starting version."""
-        self.source.seek(self.positions)
-        if self.publisher is None:
+        if self.source is not None:
+            self.source.seek(self.positions)
+        if not self.publishes:
             return
-        latest = self.publisher.latest_version()
+        latest = self.publisher.latest_version() if self.publisher is not None else None
+        if self.group is not None:  # the leader's store decides
+            latest = self.group.share_int(-1 if latest is None else latest)
+            latest = None if latest < 0 else latest
         if latest is None or latest >= self.version:
             # the store may hold versions from after our checkpoint: never reuse a version number
             self._publish(self.version if latest is None else latest + 1)

@@ -6,6 +6,11 @@ the value model's output at t-1 (the prefix before t), which is what GAE and the
 
 A non-finite loss or gradient norm anywhere in the batch skips the whole update (both models), so
 non-finite values never reach the weights.
+
+Over several ranks (`shard`, see learner.trainer.ranks) the references are computed on the whole
+batch, each rank back-propagates its own rows weighted against the whole batch's token count, and
+metrics, gradients and the clip are reduced over the ranks before the finite check, so every rank
+takes the same decision.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from learner.algorithms.masked import masked_mean
 from learner.config import LearnerConfig
 from learner.models.scoring import logprobs_and_entropy, token_logprobs, values
 from learner.trainer.batching import Batch, group_key
+from learner.trainer.ranks import Shard
 
 
 @dataclass
@@ -28,6 +34,7 @@ class Models:
     policy_opt: torch.optim.Optimizer
     value: torch.nn.Module | None = None
     value_opt: torch.optim.Optimizer | None = None
+    learner: object | None = None  # the MegatronLearner behind policy/value (backend megatron), else None
 
 
 def build_optimizers(cfg: LearnerConfig, policy: torch.nn.Module, value: torch.nn.Module | None) -> Models:
@@ -75,63 +82,95 @@ def prepare(cfg: LearnerConfig, models: Models, batch: Batch) -> dict[str, torch
     return out
 
 
-def _accumulate(total: dict[str, float], metrics: dict[str, float], w: float) -> None:
+def _accumulate(total: dict[str, float], metrics: dict[str, float], w: float, empty: bool = False) -> None:
     for k, v in metrics.items():
-        if k.endswith("_max"):
-            total[k] = max(total.get(k, v), v)
+        if k.endswith("_max"):  # an all-padding micro-batch (they come last) keeps the max
+            total[k] = v if k not in total else total[k] if empty else max(total[k], v)
         elif k == "n_tokens":
             total[k] = total.get(k, 0.0) + v
         else:
             total[k] = total.get(k, 0.0) + w * v
 
 
-def value_backward(cfg: LearnerConfig, models: Models, batch: Batch, ref: dict) -> dict[str, float]:
-    agg, total, full = cfg.value.agg, {}, _denom(batch.loss_mask, cfg.value.agg)
+def value_backward(cfg: LearnerConfig, models: Models, batch: Batch, ref: dict, norm: float | None = None,
+                   scale: float = 1.0) -> dict[str, float]:
+    """`norm`: the whole batch's normaliser when `batch` is one rank's rows; `scale`: the ranks (W)."""
+    agg, total = cfg.value.agg, {}
+    full = _denom(batch.loss_mask, agg) if norm is None else norm
     for i, j in _micro(batch, cfg.batch.micro_batch):
         mb, mask = batch.rows(i, j), batch.loss_mask[i:j]
-        w = _denom(mask, agg) / max(full, 1.0)
+        w = scale * _denom(mask, agg) / max(full, 1.0)
         v = state_values(models.value, mb)
         loss, m = value_loss(v, ref["old_values"][i:j], ref["returns"][i:j], mask, cfg.value.value_clip, agg)
         (loss * w).backward()
-        _accumulate(total, m, w)
+        _accumulate(total, m, w, not mask.any())
     return total
 
 
-def policy_backward(cfg: LearnerConfig, models: Models, batch: Batch, ref: dict) -> dict[str, float]:
-    params = cfg.loss.params()
-    agg = params.get("agg") or loss_params(cfg.loss.name)["agg"]
-    total, full = {}, _denom(batch.loss_mask, agg)
+def policy_agg(cfg: LearnerConfig) -> str:
+    return cfg.loss.params().get("agg") or loss_params(cfg.loss.name)["agg"]
+
+
+def policy_backward(cfg: LearnerConfig, models: Models, batch: Batch, ref: dict, norm: float | None = None,
+                    scale: float = 1.0) -> dict[str, float]:
+    params, agg = cfg.loss.params(), policy_agg(cfg)
+    total, full = {}, _denom(batch.loss_mask, agg) if norm is None else norm
     for i, j in _micro(batch, cfg.batch.micro_batch):
         mb, mask = batch.rows(i, j), batch.loss_mask[i:j]
-        w = _denom(mask, agg) / max(full, 1.0)
+        w = scale * _denom(mask, agg) / max(full, 1.0)
         logp, ent = logprobs_and_entropy(models.policy, mb.input_ids, mb.attention_mask)
         extra = {"prox_logp": ref["prox_logp"][i:j]} if "prox_logp" in ref else {}
         loss, m = policy_loss(cfg.loss.name, logp, mb.old_logp, ref["advantages"][i:j], mask, **params, **extra)
         (loss * w).backward()
         m["entropy"] = float(masked_mean(ent.detach(), mask))
-        _accumulate(total, m, w)
+        _accumulate(total, m, w, not mask.any())
     return total
 
 
 def _grad_norm(model: torch.nn.Module, clip: float) -> float:
+    if hasattr(model, "reduce_and_clip_grads"):  # megatron: all-reduce over the ranks, then the global norm
+        from learner.backends.megatron.hf_compat import clip_grad_norm
+
+        return clip_grad_norm(model, clip)
     return float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
 
 
-def update(cfg: LearnerConfig, models: Models, batch: Batch, ref: dict, train_policy: bool) -> tuple[dict[str, float], bool]:
+def shard_batch(batch: Batch, ref: dict[str, torch.Tensor], shard: Shard) -> tuple[Batch, dict[str, torch.Tensor]]:
+    """This rank's rows of the batch and its references; padding rows get a zero loss mask."""
+    idx = shard.index
+    mask = batch.loss_mask[idx] * shard.real[:, None].to(batch.loss_mask.dtype)
+    local = Batch(batch.input_ids[idx], batch.attention_mask[idx], mask, batch.old_logp[idx], batch.rewards[idx],
+                  [batch.trajectories[i] for i in idx.tolist()] if batch.trajectories else [])
+    return local, {k: v[idx] for k, v in ref.items()}
+
+
+def _identity(m: dict[str, float]) -> dict[str, float]:
+    return m
+
+
+def update(cfg: LearnerConfig, models: Models, batch: Batch, ref: dict, train_policy: bool,
+           shard: Shard | None = None) -> tuple[dict[str, float], bool]:
     """One optimizer step of the critic (if any) and, unless warming up, the policy.
 
-    Returns (metrics, applied); applied is False when a loss or gradient was non-finite."""
+    With `shard`, this rank trains on its rows of `batch` (every rank calls this with the same
+    batch). Returns (metrics, applied); applied is False when a loss or gradient was non-finite."""
     opts = [o for o in (models.policy_opt, models.value_opt) if o is not None]
     for o in opts:
         o.zero_grad(set_to_none=True)
+    norms: dict[str, float | None] = {"value": None, "policy": None}
+    scale, reduce = 1.0, _identity
+    if shard is not None:
+        norms = {"value": _denom(batch.loss_mask, cfg.value.agg), "policy": _denom(batch.loss_mask, policy_agg(cfg))}
+        scale, reduce = float(shard.world), shard.reduce
+        batch, ref = shard_batch(batch, ref, shard)
     metrics: dict[str, float] = {}
     finite = True
     if models.value is not None:
-        metrics.update(value_backward(cfg, models, batch, ref))
+        metrics.update(reduce(value_backward(cfg, models, batch, ref, norms["value"], scale)))
         metrics["value_grad_norm"] = _grad_norm(models.value, cfg.optim.grad_clip)
         finite &= all(map(_finite, (metrics["value_loss"], metrics["value_grad_norm"])))
     if train_policy and finite:
-        pm = policy_backward(cfg, models, batch, ref)
+        pm = reduce(policy_backward(cfg, models, batch, ref, norms["policy"], scale))
         metrics.update({("policy_loss" if k == "loss" else k): v for k, v in pm.items()})
         metrics["grad_norm"] = _grad_norm(models.policy, cfg.optim.grad_clip)
         finite &= all(map(_finite, (metrics["policy_loss"], metrics["grad_norm"])))

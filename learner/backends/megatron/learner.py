@@ -180,6 +180,27 @@ class MegatronLearner:
         model.load_state_dict(self.policy_state_dict(), strict=True)
         return model.float().eval()
 
+    def empty_hf_policy(self):
+        """An HF policy of this learner's architecture to load a checkpoint into (not collective)."""
+        from transformers import Qwen3MoeForCausalLM
+
+        return Qwen3MoeForCausalLM(self.hf_config).float()
+
+    def empty_hf_value(self):
+        from learner.models.value import ValueModel
+
+        return ValueModel(self.hf_config).float()
+
+    def load_hf_policy(self, hf_policy) -> None:
+        """Replace the policy's weights with an HF model's (e.g. a checkpoint's); this rank's experts."""
+        load_megatron(self.policy, convert.hf_to_megatron(hf_policy.state_dict(), self.hf_config,
+                                                          self.ep_rank, self.ep_size))
+
+    def load_hf_value(self, hf_value) -> None:
+        if self.value is None:
+            raise RuntimeError("MegatronLearner.load_hf_value: built without a value model")
+        load_value(self.value, hf_value.state_dict(), self.hf_config, self.ep_rank, self.ep_size)
+
     def export_hf_value(self):
         """H2's `ValueModel` holding the critic's current weights (collective)."""
         from learner.models.value import ValueModel
@@ -197,7 +218,7 @@ def megatron_trainer_models(cfg, hf_policy, hf_value=None, options: MegatronOpti
 
     lrn = make_megatron_learner(cfg, hf_policy, hf_value, options)
     pol, val = lrn.hf_modules()
-    return Models(pol, lrn.opt, val, lrn.value_opt if val is not None else None), lrn
+    return Models(pol, lrn.opt, val, lrn.value_opt if val is not None else None, learner=lrn), lrn
 
 
 def _to(batch: dict, device: torch.device) -> dict:

@@ -54,6 +54,11 @@ def check_supported(hf_cfg) -> None:
         if is_bad:
             raise ValueError(f"megatron backend: qwen3_moe config field '{field}' = "
                              f"{getattr(hf_cfg, field)!r} is not supported")
+    if hf_cfg.num_experts_per_tok == 1 and hf_cfg.norm_topk_prob:
+        # HF: gate weight 1.0; megatron refuses top-1 without pre-softmax (which would give p_max)
+        raise ValueError("megatron backend: num_experts_per_tok = 1 with norm_topk_prob = True is not "
+                         "supported (megatron-core refuses top-1 routing after the softmax); use >= 2 experts "
+                         "per token")
 
 
 def head_dim(hf_cfg) -> int:

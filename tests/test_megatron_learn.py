@@ -1,0 +1,162 @@
+"""`sao learn --backend megatron` end to end: 2 ranks under torchrun (gloo, expert parallelism 2) on a
+recorded trajectory file, against the torch backend trained on the same batches in this process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_model
+
+from learner.config import LearnerConfig
+from learner.models.policy import build_policy
+from learner.train import build_config, build_models, parse_args, torchrun_argv
+from learner.trainer.loop import Trainer
+from learner.trainer.publish import DirectoryPublisher
+from learner.trainer.ranks import shard_rows
+from learner.trainer.source import FileSource, write_trajectories
+from learner.trainer.synthetic import TINY_OVERRIDES, synthetic_trajectories
+from streamer.config import ConfigError, load_config
+from streamer.weights import WeightStore
+
+REPO = Path(__file__).resolve().parents[1]
+# megatron-core refuses top-1 routing with renormalised gates: the tiny model with 4 experts, top-2
+MODEL = TINY_OVERRIDES + ["model.num_experts=4", "model.experts_per_token=2"]
+# 21 trajectories, batches of 7 (odd: rank 1 gets a padding row) in micro-batches of 2
+TRAIN = MODEL + ["threads=1", "batch.max_trajectories=7", "batch.tokens=100000", "batch.micro_batch=2",
+                 "checkpoint.every=1"]
+LR, VALUE_LR = 3e-4, 1e-3  # LearnerConfig's AdamW defaults
+
+
+# ---------------------------------------------------------------------- pure pieces
+
+def test_shard_rows_by_hand():
+    # 7 rows over 2 ranks: ceil(7/2) = 4 rows each, strided; rank 1's 4th row (7) is padding -> row 6
+    idx, real = shard_rows(7, 0, 2)
+    assert idx.tolist() == [0, 2, 4, 6] and real.tolist() == [True] * 4
+    idx, real = shard_rows(7, 1, 2)
+    assert idx.tolist() == [1, 3, 5, 6] and real.tolist() == [True, True, True, False]
+    idx, real = shard_rows(1, 2, 4)  # fewer rows than ranks: an all-padding rank still runs a row
+    assert idx.tolist() == [0] and real.tolist() == [False]
+
+
+def test_backend_config_and_flags():
+    cfg = build_config(parse_args(["--backend", "megatron", "backend.expert_parallel=2", *MODEL]))
+    assert (cfg.backend.name, cfg.backend.expert_parallel) == ("megatron", 2)
+    # streamer.ray_launch spells it `backend=megatron`
+    assert build_config(parse_args(["backend=megatron", *MODEL])).backend.name == "megatron"
+    with pytest.raises(ConfigError, match="backend.expert_parallel: 3 does not divide model.num_experts 4"):
+        load_config(LearnerConfig, None, MODEL + ["backend.name=megatron", "backend.expert_parallel=3"])
+    with pytest.raises(ConfigError, match="backend.name: 'deepspeed' unknown"):
+        load_config(LearnerConfig, None, ["backend.name=deepspeed"])
+    with pytest.raises(ConfigError, match="need the megatron backend"):
+        load_config(LearnerConfig, None, ["backend.expert_parallel=2"])
+    with pytest.raises(ConfigError, match="model.experts_per_token: 1 with model.norm_topk_prob"):
+        load_config(LearnerConfig, None, TINY_OVERRIDES + ["backend.name=megatron"])
+
+
+def test_nproc_reexecutes_under_torchrun_and_needs_megatron(capsys):
+    from learner.train import main
+
+    argv = ["--backend", "megatron", "--nproc", "2", "--max-steps", "3", "x=1"]
+    cmd = torchrun_argv(argv, 2)
+    assert cmd[1:5] == ["-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    assert cmd[cmd.index("streamer.cli"):] == ["streamer.cli", "learn", "--backend", "megatron", "--max-steps",
+                                               "3", "x=1"]  # the ranks do not re-execute again
+    assert main(["--nproc", "2", *MODEL]) == 2
+    assert "only the megatron backend runs as several ranks" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- end to end
+
+@pytest.fixture(scope="module")
+def traj_file(tmp_path_factory) -> Path:
+    cfg = load_config(LearnerConfig, None, MODEL)
+    behaviour = build_policy(cfg.model, seed=5)  # not the learner's weights: ratios leave the clip band
+    return write_trajectories(tmp_path_factory.mktemp("traj") / "t.jsonl",
+                              synthetic_trajectories(behaviour, 21, seed=1), append=False)
+
+
+def _learn(traj: Path, root: Path, max_steps: int) -> None:
+    cmd = [sys.executable, "-m", "streamer.cli", "learn", "--backend", "megatron", "--nproc", "2",
+           "backend.expert_parallel=2", "--trajectories", str(traj), "--checkpoint-dir", str(root / "ck"),
+           "--weights-dir", str(root / "w"), "--max-steps", str(max_steps), *TRAIN]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.fixture(scope="module")
+def megatron_run(traj_file, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("megatron")
+    _learn(traj_file, root, max_steps=1)
+    return root
+
+
+@pytest.fixture(scope="module")
+def torch_run(traj_file, tmp_path_factory) -> dict:
+    """The torch backend on the same file, 3 steps: published policies and the critic per step."""
+    root = tmp_path_factory.mktemp("torch")
+    cfg = load_config(LearnerConfig, None, TRAIN + [f"checkpoint.dir={root / 'ck'}"])
+    trainer = Trainer(cfg, build_models(cfg), FileSource(traj_file), DirectoryPublisher(root / "w"))
+    trainer.start()  # publishes v0
+    values = {}
+    for step in (1, 2, 3):
+        assert trainer.step_once()
+        save_model(trainer.models.value, str(root / f"value{step}.safetensors"))  # as checkpoints store it
+        values[step] = load_file(str(root / f"value{step}.safetensors"))
+    return {"store": WeightStore(root / "w"), "value": values}
+
+
+def _policy(store: WeightStore, version: int) -> dict[str, torch.Tensor]:
+    (pv,) = [p for p in store.versions() if p.version == version]
+    return store.load(pv)  # raises CheckpointError unless the bytes match the announced sha256
+
+
+def _max_abs(a: dict, b: dict) -> float:
+    assert set(a) == set(b)
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def test_megatron_learner_steps_publishes_and_matches_torch(megatron_run, torch_run):
+    events = [json.loads(line) for line in (megatron_run / "ck" / "events.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["version"], e["n_trajectories"], e["skipped"]) for e in events] == [(1, 1, 7, False)]
+    assert 0 < events[0]["metrics"]["learner/clip_frac"] < 1  # the SAO band did bind on some tokens
+    store = WeightStore(megatron_run / "w")
+    assert [pv.version for pv in store.versions()] == [0, 1]
+    m0, m1 = _policy(store, 0), _policy(store, 1)
+    t0, t1 = _policy(torch_run["store"], 0), _policy(torch_run["store"], 1)
+    assert _max_abs(m0, t0) == 0.0  # HF -> megatron (EP 2) -> HF is lossless
+    assert 0.5 * LR <= _max_abs(m1, m0) <= 1.5 * LR  # a first AdamW step moves weights by ~lr
+    # same batch, global token mean, all-reduced clip: fp32 rounding, amplified by Adam's g/|g| where
+    # |g| ~ 1e-8 (H7's parity bound: 0.1 * lr overall, ~1e-7 where |g| > 1e-5)
+    assert _max_abs(m1, t1) <= 0.1 * LR
+    ck = megatron_run / "ck" / "step_00000001"
+    assert _max_abs(load_file(str(ck / "value.safetensors")), torch_run["value"][1]) <= 0.1 * VALUE_LR
+    for name in ("policy", "value"):  # per-rank optimizer state (expert moments differ by rank)
+        assert {p.name for p in ck.glob(f"optim_{name}.rank*.safetensors")} == {
+            f"optim_{name}.rank00000.safetensors", f"optim_{name}.rank00001.safetensors"}
+    assert json.loads((ck / "state.json").read_text())["layout"] == {
+        "backend": "megatron", "world_size": 2, "expert_parallel": 2}
+
+
+@pytest.mark.slow
+def test_resume_restores_per_rank_optimizer_state(traj_file, megatron_run, torch_run):
+    """A second launch resumes at step 1 (weights, AdamW moments of each rank, offsets) and trains
+    steps 2 and 3 as an uninterrupted torch run does; a restarted Adam would move by ~lr instead."""
+    _learn(traj_file, megatron_run, max_steps=3)
+    events = [json.loads(line) for line in (megatron_run / "ck" / "events.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["task_ids"][0]) for e in events] == [(1, "task1-0"), (2, "task1-7"), (3, "task1-14")]
+    store = WeightStore(megatron_run / "w")
+    # a restart never reuses a version number: v2 re-announces the restored step-1 weights
+    assert [pv.version for pv in store.versions()] == [0, 1, 2, 3, 4]
+    assert _max_abs(_policy(store, 2), _policy(store, 1)) == 0.0  # checkpoint -> megatron -> HF, lossless
+    for v, step in ((3, 2), (4, 3)):
+        assert _max_abs(_policy(store, v), _policy(torch_run["store"], step)) <= 0.1 * LR
+    ck = megatron_run / "ck" / "step_00000003"
+    assert _max_abs(load_file(str(ck / "value.safetensors")), torch_run["value"][3]) <= 0.1 * VALUE_LR
