@@ -1,0 +1,341 @@
+"""Shared pieces of the headline benchmarks (drift_algorithms, async_vs_sync, stability).
+
+Every run is the real pipeline: `streamer.launcher.run(UpConfig(...))` (embedded broker, cached warm
+start, metrics app, learner, agents, simulator as child processes, artifacts under <out>/runs/<run>/).
+`launch` adds only a watcher thread that ends the run once a budget is met (generated tokens or
+learner steps) by lowering the launcher's own `max_seconds`; the figures come from the run's
+artifacts through `streamer.adaptation` (one definition of every adaptation metric).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pandas as pd
+
+from streamer import adaptation as ad
+
+BASE_SCENARIO = "benchmark"
+CACHE_DIR = "runs/bench/cache"  # warm starts shared by the three benchmarks (keyed by their config)
+# two-sided 95% Student-t quantiles by degrees of freedom (n - 1); 1.96 beyond 30
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
+         10: 2.228, 15: 2.131, 20: 2.086, 30: 2.042}
+
+
+# ------------------------------------------------------------------ scenarios
+
+def snapshot_base(name: str = BASE_SCENARIO) -> Path:
+    """A content-addressed copy of the base scenario under CACHE_DIR. Every run of a benchmark (and
+    the three benchmarks among themselves) warm-starts from this copy, so an edit of the scenario
+    file while a table runs cannot give its runs different warm starts (the cache keys on the text
+    and path of the scenario)."""
+    import hashlib
+
+    from simulator.scenario import resolve_path
+
+    text = resolve_path(name).read_text()
+    path = Path(CACHE_DIR) / f"{Path(name).stem}-{hashlib.sha256(text.encode()).hexdigest()[:10]}.yaml"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return path
+
+
+def base_scenario(path: Path) -> dict[str, Any]:
+    import yaml
+
+    return yaml.safe_load(Path(path).read_text())
+
+
+def scale_scenario(raw: dict[str, Any], scale: float, seed: int, **top: Any) -> dict[str, Any]:
+    """The scenario with every phase length (and gradual width/center, recurring period) times
+    `scale`, rounded, at least 1; `top` replaces top-level fields (e.g. latency=...)."""
+    out = json.loads(json.dumps(raw))  # deep copy
+    out.update(seed=seed, **top)
+    for p in out["phases"]:
+        for k in ("duration_tasks", "width", "center", "period"):
+            if p.get(k):
+                p[k] = max(1, round(p[k] * scale))
+        if p.get("schedule") == "recurring" and p["period"] >= p["duration_tasks"]:
+            p["period"] = max(1, p["duration_tasks"] // 2)
+    return out
+
+
+def write_scenario(raw: dict[str, Any], path: Path) -> Path:
+    import yaml
+
+    from simulator.scenario import load_scenario
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    load_scenario(path)  # a bad scaling fails here, naming the phase and field
+    return path
+
+
+# ------------------------------------------------------------------ runs
+
+@dataclass
+class Algo:
+    """One benchmark configuration: launcher options and learner overrides (`sao up --set`)."""
+
+    name: str
+    loss: str = "sao"
+    group_size: int = 1
+    sets: list[str] = field(default_factory=list)
+    note: str = ""
+
+
+@dataclass
+class Budget:
+    gen_tokens: int = 0  # stop once the run's trajectories hold this many generated tokens (0: no)
+    learner_steps: int = 0  # stop once the learner logged this many steps (0: no)
+    max_seconds: float = 600.0  # safety cap on the whole run
+
+
+def launch(algo: Algo, run: str, scenario: Path, runs_dir: Path, budget: Budget, pretrain: list[str],
+           base: Path, seed: int = 0, agents: int = 2, sync: bool = False, sync_batch: int = 64,
+           extra_sets: list[str] = ()) -> dict[str, Any]:
+    """Run the pipeline once on `scenario`, warm-started from the `base` snapshot (`snapshot_base`);
+    returns {run_dir, stopped, wall_s, rc}."""
+    from streamer.launcher import UpConfig, run as up
+
+    cfg = UpConfig(scenario=str(scenario), run=run, runs_dir=str(runs_dir), agents=agents,
+                   group_size=algo.group_size, loss=algo.loss, sync=sync, sync_batch=sync_batch,
+                   dashboard=False, max_seconds=budget.max_seconds,
+                   pretrain=[f"scenario={base}", f"cache_dir={CACHE_DIR}", *pretrain],
+                   learner=[f"seed={seed}", *algo.sets, *extra_sets])
+    run_dir = runs_dir / run
+    if run_dir.exists():  # the launcher appends to a run directory: start clean
+        import shutil
+        shutil.rmtree(run_dir)
+    reason: list[str] = []
+    done = threading.Event()
+    watcher = threading.Thread(target=_watch, args=(cfg, run_dir, budget, reason, done), daemon=True)
+    watcher.start()
+    t0 = time.monotonic()
+    try:
+        rc = up(cfg)
+    finally:
+        done.set()
+        watcher.join(timeout=5)
+        import signal
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # the launcher leaves SIGINT ignored
+    summary = json.loads((run_dir / "summary.json").read_text())
+    stopped = str(summary.get("stopped", ""))
+    if reason and "1e-09" in stopped:  # our watcher, not the launcher's own cap, ended the run
+        stopped = reason[0]
+    return {"run_dir": str(run_dir), "stopped": stopped, "wall_s": time.monotonic() - t0, "rc": rc}
+
+
+def _watch(cfg, run_dir: Path, budget: Budget, reason: list[str], done: threading.Event) -> None:
+    """Ends the launcher's loop (it re-reads cfg.max_seconds every 0.5 s) once a budget is met."""
+    from streamer.artifacts import read_learner, read_trajectories
+
+    while not done.wait(2.0):
+        try:
+            if budget.gen_tokens:
+                traj = read_trajectories(run_dir)
+                tokens = int(traj["n_gen_tokens"].sum()) if len(traj) else 0
+                if tokens >= budget.gen_tokens:
+                    reason.append(f"token budget {budget.gen_tokens} reached ({tokens})")
+            if budget.learner_steps and not reason:
+                steps = len(read_learner(run_dir))
+                if steps >= budget.learner_steps:
+                    reason.append(f"{budget.learner_steps} learner steps reached ({steps})")
+        except Exception:  # a part being written: try again at the next tick
+            continue
+        if reason:
+            cfg.max_seconds = 1e-9
+            return
+
+
+def read_run(run_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, list[dict]]:
+    """(trajectories in finish order, learner events, drift events as dicts)."""
+    import msgspec
+
+    from streamer.artifacts import read_drift, read_learner, read_trajectories
+
+    traj = read_trajectories(run_dir)
+    if len(traj):
+        traj = ad.sort_by(traj, "finished_at").reset_index(drop=True)
+    return traj, read_learner(run_dir), [msgspec.to_builtins(e) for e in read_drift(run_dir)]
+
+
+def token_prefix(traj: pd.DataFrame, budget: int) -> pd.DataFrame:
+    """The trajectories, in finish order, whose cumulative generated tokens stay within `budget`."""
+    if not len(traj) or budget <= 0:
+        return traj
+    return traj[traj["n_gen_tokens"].cumsum() <= budget]
+
+
+# ------------------------------------------------------------------ metrics of one run
+
+def changed(event: dict) -> list[str]:
+    """The families whose rewarded concept the event changes (events list every family)."""
+    prev = event.get("prev_concepts", {})
+    return [f for f, k in event.get("concepts", {}).items() if prev.get(f) != k]
+
+
+def drift_kind(event: dict) -> str:
+    """Drift type of an event: its schedule, or 'tool-api' for an abrupt change of the tool family."""
+    if event.get("schedule") == "abrupt" and "tool" in changed(event):
+        return "tool-api"
+    return str(event.get("schedule", "?"))
+
+
+def recoveries(traj: pd.DataFrame, learner: pd.DataFrame, drift: list[dict], window: int,
+               delta: float = ad.DEFAULT_DELTA) -> dict[str, dict[str, float]]:
+    """Per drift type: mean and worst recovery (trajectories of the family), and how many censored."""
+    if not len(traj) or not drift:
+        return {}
+    times = learner["time"].to_numpy(float) if len(learner) else ()
+    seen = set(traj["phase"].unique())
+    events = [dict(e, families=changed(e)) for e in drift if e["phase"] in seen and changed(e)]
+    if not events:
+        return {}
+    rec = ad.drift_recoveries(traj, events, times, window, delta)
+    kinds = {e["phase"]: drift_kind(e) for e in drift}
+    out: dict[str, dict[str, float]] = {}
+    for kind, g in rec.assign(kind=rec["phase"].map(kinds)).groupby("kind"):
+        t = g["trajectories"].astype(float)
+        out[kind] = {"mean": float(t.mean()), "worst": float(t.max()), "n": int(len(g)),
+                     "censored": int(g["censored"].sum())}
+    return out
+
+
+def online_forgetting(traj: pd.DataFrame, window: int) -> list[dict]:
+    """Forgetting from the online reward: for each block where a concept comes back, the mean reward
+    of its first `window` trajectories minus the mean of the last `window` before it left (per family).
+    Online (sampled) rewards, not a held-out eval: nobody in the pipeline emits eval/reward yet."""
+    rows = []
+    for fam, g in traj.groupby("family", sort=False):
+        c, r = g["concept"].to_numpy(), g["reward"].to_numpy(float)
+        starts = np.flatnonzero(np.r_[True, c[1:] != c[:-1]])
+        blocks = [(c[s], s, e) for s, e in zip(starts, np.r_[starts[1:], len(c)])]
+        last_end: dict[str, tuple[int, int]] = {}
+        for concept, s, e in blocks:
+            if concept in last_end:
+                ps, pe = last_end[concept]
+                before = float(r[max(ps, pe - window):pe].mean())
+                after = float(r[s:min(e, s + window)].mean())
+                rows.append({"family": fam, "concept": str(concept), "before": before, "after": after,
+                             "forgetting": after - before})
+            last_end[concept] = (s, e)
+    return rows
+
+
+def masked_fraction(learner: pd.DataFrame) -> dict[str, float]:
+    """Mean share of response tokens the clip cut, over policy steps (not value warm-up)."""
+    if not len(learner):
+        return {}
+    pol = learner[learner.get("learner/value_warmup", pd.Series(0.0, index=learner.index)) != 1.0]
+    return {k.split("/")[-1]: float(pd.to_numeric(pol[k], errors="coerce").mean())
+            for k in ("learner/clip_frac", "learner/clip_frac_low", "learner/clip_frac_high") if k in pol}
+
+
+def collapsed(traj: pd.DataFrame, learner: pd.DataFrame, window: int) -> dict[str, Any]:
+    """Collapse: a non-finite (skipped) update, or the last window's reward below half the first's
+    (when the first is > 0.05: a run that starts near zero cannot be said to collapse by reward)."""
+    skipped = int(learner["skipped"].sum()) if len(learner) and "skipped" in learner else 0
+    r = traj["reward"].to_numpy(float) if len(traj) else np.zeros(0)
+    first = float(r[:window].mean()) if r.size else math.nan
+    last = float(r[-window:].mean()) if r.size else math.nan
+    by_reward = bool(r.size >= 2 * window and first > 0.05 and last < 0.5 * first)
+    return {"collapsed": bool(skipped > 0 or by_reward), "skipped_steps": skipped,
+            "first_window_reward": first, "last_window_reward": last}
+
+
+def curve(traj: pd.DataFrame, grid: np.ndarray, window: int) -> np.ndarray:
+    """Windowed online reward (all families) at each trajectory count of `grid` (NaN past the end)."""
+    w = ad.windowed_reward(traj["reward"].to_numpy(float), window) if len(traj) else np.zeros(0)
+    idx = np.asarray(grid, int) - 1
+    out = np.full(idx.size, np.nan)
+    ok = (idx >= 0) & (idx < w.size)
+    out[ok] = w[idx[ok]]
+    return out
+
+
+# ------------------------------------------------------------------ statistics and output
+
+def mean_ci(values) -> dict[str, float]:
+    """Mean and 95% Student-t interval over seeds (NaNs dropped; lo = hi = mean for one value)."""
+    v = np.asarray([x for x in values if x is not None and not math.isnan(x)], float)
+    if v.size == 0:
+        return {"mean": math.nan, "lo": math.nan, "hi": math.nan, "n": 0}
+    m = float(v.mean())
+    if v.size == 1:
+        return {"mean": m, "lo": m, "hi": m, "n": 1}
+    df = v.size - 1
+    t = _T975.get(df) or next((_T975[k] for k in sorted(_T975) if k >= df), 1.96)
+    h = t * float(v.std(ddof=1)) / math.sqrt(v.size)
+    return {"mean": m, "lo": m - h, "hi": m + h, "n": int(v.size)}
+
+
+def machine() -> dict[str, Any]:
+    return {"cpus": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2), "platform": platform.platform()}
+
+
+def finite(obj: Any) -> Any:
+    """NaN/inf -> None, numpy scalars -> Python, recursively (JSON has no NaN)."""
+    if isinstance(obj, dict):
+        return {str(k): finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    if hasattr(obj, "item") and callable(obj.item):
+        obj = obj.item()
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+def save_json(obj: Any, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(finite(obj), indent=1, sort_keys=False) + "\n")
+    return path
+
+
+def plot_bands(series: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]], path: Path,
+               title: str, xlabel: str, ylabel: str, events: list[tuple[float, str]] = ()) -> Path:
+    """One line per name: (x, mean, lo, hi) with the band shaded; vertical lines at `events`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 5.5))
+    for name, (x, m, lo, hi) in series.items():
+        line, = ax.plot(x, m, label=name, lw=1.4)
+        ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.15, lw=0)
+    for x, label in events:
+        ax.axvline(x, color="grey", ls="--", lw=0.8)
+        ax.text(x, 1.0, f" {label}", rotation=90, va="top", ha="left", fontsize=7, color="dimgrey",
+                transform=ax.get_xaxis_transform())
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    ax.legend(fontsize=8, ncol=2, loc="lower right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def band(curves: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pointwise mean and 95% interval over seeds of equally long curves."""
+    stats = [mean_ci(col) for col in np.asarray(curves, float).T]
+    return tuple(np.array([s[k] for s in stats], float) for k in ("mean", "lo", "hi"))  # type: ignore
+
+
+def asdicts(items) -> list[dict]:
+    return [asdict(i) for i in items]
+
+
+Progress = Callable[[str], None]

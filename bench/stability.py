@@ -1,0 +1,181 @@
+"""Stability at high asynchrony: SAO for 1,000 learner steps with max staleness 8, next to GRPO and PPO.
+
+Each configuration runs the real pipeline (see bench/common.py) on the benchmark scenario (scaled to
+outlast the run; phases divided by the group size for GRPO) with small token-budgeted batches, so
+the learner publishes many versions while agents still roll out older ones, and trajectories up to
+8 versions old are trained on. A run stops once the learner has logged `--steps` steps (or at its
+time cap). Writes <out>/stability.json and .png: per learner step the windowed reward, clipped
+fraction, KL (k3) and entropy; per run the staleness reached, skipped (non-finite) updates and a
+collapse verdict (see common.collapsed, plus entropy or KL blowing up).
+
+    .venv/bin/python bench/stability.py              # 1,000 steps each
+    .venv/bin/python bench/stability.py --quick      # 60 steps each (< 5 min)
+    .venv/bin/python bench/stability.py --smoke      # CI: outputs produced and well-formed
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+if __package__ in (None, ""):  # `python bench/stability.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import common as c  # noqa: E402
+
+STALENESS = 8
+GROUP = 8
+SERIES = ("learner/clip_frac", "learner/kl_k3", "learner/entropy")
+
+
+def algorithms() -> list[c.Algo]:
+    value = ["advantage.estimator=gae", "value.warmup_steps=5"]
+    return [c.Algo("sao", "sao", 1, value, "strict double-side clip, value model"),
+            c.Algo("ppo", "ppo", 1, value, "one-sided clip, value model"),
+            c.Algo("grpo", "ppo", GROUP, ["advantage.estimator=grpo", f"advantage.group_size={GROUP}"],
+                   f"groups of {GROUP}")]
+
+
+@dataclass
+class Mode:
+    steps: int
+    scale: float
+    max_seconds: float
+    agents: int
+    window: int
+    algos: list[str] = field(default_factory=lambda: ["sao", "ppo", "grpo"])
+    pretrain: list[str] = field(default_factory=list)
+    learner: list[str] = field(default_factory=lambda: [f"batch.max_staleness={STALENESS}", "batch.tokens=192",
+                                                         "threads=1"])
+
+
+MODES = {
+    "full": Mode(1000, 0.35, 1500.0, 3, 64),
+    "quick": Mode(60, 0.03, 80.0, 3, 16, pretrain=["steps=300"]),
+    "smoke": Mode(3, 0.01, 30.0, 2, 8, algos=["sao"], pretrain=["steps=20", "eval_every=0"]),
+}
+
+
+def step_series(learner: pd.DataFrame, traj: pd.DataFrame, window: int, points: int = 200) -> dict[str, list]:
+    """Per learner step (thinned to `points`): the windowed online reward of the trajectories finished
+    by that step's time, and the step's clip fraction, KL and entropy."""
+    if not len(learner):
+        return {"step": []}
+    lr = learner.sort_values("step")
+    idx = np.unique(np.linspace(0, len(lr) - 1, min(points, len(lr))).astype(int))
+    sub = lr.iloc[idx]
+    out: dict[str, list] = {"step": sub["step"].astype(int).tolist()}
+    w = c.ad.windowed_reward(traj["reward"].to_numpy(float), window) if len(traj) else np.zeros(0)
+    k = np.searchsorted(traj["finished_at"].to_numpy(float), sub["time"].to_numpy(float), side="right")
+    out["reward"] = [float(w[i - 1]) if i else None for i in k]
+    for name in SERIES:
+        if name in sub:
+            out[name.split("/")[-1]] = pd.to_numeric(sub[name], errors="coerce").tolist()
+    return out
+
+
+def blowup(learner: pd.DataFrame) -> dict[str, float | bool | None]:
+    """Entropy collapse (last tenth's mean < 10% of the first tenth's) or KL blow-up (max k3 > 1)."""
+    pol = learner[learner.get("learner/value_warmup", pd.Series(0.0, index=learner.index)) != 1.0]
+    if len(pol) < 10:
+        return {"entropy_first": None, "entropy_last": None, "kl_k3_max": None, "blowup": False}
+    tenth = max(1, len(pol) // 10)
+    ent = pd.to_numeric(pol.get("learner/entropy", pd.Series(dtype=float)), errors="coerce")
+    kl = pd.to_numeric(pol.get("learner/kl_k3", pd.Series(dtype=float)), errors="coerce")
+    e0, e1 = float(ent.iloc[:tenth].mean()), float(ent.iloc[-tenth:].mean())
+    kmax = float(kl.max()) if kl.size else float("nan")
+    return {"entropy_first": e0, "entropy_last": e1, "kl_k3_max": kmax,
+            "blowup": bool((e0 > 0 and e1 < 0.1 * e0) or kmax > 1.0)}
+
+
+def measure(algo: str, launched: dict, mode: Mode) -> dict:
+    traj, learner, _ = c.read_run(launched["run_dir"])
+    lrn = learner.sort_values("step").iloc[:mode.steps] if len(learner) else learner
+    pre = traj[traj["finished_at"] <= lrn["time"].max()] if len(lrn) and len(traj) else traj
+    hist = c.ad.staleness_from_histograms(json.loads(s) for s in lrn["staleness"]) if len(lrn) else np.zeros(0)
+    col, bl = c.collapsed(pre, lrn, mode.window), blowup(lrn)
+    return {"algo": algo, **launched, "learner_steps": int(len(lrn)), "reached_steps": bool(len(lrn) >= mode.steps),
+            "trajectories": int(len(pre)), "gen_tokens": int(pre["n_gen_tokens"].sum()) if len(pre) else 0,
+            "staleness": c.ad.staleness_stats(hist),
+            "staleness_share_over_4": float((hist > 4).mean()) if hist.size else None,
+            "auc": c.ad.auc(pre["reward"].to_numpy(float), mode.window) if len(pre) else None,
+            "masked": c.masked_fraction(lrn), **col, **bl, "collapsed": bool(col["collapsed"] or bl["blowup"]),
+            "series": step_series(lrn, pre, mode.window)}
+
+
+def plot(rows: list[dict], path: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("reward", "windowed reward"), ("clip_frac", "clipped fraction"), ("kl_k3", "KL (k3)"),
+              ("entropy", "entropy")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(15, 4))
+    for ax, (key, label) in zip(axes, panels):
+        for r in rows:
+            s = r["series"]
+            if key in s:
+                ax.plot(s["step"], [np.nan if v is None else v for v in s[key]], label=r["algo"], lw=1.2)
+        ax.set(xlabel="learner step", title=label)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--quick", action="store_true", help="60 steps each (< 5 min)")
+    g.add_argument("--smoke", action="store_true", help="one tiny SAO run: outputs only (CI)")
+    p.add_argument("--steps", type=int, help="learner steps of each run")
+    p.add_argument("--algos", help="comma-separated subset of sao,ppo,grpo")
+    p.add_argument("--max-seconds", type=float)
+    p.add_argument("--out", default="runs/bench/stability")
+    args = p.parse_args(argv)
+    name = "quick" if args.quick else "smoke" if args.smoke else "full"
+    mode = MODES[name]
+    mode.steps = args.steps or mode.steps
+    mode.max_seconds = args.max_seconds or mode.max_seconds
+    if args.algos:
+        mode.algos = args.algos.split(",")
+    out, t0, machine = Path(args.out), time.monotonic(), c.machine()
+    base_path = c.snapshot_base()
+    base = c.base_scenario(base_path)
+    rows = []
+    for a in [a for a in algorithms() if a.name in mode.algos]:
+        scn = c.write_scenario(c.scale_scenario(base, mode.scale / a.group_size, 0),
+                               out / "scenarios" / f"g{a.group_size}.yaml")
+        print(f"[stability] {a.name}: {mode.steps} steps at max staleness {STALENESS}", flush=True)
+        r = c.launch(a, f"stab-{a.name}", scn, out / "runs", c.Budget(learner_steps=mode.steps,
+                     max_seconds=mode.max_seconds), mode.pretrain, base_path, agents=mode.agents,
+                     extra_sets=mode.learner)
+        rows.append(measure(a.name, r, mode))
+    png = plot(rows, out / "stability.png", f"stability ({name}): max staleness {STALENESS}, {mode.steps} steps")
+    result = {"bench": "stability", "mode": name,
+              "command": " ".join(["bench/stability.py", *(argv if argv is not None else sys.argv[1:])]),
+              "machine_before": machine, "machine_after": c.machine(), "wall_s": time.monotonic() - t0,
+              "settings": asdict(mode), "base_scenario": str(base_path), "max_staleness": STALENESS,
+              "algos": c.asdicts(algorithms()),
+              "runs": rows, "png": str(png)}
+    c.save_json(result, out / "stability.json")
+    for r in rows:
+        print(f"{r['algo']:>5}: {r['learner_steps']} steps, staleness {r['staleness']}, collapsed {r['collapsed']}, "
+              f"auc {r['auc']}, stopped: {r['stopped']}")
+    print(f"wrote {out / 'stability.json'} and {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Smoke test of the headline benchmarks: `--smoke` runs the real pipeline briefly (embedded broker,
+tiny warm start, agents, learner) and this checks only that each script writes well-formed outputs
+(the JSON keys the README and the dashboards read, a PNG that is a PNG). Figures are not judged here:
+timing and quality live in the benchmarks themselves."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _run(script: str, out: Path) -> dict:
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--smoke", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    name = script.removesuffix(".py")
+    png = out / f"{name}.png"
+    assert png.read_bytes()[:8] == PNG_MAGIC, f"{png} is not a PNG"
+    result = json.loads((out / f"{name}.json").read_text())
+    assert result["bench"] == name and result["mode"] == "smoke"
+    assert result["png"] == str(png)
+    return result
+
+
+@pytest.mark.slow
+def test_drift_algorithms_smoke(tmp_path):
+    r = _run("drift_algorithms.py", tmp_path)
+    assert {"table", "runs", "curves", "drift_marks", "token_budget", "settings"} <= set(r)
+    assert {x["algo"] for x in r["runs"]} == {"sao", "grpo"} == set(r["table"])
+    for row in r["runs"]:
+        assert {"auc", "recovery", "final_reward_per_concept", "forgetting", "masked", "collapsed",
+                "gen_tokens_total", "trajectories_in_budget"} <= set(row)
+        assert row["trajectories_in_budget"] > 0, row["stopped"]
+    for t in r["table"].values():
+        assert {"mean", "lo", "hi", "n"} <= set(t["auc"]) and t["runs"] == 1
+    assert len(r["curves"]["x"]) == len(r["curves"]["sao"]["mean"]) > 0
+    assert (tmp_path / "drift_algorithms.md").read_text().startswith("| config |")
+
+
+@pytest.mark.slow
+def test_async_vs_sync_smoke(tmp_path):
+    r = _run("async_vs_sync.py", tmp_path)
+    assert [x["mode"] for x in r["runs"]] == ["async", "sync"]
+    assert {"speedup_trajectories_per_s", "goal_met", "token_budget"} <= set(r)
+    for row in r["runs"]:
+        assert {"trajectories_per_s", "learner_idle_fraction", "staleness_histogram", "staleness_within_bound",
+                "reward_per_minute"} <= set(row)
+        assert row["trajectories_in_budget"] > 0, row["stopped"]
+
+
+@pytest.mark.slow
+def test_stability_smoke(tmp_path):
+    r = _run("stability.py", tmp_path)
+    assert r["max_staleness"] == 8 and [x["algo"] for x in r["runs"]] == ["sao"]
+    row = r["runs"][0]
+    assert {"learner_steps", "staleness", "collapsed", "series", "masked"} <= set(row)
+    assert row["trajectories"] > 0, row["stopped"]
+    assert set(row["series"]) >= {"step", "reward"}
