@@ -135,7 +135,9 @@ def views() -> None:
     if len(rec):
         cols = [c for c in ("run", "phase", "name", "family", "prev_concept", "concept", "pre_level", "trajectories",
                             "learner_steps", "censored") if c in rec]
-        st.dataframe(rec[cols], hide_index=True, key="drift_table")
+        names = {"trajectories": "recovery (family trajectories)", "learner_steps": "recovery (learner steps)",
+                 "pre_level": "pre-drift reward"}
+        st.dataframe(rec[cols].rename(columns=names), hide_index=True, key="drift_table")
     else:
         st.info("No drift events.")
 

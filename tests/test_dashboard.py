@@ -122,8 +122,9 @@ def test_drift_table(runs_root):
     at = app(runs_root)
     table = at.dataframe[0].value
     row = table.iloc[0]
-    assert (row["family"], row["prev_concept"], row["concept"], row["trajectories"], row["learner_steps"],
-            bool(row["censored"]), row["pre_level"]) == ("a", "c0", "c1", 4, 3, False, 1.0)
+    assert (row["family"], row["prev_concept"], row["concept"], row["recovery (family trajectories)"],
+            row["recovery (learner steps)"], bool(row["censored"]), row["pre-drift reward"]) == (
+        "a", "c0", "c1", 4, 3, False, 1.0)
 
 
 def test_eval_view_and_forgetting(runs_root):
@@ -224,7 +225,7 @@ def test_censored_recovery_is_shown_as_censored(tmp_path):
     w.close(window=2)
     at = app(tmp_path)
     row = at.dataframe[0].value.iloc[0]
-    assert (row["trajectories"], bool(row["censored"])) == (3, True)
+    assert (row["recovery (family trajectories)"], bool(row["censored"])) == (3, True)
     span = chart_data(at, "reward_lines")["recovery_spans"]
     # the span runs from the event (x 1.5) to the phase's last trajectory (t=104 -> x 4.0)
     assert span[["x_time", "x2_time"]].values.tolist() == [[1.5, 4.0]]
