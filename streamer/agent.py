@@ -314,7 +314,15 @@ def main(argv: list[str]) -> int:
         stats = run_offline(s, engine, tokenizer, a.tasks, a.out)
         print(json.dumps({"tasks": stats.tasks, "trajectories": stats.trajectories, "out": a.out}))
         return 0
-    agent = build_agent(s, KafkaBus(s.client.bootstrap or None, s.client), engine, tokenizer, a.status_file)
+    from kafka.errors import KafkaError
+
+    bus = KafkaBus(s.client.bootstrap or None, s.client)
+    try:
+        agent = build_agent(s, bus, engine, tokenizer, a.status_file)
+    except (KafkaError, RuntimeError) as e:
+        print(f"sao agent: Kafka at {bus.bootstrap}: {type(e).__name__}: {e} "
+              f"(start one with `sao broker`, or set --bootstrap / $SAO_BOOTSTRAP)", file=sys.stderr)
+        return 1
 
     def _stop(*_: Any) -> None:
         agent.stopping = True

@@ -124,10 +124,12 @@ def main(argv: list[str]) -> int:
     t = Topics(a.run)
     bus = KafkaBus(a.bootstrap, ClientSettings(client_id="sao-record"))
     types: dict[str, type] = {t.tasks: Task} if a.no_drift else {t.tasks: Task, t.drift: DriftEvent}
+    from kafka.errors import KafkaError
+
     try:
         consumer = bus.consumer(types, group_id=None, dlq=t.dlq)  # every partition from the start
-    except RuntimeError as e:
-        print(f"sao record: {e}", file=sys.stderr)
+    except (KafkaError, RuntimeError) as e:
+        print(f"sao record: Kafka at {bus.bootstrap}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
     rec = Recorder(consumer, file_sink(a.out), a.window)
     stop = {"now": False}
