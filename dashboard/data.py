@@ -140,7 +140,10 @@ def reward_frame(run: RunData, window: int, max_points: int = 4000) -> pd.DataFr
         return df.assign(run=run.name)[["run", "family", "reward_w", "x_time", "x_traj", "x_step"]]
     m = run.metrics
     if len(m) and "name" in m:
-        pts = m[m["name"] == "metrics/reward"].sort_values("time")
+        pts = m[m["name"] == "metrics/reward"]
+        if "concept" in pts:  # the metrics app emits {family, concept}, {family} and {} levels
+            pts = pts[pts["concept"].isna()]
+        pts = pts.sort_values("time")
         if len(pts):
             fam = pts["family"] if "family" in pts else pd.Series("all", index=pts.index)
             df = axes.add(pts.assign(family=fam.fillna("all"), reward_w=pts["value"]), "time")
@@ -239,6 +242,13 @@ def throughput(run: RunData, bucket_s: float = 5.0) -> pd.DataFrame:
         tt = t_min + (edges + 1) * bucket_s  # bucket end
         frames.append(axes.add(pd.DataFrame({"time": tt, "metric": "trajectories/s",
                                              "value": counts[edges] / bucket_s}), "time"))
+    elif len(run.metrics) and "name" in run.metrics:  # live topics: the metrics app's overall rate
+        m = run.metrics[run.metrics["name"] == "metrics/throughput"]
+        if "family" in m:
+            m = m[m["family"].isna()]
+        if len(m):
+            frames.append(axes.add(pd.DataFrame({"time": m["time"].to_numpy(float), "metric": "trajectories/s",
+                                                 "value": m["value"].to_numpy(float)}), "time"))
     if len(run.learner) >= 2:
         lr = run.learner.sort_values("time")
         dt = lr["time"].diff().to_numpy(float)

@@ -21,6 +21,10 @@ def publish(producer, run: str) -> None:
     for k, v in enumerate([0.8, 0.2, 0.6]):
         producer.send(t.metrics, MetricPoint(name="metrics/reward", value=v, time=10.0 + k, labels={"family": "a"},
                                              trajectories=100 * (k + 1), learner_step=k))
+    # the metrics app also emits a {family, concept} level and an overall {} level: not reward lines per family
+    producer.send(t.metrics, MetricPoint(name="metrics/reward", value=0.1, time=10.0,
+                                         labels={"family": "a", "concept": "c0"}, trajectories=100))
+    producer.send(t.metrics, MetricPoint(name="metrics/throughput", value=7.5, time=11.0, trajectories=200))
     producer.send(t.learner, LearnerEvent(step=0, version=1, time=10.5, n_trajectories=4, n_tokens=40,
                                           metrics={"learner/kl": 0.02}, staleness={"1": 4}))
     producer.send(t.drift, DriftEvent(phase=1, prev_phase=0, name="p1", schedule="abrupt", families=["a"],
@@ -45,6 +49,7 @@ def check_snapshot(snap: data.RunData) -> None:
     assert marks["x_traj"].tolist() == [100.0] and marks["x_time"].round(6).tolist() == [0.7]
     assert data.learner_metrics(snap, "kl_entropy")["value"].tolist() == [0.02]
     assert data.staleness_counts(snap)[["staleness", "count"]].values.tolist() == [[1, 4]]
+    assert data.throughput(snap)[["metric", "value"]].values.tolist() == [["trajectories/s", 7.5]]
 
 
 def test_tap_on_memory_bus_deduplicates_after_reconnect():
@@ -53,7 +58,7 @@ def test_tap_on_memory_bus_deduplicates_after_reconnect():
     publish(bus.producer(), "m1")
     tap = LiveTap("memory", "m1", consumer_factory=memory_factory(bus), retry_s=0.05)
     try:
-        assert wait_for(lambda: len(tap.snapshot().metrics) == 3 and tap.snapshot().drift, 10)
+        assert wait_for(lambda: len(tap.snapshot().metrics) == 5 and tap.snapshot().drift, 10)
         assert tap.ok and "live" in tap.status
         check_snapshot(tap.snapshot())
     finally:
@@ -84,7 +89,7 @@ def test_app_tails_live_topics_on_the_embedded_broker(kafka_bus, bootstrap, kafk
     p.close()
     tap = LiveTap(bootstrap, kafka_run)
     try:
-        assert wait_for(lambda: len(tap.snapshot().metrics) == 3 and tap.snapshot().drift, 60), tap.status
+        assert wait_for(lambda: len(tap.snapshot().metrics) == 5 and tap.snapshot().drift, 60), tap.status
         check_snapshot(tap.snapshot())
     finally:
         tap.close()
@@ -121,7 +126,7 @@ def test_tap_survives_a_broker_restart(tmp_path, kafka_run):
     p.close()
     tap = LiveTap(b.bootstrap, kafka_run, retry_s=0.5, resync_s=2.0)
     try:
-        assert wait_for(lambda: len(tap.snapshot().metrics) == 3, 60), tap.status
+        assert wait_for(lambda: len(tap.snapshot().metrics) == 5, 60), tap.status
         b.stop()
         # the in-memory broker comes back empty on the same port; new points must still arrive
         b = broker(1)
@@ -131,7 +136,7 @@ def test_tap_survives_a_broker_restart(tmp_path, kafka_run):
                                                       labels={"family": "a"}, trajectories=400))
         p.flush()
         p.close()
-        assert wait_for(lambda: len(tap.snapshot().metrics) == 4, 90), tap.status
+        assert wait_for(lambda: len(tap.snapshot().metrics) == 6, 90), tap.status
         assert tap.snapshot().metrics["value"].tolist()[-1] == 0.9
     finally:
         tap.close()
