@@ -59,7 +59,7 @@ class RayConfig:
     learner_workers: int = 1  # learner ranks (torchrun-style, for the megatron backend); 1: one actor
     learner_strategy: str = "PACK"  # placement of the learner ranks: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD
     max_restarts: int = -1  # Ray restarts of a dead actor (-1: always)
-    min_uptime_s: float = 10.0  # a role that exits with an error sooner than this fails the run (no restart loop)
+    min_uptime_s: float = 10.0  # a role that fails sooner than this (or with status 2: bad config) fails the run
     stop_timeout_s: float = 30.0  # SIGINT, then SIGKILL after this long
 
     def validate(self) -> None:

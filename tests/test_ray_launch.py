@@ -237,3 +237,47 @@ def test_learner_gang_gets_torchrun_env_and_restarts_whole_when_a_rank_dies(loca
     assert first[0]["MASTER_PORT"] != second[0]["MASTER_PORT"]  # a fresh rendezvous for the new gang
     assert not any(alive(r["pid"]) for r in by_pid)  # the old rank 0 was stopped, not left behind
     assert learner.proc.returncode == 0  # SIGINT: both ranks exited cleanly
+
+
+@pytest.mark.slow  # ~60 s: two megatron ranks import megatron-core twice (start and gang restart)
+def test_megatron_learner_gang_resumes_after_a_rank_dies_and_trains_each_trajectory_once(local_ray, tmp_path):
+    import dataclasses
+
+    from learner.config import LearnerConfig
+    from learner.models.policy import build_policy
+    from learner.trainer.source import write_trajectories
+    from learner.trainer.synthetic import TINY_OVERRIDES, synthetic_trajectories, tiny_model_config
+    from streamer.processes import Role
+    from streamer.ray_launch import RaySupervisor, ray_config
+
+    if "backend" not in {f.name for f in dataclasses.fields(LearnerConfig)}:
+        pytest.skip("sao learn has no megatron backend in this tree")
+    trajs = synthetic_trajectories(build_policy(tiny_model_config(), seed=0), 48, seed=11)
+    traj_file = write_trajectories(tmp_path / "trajs.jsonl", trajs[:24], append=False)
+    ck = tmp_path / "ck"
+    argv = ["learn", "--backend", "megatron", "--follow", "--trajectories", str(traj_file), "--checkpoint-dir",
+            str(ck), *TINY_OVERRIDES, "model.experts_per_token=2", "backend.expert_parallel=2", "threads=1",
+            "batch.tokens=100000", "batch.max_trajectories=4", "checkpoint.every=2"]
+    cfg = ray_config("", ["learner_workers=2", "learner.num_cpus=0.5", "stop_timeout_s=15"])
+    sup = RaySupervisor(tmp_path / "logs", {}, cfg)
+    events = ck / "events.jsonl"
+    try:
+        learner = sup.start(Role("learner", argv))
+        wait_for(lambda: len(effective_events(events)[0]) >= 3 or learner.proc.poll(), 120, "3 megatron steps", sup)
+        assert learner.proc.poll() is None, sup.tail(learner, 40)
+        ray.kill(learner.proc.actors[1], no_restart=False)  # rank 1 (an expert shard) dies mid-run
+        write_trajectories(traj_file, trajs[24:], append=True)
+        want = {t.task_id for t in trajs}
+
+        def covered():
+            assert not sup.failed(), sup.tail(learner, 40)
+            return {t for e in effective_events(events)[0] for t in e.task_ids} >= want
+        wait_for(covered, 150, "the restarted gang to train on all 48 trajectories", sup)
+        assert learner.proc.gang_restarts >= 1 and learner.proc.restarts == 1
+    finally:
+        sup.stop_all()
+    history, _ = effective_events(events)
+    trained = Counter(t for e in history for t in e.task_ids)
+    assert set(trained) == want and max(trained.values()) == 1  # 48 trajectories, each trained on once
+    assert [e.step for e in history] == list(range(1, 13))  # 48 / 4 per batch
+    assert "resumed from" in (tmp_path / "logs" / "learner-0.log").read_text()

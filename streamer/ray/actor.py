@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 SAO = ["-m", "streamer.cli"]  # python arguments that run `sao <argv>`
+USAGE_ERROR = 2  # the exit status of `sao <cmd>` (and argparse) on a bad command line or config
 
 def _child_setup() -> None:
     """In the role's process: signals as in a shell (a Ray worker blocks/ignores some, and a child inherits
@@ -36,8 +37,8 @@ def _child_setup() -> None:
 class RoleActor:
     """One role (`sao <argv>`) as a child of this actor. Wrapped by `ray.remote` in `streamer.ray_launch`.
 
-    When the child dies by a signal, or fails after running `min_uptime_s`, the actor exits so that
-    Ray restarts it (and the role). A gang rank (autostart=False) waits for `start(env)` instead.
+    When the child dies by a signal, or fails after running `min_uptime_s` (but not with a usage or
+    config error, status 2), the actor exits so that Ray restarts it (and the role). A gang rank (autostart=False) waits for `start(env)` instead.
     """
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: str, cwd: str,
@@ -75,8 +76,8 @@ class RoleActor:
         rc = proc.wait()
         if self.stopping or rc == 0 or proc is not self.proc:
             return
-        if rc > 0 and time.time() - self.started < self.min_uptime_s:
-            self.failed_fast = True  # an error at start-up: restarting would only loop
+        if rc == USAGE_ERROR or (rc > 0 and time.time() - self.started < self.min_uptime_s):
+            self.failed_fast = True  # a bad config, or an error at start-up: restarting would only loop
         elif self.autostart:
             os._exit(1)  # the actor dies with its role: Ray restarts both (a gang rank: the driver restarts)
 
