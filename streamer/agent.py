@@ -24,9 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from streamer.bus import Consumer, KafkaBus, MemoryBus, Producer
+from kafka.errors import KafkaError
+
+from streamer.bus import Consumer, DeadLetter, KafkaBus, MemoryBus, Producer
 from streamer.config import ConfigError, load_config
-from streamer.schema import PolicyVersion, Task, Trajectory
+from streamer.schema import PolicyVersion, Task, Trajectory, encode
 from streamer.settings import AgentSettings
 from streamer.topics import Topics, partitions_by_topic
 from streamer.weights import CheckpointError, PolicyFollower, WeightStore
@@ -120,6 +122,7 @@ class AgentStats:
     tasks: int = 0
     trajectories: int = 0
     commit_failures: int = 0
+    failed: int = 0  # tasks whose rollout raised (sent to the DLQ)
     busy_seconds: float = 0.0
     started: float = field(default_factory=time.time)
 
@@ -150,6 +153,17 @@ class Agent:
         self.stats.trajectories += len(trajs)
         return trajs
 
+    def _give_up(self, task: Task, tp: Any, offset: int, err: Exception) -> None:
+        """A task the environment or engine cannot run goes to the DLQ (else it would kill every agent in turn)."""
+        reason = f"rollout failed: {type(err).__name__}: {err}"
+        log.error("agent %s: task %s %s -> DLQ", self.agent_id, task.task_id, reason)
+        raw = encode(task)
+        self.producer.send(self.topics.dlq, DeadLetter(
+            topic=tp.topic, partition=tp.partition, offset=offset, key=task.task_id.encode(), value=raw,
+            value_len=len(raw), reason=reason, expected="Task", consumer=self.agent_id, time=time.time()))
+        self.producer.flush()
+        self.stats.failed += 1
+
     def _waiting_for_version(self) -> bool:
         """Synchronous baseline: this version has had its share of tasks; block on the policy topic instead."""
         if self._counted_version != self.engine.version:
@@ -168,7 +182,12 @@ class Agent:
         self._waiting_for_version()  # restarts the count when the version just changed
         polled = self.tasks.poll(max_records=1, timeout=self.s.poll_timeout_s)
         for task, tp, offset in polled:
-            self.handle(task)
+            try:
+                self.handle(task)
+            except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as e:
+                if isinstance(e, (ConnectionError, KafkaError)):
+                    raise  # the transport failed: do not commit, let the task be redelivered
+                self._give_up(task, tp, offset, e)
             self._version_tasks += 1
             if not self.tasks.commit({tp: offset + 1}):
                 self.stats.commit_failures += 1
@@ -190,7 +209,7 @@ class Agent:
     def status(self) -> dict[str, Any]:
         f = self.follower
         return {"agent_id": self.agent_id, "pid": os.getpid(), "version": int(self.engine.version),
-                "tasks": self.stats.tasks, "trajectories": self.stats.trajectories,
+                "tasks": self.stats.tasks, "trajectories": self.stats.trajectories, "failed": self.stats.failed,
                 "assignment": sorted(f"{tp.topic}:{tp.partition}" for tp in self.tasks.assignment()),
                 "dead_letters": self.tasks.dead_letters + (f.consumer.dead_letters if f else 0),
                 "refused": {str(k): v for k, v in (f.refused if f else {}).items()},
@@ -314,8 +333,6 @@ def main(argv: list[str]) -> int:
         stats = run_offline(s, engine, tokenizer, a.tasks, a.out)
         print(json.dumps({"tasks": stats.tasks, "trajectories": stats.trajectories, "out": a.out}))
         return 0
-    from kafka.errors import KafkaError
-
     bus = KafkaBus(s.client.bootstrap or None, s.client)
     try:
         agent = build_agent(s, bus, engine, tokenizer, a.status_file)

@@ -162,3 +162,19 @@ def test_sync_baseline_waits_for_a_new_version_after_its_share(tmp_path, tiny_po
     assert done == 2 and engine.version == 1
     trajs = sorted(_trajectories(bus, "a"), key=lambda t: t.started_at)
     assert [t.policy_version for t in trajs] == [0, 0, 1, 1]
+
+
+def test_a_task_the_environment_cannot_run_goes_to_the_dlq_and_the_agent_goes_on(tiny_policy_dir):
+    from streamer.bus import DeadLetter
+
+    good = scenario_tasks(2)
+    poison = Task(task_id="poison", family="nope", concept="x", prompt="1+1=", answer="2")
+    bus, s = _setup([good[0], poison, good[1]])
+    engine = make_engine("torch", tiny_policy_dir)
+    stats = build_agent(s, bus, engine, engine.tokenizer).run()
+    assert (stats.tasks, stats.failed) == (2, 1)
+    assert sorted(t.task_id for t in _trajectories(bus, "a")) == sorted(t.task_id for t in good)
+    [letter] = [decode(v, DeadLetter) for part in bus.logs["a.dlq"] for _, v in part]
+    assert letter.reason.startswith("rollout failed") and "nope" in letter.reason
+    assert decode(letter.value, Task) == poison
+    assert sum(bus.committed["a.agents"].values()) == 3  # the poison task is committed too: no agent retries it
