@@ -239,6 +239,23 @@ def test_learner_gang_gets_torchrun_env_and_restarts_whole_when_a_rank_dies(loca
     assert learner.proc.returncode == 0  # SIGINT: both ranks exited cleanly
 
 
+
+def test_a_role_with_a_bad_config_fails_the_run_instead_of_restarting(local_ray, tmp_path):
+    from streamer.processes import Role
+    from streamer.ray_launch import RaySupervisor, ray_config
+
+    sup = RaySupervisor(tmp_path / "logs", {}, ray_config("", ["agent.num_cpus=0.5", "min_uptime_s=0"]))
+    # status 2 is what `sao agent` / `sao learn` return on a bad config; min_uptime_s=0 so only the status decides
+    sup.entry = ["-c", "import sys; print('sao agent: bad setting'); sys.exit(2)"]
+    try:
+        role = sup.start(Role("agent-0", ["agent"]))
+        assert role.proc.wait(60) == 2
+        assert sup.failed() == [role] and role.proc.restarts == 0
+        assert "bad setting" in sup.tail(role)
+    finally:
+        sup.stop_all()
+
+
 @pytest.mark.slow  # ~60 s: two megatron ranks import megatron-core twice (start and gang restart)
 def test_megatron_learner_gang_resumes_after_a_rank_dies_and_trains_each_trajectory_once(local_ray, tmp_path):
     import dataclasses
