@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
+import msgspec
 import numpy as np
 import pandas as pd
 
@@ -73,14 +74,8 @@ def load_run(run_dir: str | Path, read_part: Callable[..., pd.DataFrame] = art.r
     return RunData(name=d.name, trajectories=ad.sort_by(traj, "finished_at") if len(traj) else traj,
                    learner=art.read_table(d, "learner", lambda p: read_part(p, None, ())),
                    metrics=art.read_table(d, "metrics", lambda p: read_part(p, None, ())),
-                   drift=[_builtins(e) for e in art.read_drift(d)], config=art.read_config(d),
+                   drift=[msgspec.to_builtins(e) for e in art.read_drift(d)], config=art.read_config(d),
                    summary=art.read_summary(d))
-
-
-def _builtins(e) -> dict[str, Any]:
-    import msgspec
-
-    return msgspec.to_builtins(e)
 
 
 def start_time(run: RunData) -> float:
@@ -122,8 +117,7 @@ class Axes:
 
     def add(self, df: pd.DataFrame, time_col: str) -> pd.DataFrame:
         t = df[time_col].to_numpy(float)
-        out = df.assign(x_time=t - self.t0, x_traj=self.traj_at(t), x_step=self.step_at(t))
-        return out
+        return df.assign(x_time=t - self.t0, x_traj=self.traj_at(t), x_step=self.step_at(t))
 
 
 def reward_frame(run: RunData, window: int, max_points: int = 4000) -> pd.DataFrame:
