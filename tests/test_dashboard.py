@@ -275,3 +275,16 @@ def test_live_run_with_a_directory_is_read_from_files_not_topics(runs_root):
     assert at.session_state["runs"] == ["r1"]
     assert any("read from its directory" in c.value for c in at.caption)
     assert not at.warning  # no tap was started, so no broker message
+
+
+def test_long_run_sends_a_bounded_number_of_points(tmp_path):
+    from dashboard import demo
+
+    demo.write(tmp_path / "big", 100_000, parts=3)
+    at = app(tmp_path, window=64)
+    d = chart_data(at, "reward_lines")
+    # 100,000 trajectories in 2 families: at most ~2,000 points reach the browser, both families kept
+    assert 1000 <= len(d["reward_lines"]) <= 2000
+    assert set(d["reward_lines"]["series"]) == {"arith", "string"}
+    assert len(d["drift_rules"]) == 2
+    assert {m.label: m.value for m in at.metric}["trajectories"] == "100,000"
