@@ -286,9 +286,9 @@ class RaySupervisor:
         res = self.cfg.learner if learner else self.cfg.agent
         n = self.cfg.learner_workers if learner else 1
         if n > 1 and not distributed_learner(role.argv):
-            raise ConfigError(f"ray.learner_workers={n}: only the megatron backend trains as one job over several "
-                              "ranks; add --set backend.name=megatron, or use learner_workers=1 (the torch backend would "
-                              f"run {n} independent learners on one checkpoint directory)")
+            raise ConfigError(f"ray.learner_workers={n}: only the megatron backend trains as one job over "
+                              "several ranks; add --set backend.name=megatron, or use learner_workers=1 (the torch "
+                              f"backend would run {n} independent learners on one checkpoint directory)")
         run = self.env.get("SAO_RUN", "sao")
         common = dict(argv=role.argv, env=self.env, log_dir=str(self.log_dir), cwd=os.getcwd(),
                       min_uptime_s=self.cfg.min_uptime_s, entry=self.entry)

@@ -20,6 +20,7 @@ from typing import Any
 SAO = ["-m", "streamer.cli"]  # python arguments that run `sao <argv>`
 USAGE_ERROR = 2  # the exit status of `sao <cmd>` (and argparse) on a bad command line or config
 
+
 def _child_setup() -> None:
     """In the role's process: signals as in a shell (a Ray worker blocks/ignores some, and a child inherits
     that), and SIGKILL when the actor dies, so no orphaned learner trains next to its restarted self."""
@@ -38,7 +39,8 @@ class RoleActor:
     """One role (`sao <argv>`) as a child of this actor. Wrapped by `ray.remote` in `streamer.ray_launch`.
 
     When the child dies by a signal, or fails after running `min_uptime_s` (but not with a usage or
-    config error, status 2), the actor exits so that Ray restarts it (and the role). A gang rank (autostart=False) waits for `start(env)` instead.
+    config error, status 2), the actor exits so that Ray restarts it (and the role). A gang rank
+    (autostart=False) waits for the driver's `start(env)` instead, and is restarted by the driver.
     """
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: str, cwd: str,
