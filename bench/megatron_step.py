@@ -1,6 +1,7 @@
 """Throughput of one SAO policy step: megatron backend (EP=1, EP=2 under torchrun) vs the HF model.
 
     .venv/bin/python bench/megatron_step.py                 # CPU: HF torch, megatron 1x EP1, 2x EP1, 2x EP2
+    .venv/bin/python bench/megatron_step.py --trainer       # the same rows for the learner's whole step
     torchrun --nproc_per_node N bench/megatron_step.py --worker --ep N --size gpu --dtype bfloat16
 
 A step = forward (log-probs), SAO loss, backward, gradient all-reduce (dense over data parallel,
@@ -9,7 +10,11 @@ sequences of `--seq` tokens) is split over the ranks, so tokens/s compare like f
 Model FLOPs per token (PaLM appendix B convention, https://arxiv.org/abs/2204.02311):
 6 * N_active (matmul weights a token passes through: attention, router, top-k experts, LM head)
 + 12 * L * T * Q * D (attention scores and values, no causal discount). MFU = achieved / peak.
-Prints a table and saves JSON under runs/bench/.
+With `--trainer` a step is what `sao learn` runs per batch (learner.trainer.step: critic forward
+and GAE on the whole batch, clipped value loss + SAO loss on this rank's rows, reduced clip, two
+AdamW steps), on the torch backend and on the megatron backend (the rows bench/learner_step.py
+would hold next to its torch row); FLOPs count the policy only. Prints a table and saves JSON
+under runs/bench/ (megatron_step.json, megatron_learner_step.json).
 """
 
 from __future__ import annotations
@@ -119,8 +124,62 @@ def bench_torch(args) -> dict:
     return _summary("torch (HF)", 1, 1, times, args, policy.config, args.threads)
 
 
+def learner_batch(args, policy):
+    """A learner Batch of the global batch (every rank builds the same one) with behaviour
+    log-probs = the policy's own + N(0, 0.05^2) and 0/1 rewards."""
+    from learner.models.scoring import token_logprobs
+    from learner.trainer.batching import Batch
+
+    b = make_batch(args.batch, args.seq, policy.config.vocab_size, seed=0)
+    g = torch.Generator().manual_seed(1)
+    lm = b["loss_mask"].float()
+    with torch.no_grad():
+        old = token_logprobs(policy, b["input_ids"], b["attention_mask"]) + 0.05 * torch.randn(lm.shape, generator=g)
+    rewards = (torch.rand(args.batch, generator=g) > 0.5).float()
+    return Batch(b["input_ids"], b["attention_mask"], lm, torch.where(lm.bool(), old, 0.0), rewards, [])
+
+
+def learner_cfg(args):
+    from learner.config import LearnerConfig
+
+    cfg = LearnerConfig()
+    cfg.batch.micro_batch = args.batch  # one forward per model and rank, as the policy-step rows
+    return cfg
+
+
+def bench_torch_learner(args) -> dict:
+    from learner.models.value import ValueModel
+    from learner.trainer.step import build_optimizers, prepare, update
+
+    torch.set_num_threads(args.threads)
+    policy = build_hf(args.size).train()
+    value = ValueModel.from_policy(policy, seed=1).train()
+    cfg, batch = learner_cfg(args), learner_batch(args, policy)
+    models = build_optimizers(cfg, policy, value)
+    times = time_steps(lambda: update(cfg, models, batch, prepare(cfg, models, batch), True), args.warmup, args.steps)
+    return _summary("torch learner step", 1, 1, times, args, policy.config, args.threads)
+
+
+def _worker_learner(args, policy):
+    """The megatron learner step of `sao learn` on this rank; returns (step function, device)."""
+    from learner.backends.megatron.learner import MegatronOptions, megatron_trainer_models
+    from learner.models.value import ValueModel
+    from learner.trainer.ranks import RankGroup
+    from learner.trainer.step import prepare, update
+
+    value = ValueModel.from_policy(policy, seed=1).train()
+    cfg, batch = learner_cfg(args), learner_batch(args, policy)
+    models, lrn = megatron_trainer_models(cfg, policy, value, MegatronOptions(args.ep, args.dtype))
+    batch = batch.to(lrn.device)
+    shard = RankGroup(lrn.device).shard(args.batch)
+    return lambda: update(cfg, models, batch, prepare(cfg, models, batch), True, shard), lrn.device
+
+
 def worker(args) -> int:
     import torch.distributed as dist
+
+    if args.trainer:
+        return _run_worker(args, "megatron learner step")
 
     from learner.backends.megatron.learner import MegatronLearner, MegatronOptions, OptimSettings
 
@@ -135,11 +194,27 @@ def worker(args) -> int:
     with torch.no_grad():
         b["old_logp"] = lrn.forward_logprobs(b["input_ids"], b["attention_mask"]).float().cpu()
     times = time_steps(lambda: lrn.policy_step(b), args.warmup, args.steps, dist.barrier)
-    t = torch.tensor(times, dtype=torch.float64, device=lrn.device)  # NCCL: device tensors
+    return _report(args, "megatron", times, lrn.device, policy.config)
+
+
+def _run_worker(args, name: str) -> int:
+    import torch.distributed as dist
+
+    torch.set_num_threads(args.threads)
+    policy = build_hf(args.size).train()
+    step, device = _worker_learner(args, policy)
+    return _report(args, name, time_steps(step, args.warmup, args.steps, dist.barrier), device, policy.config)
+
+
+def _report(args, name: str, times: list[float], device, hf_cfg) -> int:
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t = torch.tensor(times, dtype=torch.float64, device=device)  # NCCL: device tensors
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
     if rank == 0:
-        label = f"megatron {world}x EP{args.ep}" + (" (cuda)" if torch.cuda.is_available() else "")
-        res = _summary(label, world, args.ep, t.cpu().tolist(), args, policy.config, args.threads)
+        label = f"{name} {world}x EP{args.ep}" + (" (cuda)" if torch.cuda.is_available() else "")
+        res = _summary(label, world, args.ep, t.cpu().tolist(), args, hf_cfg, args.threads)
         print(_line(res), flush=True)
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -181,7 +256,7 @@ def launch(nproc: int, ep: int, args, out: Path) -> dict:
            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), __file__, "--worker",
            "--ep", str(ep), "--size", args.size, "--dtype", args.dtype, "--batch", str(args.batch),
            "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--threads", str(max(1, args.threads // nproc)), "--out", str(out)]
+           "--threads", str(max(1, args.threads // nproc)), "--out", str(out)] + (["--trainer"] if args.trainer else [])
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, args.threads // nproc))}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -192,6 +267,7 @@ def launch(nproc: int, ep: int, args, out: Path) -> dict:
 def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", action="store_true", help="run one config (under torchrun)")
+    ap.add_argument("--trainer", action="store_true", help="time the learner's whole step (critic + policy)")
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -211,13 +287,15 @@ def main(argv: list[str] | None = None) -> int:
         return worker(args)
     out_dir = REPO / "runs" / "bench"
     out_dir.mkdir(parents=True, exist_ok=True)
-    rows = [bench_torch(args)]
+    name = "megatron_learner_step" if args.trainer else "megatron_step"
+    rows = [bench_torch_learner(args) if args.trainer else bench_torch(args)]
     print(_line(rows[0]), flush=True)
     for nproc, ep in ((1, 1), (2, 1), (2, 2)):
-        rows.append(launch(nproc, ep, args, out_dir / f"megatron_step_{nproc}x_ep{ep}.json"))
+        rows.append(launch(nproc, ep, args, out_dir / f"{name}_{nproc}x_ep{ep}.json"))
         print(_line(rows[-1]), flush=True)
-    path = out_dir / "megatron_step.json"
-    path.write_text(json.dumps({"rows": rows, "cpu_count": os.cpu_count()}, indent=2))
+    path = out_dir / f"{name}.json"
+    path.write_text(json.dumps({"rows": rows, "cpu_count": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]},
+                               indent=2))
     print(f"saved {path}")
     return 0
 

@@ -36,7 +36,7 @@ NO_LATENCY = LatencyConfig(mean_s=0.0, sleep=False)
 @dataclass
 class PretrainConfig:
     scenario: str = "default"  # scenario file or name: its warm_start section is the data
-    steps: int = 1500
+    steps: int = 800
     batch_size: int = 128
     lr: float = 2e-3
     min_lr_ratio: float = 0.05  # cosine decays to lr * min_lr_ratio
@@ -147,7 +147,8 @@ def evaluate(model, scn: Scenario, concepts: dict[str, str], n: int, temperature
     tok = CharTokenizer()
     tasks = eval_tasks(scn, concepts, n, seed)
     steps = rollout(make_engine("torch", model, tok), tok, tasks, temperature, seed)
-    out = {"reward": sum(s.reward for s in steps) / n, "success": sum(s.success for s in steps) / n}
+    out = {"reward": sum(s.reward for s in steps) / n, "success": sum(s.success for s in steps) / n,
+           "full_reward": sum(s.reward >= 1.0 for s in steps) / n}  # solved with no tool error
     for fam in sorted({t.family for t in tasks}):
         idx = [i for i, t in enumerate(tasks) if t.family == fam]
         out[f"reward/{fam}"] = sum(steps[i].reward for i in idx) / len(idx)

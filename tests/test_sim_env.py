@@ -113,3 +113,12 @@ def test_latency_distributions_have_the_configured_mean(kind):
     # every kind is parametrised to mean 0.01; the sample mean is within 5% (40k draws; pareto 2.5 has finite variance)
     assert statistics.fmean(xs) == pytest.approx(0.01, rel=0.05)
     assert max(xs) > 5 * 0.01  # long-tailed: some calls take many times the mean
+
+
+def test_a_task_with_a_broken_spec_is_refused_with_the_field():
+    task = _tool_task()
+    task.spec.pop("world")
+    with pytest.raises(ValueError, match=r"task tool-1 \(tool\): spec.world: missing"):
+        make_env(task)
+    with pytest.raises(ValueError, match="unknown family 'chess'"):
+        make_env(Task(task_id="c", family="chess", concept="x", prompt="p", answer="a"))

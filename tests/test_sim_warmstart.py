@@ -41,7 +41,8 @@ def test_demonstrations_score_full_reward_in_their_env():
             assert rest.startswith(obs)
             rest = rest[len(obs):]
         step = env.step(rest)
-        assert step.success and step.reward == (0.75 if "error" in d.text else 1.0), d.text
+        penalty = d.task.spec.get("error_penalty", 0.0)
+        assert step.success and step.reward == (1.0 - penalty if "error" in d.text else 1.0), d.text
 
 
 def test_observations_are_masked_out_of_the_loss():
