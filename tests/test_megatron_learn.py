@@ -30,7 +30,7 @@ MODEL = TINY_OVERRIDES + ["model.num_experts=4", "model.experts_per_token=2"]
 # 21 trajectories, batches of 7 (odd: rank 1 gets a padding row) in micro-batches of 2
 TRAIN = MODEL + ["threads=1", "batch.max_trajectories=7", "batch.tokens=100000", "batch.micro_batch=2",
                  "checkpoint.every=1"]
-LR, VALUE_LR = 3e-4, 1e-3  # LearnerConfig's AdamW defaults
+LR = 3e-4  # LearnerConfig's policy AdamW rate
 
 
 # ---------------------------------------------------------------------- pure pieces
@@ -103,14 +103,15 @@ def torch_run(traj_file, tmp_path_factory) -> dict:
     """The torch backend on the same file, 3 steps: published policies and the critic per step."""
     root = tmp_path_factory.mktemp("torch")
     cfg = load_config(LearnerConfig, None, TRAIN + [f"checkpoint.dir={root / 'ck'}"])
-    trainer = Trainer(cfg, build_models(cfg), FileSource(traj_file), DirectoryPublisher(root / "w"))
+    events = []
+    trainer = Trainer(cfg, build_models(cfg), FileSource(traj_file), DirectoryPublisher(root / "w"), [events.append])
     trainer.start()  # publishes v0
     values = {}
     for step in (1, 2, 3):
         assert trainer.step_once()
         save_model(trainer.models.value, str(root / f"value{step}.safetensors"))  # as checkpoints store it
         values[step] = load_file(str(root / f"value{step}.safetensors"))
-    return {"store": WeightStore(root / "w"), "value": values}
+    return {"store": WeightStore(root / "w"), "value": values, "events": events}
 
 
 def _policy(store: WeightStore, version: int) -> dict[str, torch.Tensor]:
@@ -126,18 +127,27 @@ def _max_abs(a: dict, b: dict) -> float:
 def test_megatron_learner_steps_publishes_and_matches_torch(megatron_run, torch_run):
     events = [json.loads(line) for line in (megatron_run / "ck" / "events.jsonl").read_text().splitlines()]
     assert [(e["step"], e["version"], e["n_trajectories"], e["skipped"]) for e in events] == [(1, 1, 7, False)]
-    assert 0 < events[0]["metrics"]["learner/clip_frac"] < 1  # the SAO band did bind on some tokens
+    m, t = events[0]["metrics"], torch_run["events"][0].metrics
+    assert 0 < m["learner/clip_frac"] < 1  # the SAO band did bind on some tokens
+    # Adam hides a wrong overall gradient scale; the norms (all-reduced over ranks) and the metrics
+    # (per-rank weighted sums reduced over ranks) do not
+    for k in ("grad_norm", "value_grad_norm", "policy_loss", "value_loss", "clip_frac", "entropy", "kl_k3",
+              "n_tokens", "ratio_max"):
+        assert abs(m[f"learner/{k}"] - t[f"learner/{k}"]) <= 1e-5 * max(1.0, abs(t[f"learner/{k}"])), k
+    assert m["learner/value_grad_norm"] > 1.0  # the critic's clip bound
     store = WeightStore(megatron_run / "w")
     assert [pv.version for pv in store.versions()] == [0, 1]
     m0, m1 = _policy(store, 0), _policy(store, 1)
     t0, t1 = _policy(torch_run["store"], 0), _policy(torch_run["store"], 1)
     assert _max_abs(m0, t0) == 0.0  # HF -> megatron (EP 2) -> HF is lossless
     assert 0.5 * LR <= _max_abs(m1, m0) <= 1.5 * LR  # a first AdamW step moves weights by ~lr
-    # same batch, global token mean, all-reduced clip: fp32 rounding, amplified by Adam's g/|g| where
-    # |g| ~ 1e-8 (H7's parity bound: 0.1 * lr overall, ~1e-7 where |g| > 1e-5)
-    assert _max_abs(m1, t1) <= 0.1 * LR
+    # same batch, global token mean, all-reduced clip: fp32 rounding (measured 4.7e-8). H7's parity
+    # bound for AdamW is 0.1 * lr overall (Adam's g/|g| amplifies rounding where |g| ~ 1e-8) and
+    # ~1e-7 where |g| > 1e-5; this batch has no such tiny gradients, so the tighter bound holds
+    assert _max_abs(m1, t1) <= 1e-6
     ck = megatron_run / "ck" / "step_00000001"
-    assert _max_abs(load_file(str(ck / "value.safetensors")), torch_run["value"][1]) <= 0.1 * VALUE_LR
+    # critic (lr 1e-3): measured 1.5e-6 after 3 steps; H7 bound 0.1 * lr = 1e-4
+    assert _max_abs(load_file(str(ck / "value.safetensors")), torch_run["value"][1]) <= 1e-5
     for name in ("policy", "value"):  # per-rank optimizer state (expert moments differ by rank)
         assert {p.name for p in ck.glob(f"optim_{name}.rank*.safetensors")} == {
             f"optim_{name}.rank00000.safetensors", f"optim_{name}.rank00001.safetensors"}
@@ -156,7 +166,7 @@ def test_resume_restores_per_rank_optimizer_state(traj_file, megatron_run, torch
     # a restart never reuses a version number: v2 re-announces the restored step-1 weights
     assert [pv.version for pv in store.versions()] == [0, 1, 2, 3, 4]
     assert _max_abs(_policy(store, 2), _policy(store, 1)) == 0.0  # checkpoint -> megatron -> HF, lossless
-    for v, step in ((3, 2), (4, 3)):
-        assert _max_abs(_policy(store, v), _policy(torch_run["store"], step)) <= 0.1 * LR
+    for v, step in ((3, 2), (4, 3)):  # measured 4.7e-8 for both
+        assert _max_abs(_policy(store, v), _policy(torch_run["store"], step)) <= 1e-6
     ck = megatron_run / "ck" / "step_00000003"
-    assert _max_abs(load_file(str(ck / "value.safetensors")), torch_run["value"][3]) <= 0.1 * VALUE_LR
+    assert _max_abs(load_file(str(ck / "value.safetensors")), torch_run["value"][3]) <= 1e-5

@@ -100,6 +100,11 @@ class Batch:
     def n_tokens(self) -> int:
         return int(self.attention_mask.sum())
 
+    def to(self, device: torch.device | str) -> "Batch":
+        """The tensors on `device` (the megatron backend's GPU); a no-op where they already are."""
+        return Batch(self.input_ids.to(device), self.attention_mask.to(device), self.loss_mask.to(device),
+                     self.old_logp.to(device), self.rewards.to(device), self.trajectories)
+
     def rows(self, start: int, stop: int) -> "Batch":
         sl = slice(start, stop)
         return Batch(self.input_ids[sl], self.attention_mask[sl], self.loss_mask[sl], self.old_logp[sl],

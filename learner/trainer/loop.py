@@ -41,6 +41,7 @@ class Trainer:
         """With `group`, only the leader passes a source, publisher and sinks (the others None, [])."""
         self.cfg, self.models, self.source, self.publisher, self.sinks = cfg, models, source, publisher, list(sinks)
         self.group = group
+        self.device = getattr(models.learner, "device", torch.device("cpu"))  # megatron on GPUs: cuda
         self.leader = group is None or group.leader
         # every rank advances the version; only the leader knows whether there is a weight store
         self.publishes = publisher is not None if group is None else bool(group.share_int(int(publisher is not None)))
@@ -112,7 +113,7 @@ class Trainer:
             return None
         t0 = time.monotonic()
         hist = histogram(fresh, self.version)  # staleness against the version the update starts from
-        batch = collate(fresh)
+        batch = collate(fresh).to(self.device)
         ref = prepare(self.cfg, self.models, batch)
         warm = self.models.value is not None and self.warm_left > 0
         n_applied, metrics = 0, {}

@@ -137,10 +137,10 @@ def _grad_norm(model: torch.nn.Module, clip: float) -> float:
 
 def shard_batch(batch: Batch, ref: dict[str, torch.Tensor], shard: Shard) -> tuple[Batch, dict[str, torch.Tensor]]:
     """This rank's rows of the batch and its references; padding rows get a zero loss mask."""
-    idx = shard.index
-    mask = batch.loss_mask[idx] * shard.real[:, None].to(batch.loss_mask.dtype)
+    idx, real = shard.index.to(batch.loss_mask.device), shard.real.to(batch.loss_mask.device)
+    mask = batch.loss_mask[idx] * real[:, None].to(batch.loss_mask.dtype)
     local = Batch(batch.input_ids[idx], batch.attention_mask[idx], mask, batch.old_logp[idx], batch.rewards[idx],
-                  [batch.trajectories[i] for i in idx.tolist()] if batch.trajectories else [])
+                  [batch.trajectories[i] for i in shard.index.tolist()] if batch.trajectories else [])
     return local, {k: v[idx] for k, v in ref.items()}
 
 
