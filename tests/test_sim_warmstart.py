@@ -28,6 +28,8 @@ def test_mixture_and_tag_dropout_follow_the_scenario():
     assert share == pytest.approx({"reverse": 0.7, "sort": 0.2, "rotl": 0.1}, abs=0.04)
     tagged = sum(d.task.prompt.startswith(d.task.concept + ":") for d in sample) / len(sample)
     assert tagged == pytest.approx(0.5, abs=0.05)
+    again = [d for d in itertools.islice(demos(scn, seed=0), 8000) if d.task.family == "string"]
+    assert [(d.task.prompt, d.text) for d in again] == [(d.task.prompt, d.text) for d in sample]  # seeded
 
 
 def test_demonstrations_score_full_reward_in_their_env():
