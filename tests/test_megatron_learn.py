@@ -72,6 +72,18 @@ def test_nproc_reexecutes_under_torchrun_and_needs_megatron(capsys):
     assert "only the megatron backend runs as several ranks" in capsys.readouterr().err
 
 
+def test_idle_leader_returns_empty_batch_after_max_wait(tmp_path):
+    # several ranks: the leader must speak before the collective timeout even with no trajectories
+    import time
+
+    cfg = load_config(LearnerConfig, None, TRAIN + [f"checkpoint.dir={tmp_path / 'ck'}"])
+    (tmp_path / "t.jsonl").write_bytes(b"")
+    trainer = Trainer(cfg, build_models(cfg), FileSource(tmp_path / "t.jsonl", follow=True))
+    t0 = time.monotonic()
+    assert trainer.next_batch(max_wait_s=0.3) == []
+    assert 0.3 <= time.monotonic() - t0 < 5.0
+
+
 # ---------------------------------------------------------------------- end to end
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,7 @@ from learner.trainer.step import Models, prepare, update
 from streamer.schema import LearnerEvent, Trajectory
 
 log = logging.getLogger(__name__)
+KEEPALIVE_S = 60.0  # several ranks: the longest the leader waits for trajectories without telling the others
 
 
 class Trainer:
@@ -78,9 +79,12 @@ class Trainer:
 
     def step_once(self) -> bool:
         """Wait for a batch, train on it, emit the event; False once a finite source is drained."""
-        trajs = self.next_batch() if self.leader else None
-        if self.group is not None:
-            trajs = self.group.share_trajectories(trajs)
+        if self.group is None:
+            trajs = self.next_batch()
+        else:  # an idle leader still speaks every KEEPALIVE_S: a silent one would hit the collective timeout
+            trajs = []
+            while trajs == []:
+                trajs = self.group.share_trajectories(self.next_batch(KEEPALIVE_S) if self.leader else None)
         if trajs is None:
             return False
         event = self.train_on(trajs)
@@ -89,8 +93,9 @@ class Trainer:
                 sink(event)
         return True
 
-    def next_batch(self) -> list[Trajectory] | None:
-        """The next batch to train on; None once a finite source is drained."""
+    def next_batch(self, max_wait_s: float | None = None) -> list[Trajectory] | None:
+        """The next batch to train on; None once a finite source is drained; [] when none came within
+        `max_wait_s`."""
         t0 = time.monotonic()
         if self.cfg.batch.sync:  # sync mode trains only on the current version
             self.counters["stale"] += len(self.batcher.drop_where(
@@ -103,6 +108,9 @@ class Trainer:
                 self.positions[off.partition] = off.next
                 if self.admission.admit(traj, self.version) == "ok":
                     self.batcher.add(traj)
+            if max_wait_s is not None and time.monotonic() - t0 > max_wait_s and not self.batcher.has_batch():
+                self.idle_s += time.monotonic() - t0
+                return []
         self.idle_s += time.monotonic() - t0
         return self.batcher.take() or None
 
