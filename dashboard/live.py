@@ -8,6 +8,7 @@ nothing twice.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 import weakref
@@ -25,10 +26,30 @@ RESYNC_S = 10.0  # quiet this long: re-read the topics from the start (doubling 
 _TAPS: "weakref.WeakSet[LiveTap]" = weakref.WeakSet()
 
 
+class BrokerUnreachable(ConnectionError):
+    pass
+
+
+def check_reachable(bootstrap: str, timeout: float = 2.0) -> None:
+    """Fail within seconds when no bootstrap server accepts a TCP connection (a Kafka client
+    retries for half a minute before it says so)."""
+    errors = []
+    for server in bootstrap.split(","):
+        host, _, port = server.strip().rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=timeout):
+                return
+        except (OSError, ValueError) as e:
+            errors.append(f"{server.strip()}: {e}")
+    raise BrokerUnreachable("; ".join(errors))
+
+
 def kafka_consumer_factory(bootstrap: str, run: str):
     """A consumer of the run's three topics, from their start, with no group (read-only tap)."""
     from streamer.bus import KafkaBus
     from streamer.topics import Topics
+
+    check_reachable(bootstrap)
 
     t = Topics(run)
     types = {t.metrics: MetricPoint, t.learner: LearnerEvent, t.drift: DriftEvent}
@@ -138,8 +159,8 @@ def close_all() -> None:
 
 def _reason(e: Exception) -> str:
     text = str(e) or type(e).__name__
-    if type(e).__name__ == "NoBrokersAvailable":
-        return "broker not reachable"
+    if isinstance(e, BrokerUnreachable) or type(e).__name__ == "NoBrokersAvailable" or "Unable to bootstrap" in text:
+        return f"broker not reachable ({text})"
     if "does not exist" in text:
         return f"run not found on the broker ({text})"
     return f"{type(e).__name__}: {text}"[:300]
