@@ -24,6 +24,11 @@ if [ "${SKIP_MEGATRON:-0}" != 1 ]; then
   --ep "$EP" --size gpu --dtype bfloat16 --batch "$BATCH" --seq "$SEQ" --steps 10 --warmup 3 \
   $PEAK --out runs/bench/gpu_check.json
 echo "saved runs/bench/gpu_check.json"
+# the learner's whole step as `sao learn --backend megatron` runs it (critic + policy, batch on the GPU)
+"$PY" -m torch.distributed.run --standalone --nproc_per_node "$NGPU" bench/megatron_step.py --worker --trainer \
+  --ep "$EP" --size gpu --dtype bfloat16 --batch "$BATCH" --seq "$SEQ" --steps 10 --warmup 3 \
+  $PEAK --out runs/bench/gpu_check_learner.json
+echo "saved runs/bench/gpu_check_learner.json"
 fi
 
 # vLLM engine (learner/engines/vllm.py). vLLM pins its own torch/transformers, so it usually lives in its own
