@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from learner.models import CharTokenizer, ModelConfig, build_policy, load_policy, save_policy
+from learner.models import CharTokenizer, ModelConfig, build_policy, save_policy
 from simulator.env import Step, make_env
 from simulator.latency import LatencyConfig
 from simulator.scenario import Scenario, load_scenario, resolve_path
@@ -219,7 +219,3 @@ def main(argv: list[str]) -> int:
         return 2
     print(out)
     return 0
-
-
-def load_warm_start(path: str | Path):
-    return load_policy(path)
