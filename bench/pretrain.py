@@ -32,8 +32,8 @@ def drift_events(scenario: str) -> list[DriftEvent]:
 def time_to_target(history: list[dict], target: float) -> dict:
     for row in history:
         if row["reward"] >= target:
-            return {"step": row["step"], "seconds": row["seconds"]}
-    return {"step": None, "seconds": None}
+            return {"step": row["step"], "seconds": row["seconds"], "cpu_seconds": row.get("cpu_seconds")}
+    return {"step": None, "seconds": None, "cpu_seconds": None}
 
 
 def drift_rows(model, scenario: str, n: int) -> list[dict]:
