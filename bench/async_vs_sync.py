@@ -43,13 +43,15 @@ class Mode:
     max_staleness: int = 4
     sync_batch: int = 32
     pretrain: list[str] = field(default_factory=list)
-    learner: list[str] = field(default_factory=lambda: ["batch.tokens=1024", "threads=1", "value.warmup_steps=2"])
+    # no critic warm-up: in sync mode a critic-only step publishes no version and the agents, waiting
+    # for one, never send the next batch (a deadlock of the current pipeline, reported)
+    learner: list[str] = field(default_factory=lambda: ["batch.tokens=1024", "threads=1", "value.warmup_steps=0"])
 
 
 MODES = {
     "full": Mode(0.1, 40_000, 600.0, 4, 32),
     "quick": Mode(0.03, 6_000, 100.0, 4, 16, pretrain=["steps=300"]),
-    "smoke": Mode(0.01, 800, 25.0, 2, 8, pretrain=["steps=20", "eval_every=0"], sync_batch=8),
+    "smoke": Mode(0.01, 300, 40.0, 2, 8, pretrain=["steps=20", "eval_every=0"], sync_batch=8),
 }
 
 
@@ -112,6 +114,24 @@ def measure(name: str, launched: dict, budget: int, mode: Mode) -> dict:
             "staleness_max": smax, "staleness_within_bound": smax is not None and smax <= mode.max_staleness,
             "auc": c.ad.auc(pre["reward"].to_numpy(float), mode.window) if len(pre) else None,
             "reward_per_minute": reward_per_minute(pre, mode.window)}
+
+
+def markdown(result: dict) -> str:
+    """The result as a Markdown table, every figure read from `result`."""
+    def f(v, fmt="{:.3g}"):
+        return "-" if v is None else fmt.format(v)
+
+    lines = ["| mode | trajectories/s | generated tokens/s | learner idle | staleness max (bound) | AUC | stopped |",
+             "|---|---|---|---|---|---|---|"]
+    bound = result["settings"]["max_staleness"]
+    for r in result["runs"]:
+        lines.append(f"| {r['mode']} | {f(r['trajectories_per_s'])} | {f(r['gen_tokens_per_s'])} | "
+                     f"{f(r['learner_idle_fraction'], '{:.0%}')} | {f(r['staleness_max'], '{}')} ({bound}) | "
+                     f"{f(r['auc'])} | {r['stopped']} |")
+    lines.append(f"\nspeedup (trajectories/s, async over sync): {f(result['speedup_trajectories_per_s'])} "
+                 f"(goal {result['goal_speedup']}, met: {result['goal_met']}); budget {result['token_budget']} "
+                 f"generated tokens")
+    return "\n".join(lines)
 
 
 def plot(rows: list[dict], path: Path, title: str) -> Path:
@@ -183,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                                                             and a["staleness_within_bound"]),
               "png": str(png)}
     c.save_json(result, out / "async_vs_sync.json")
+    (out / "async_vs_sync.md").write_text(markdown(result) + "\n")
     for r in rows:
         print(f"{r['mode']:>5}: {r['trajectories_per_s']} traj/s, idle {r['learner_idle_fraction']}, "
               f"staleness {r['staleness_histogram']} (max {r['staleness_max']}, bound {mode.max_staleness}), "

@@ -103,14 +103,14 @@ class Budget:
 
 def launch(algo: Algo, run: str, scenario: Path, runs_dir: Path, budget: Budget, pretrain: list[str],
            base: Path, seed: int = 0, agents: int = 2, sync: bool = False, sync_batch: int = 64,
-           extra_sets: list[str] = ()) -> dict[str, Any]:
+           extra_sets: list[str] = (), realtime: bool = False) -> dict[str, Any]:
     """Run the pipeline once on `scenario`, warm-started from the `base` snapshot (`snapshot_base`);
     returns {run_dir, stopped, wall_s, rc}."""
     from streamer.launcher import UpConfig, run as up
 
     cfg = UpConfig(scenario=str(scenario), run=run, runs_dir=str(runs_dir), agents=agents,
                    group_size=algo.group_size, loss=algo.loss, sync=sync, sync_batch=sync_batch,
-                   dashboard=False, max_seconds=budget.max_seconds,
+                   dashboard=False, max_seconds=budget.max_seconds, realtime=realtime,
                    pretrain=[f"scenario={base}", f"cache_dir={CACHE_DIR}", *pretrain],
                    learner=[f"seed={seed}", *algo.sets, *extra_sets])
     run_dir = runs_dir / run
@@ -233,25 +233,49 @@ def online_forgetting(traj: pd.DataFrame, window: int) -> list[dict]:
     return rows
 
 
+def _policy_steps(learner: pd.DataFrame) -> pd.DataFrame:
+    """Learner events that updated the policy (value warm-up steps left out)."""
+    if not len(learner) or "learner/value_warmup" not in learner:
+        return learner
+    return learner[learner["learner/value_warmup"] != 1.0]
+
+
 def masked_fraction(learner: pd.DataFrame) -> dict[str, float]:
     """Mean share of response tokens the clip cut, over policy steps (not value warm-up)."""
     if not len(learner):
         return {}
-    pol = learner[learner.get("learner/value_warmup", pd.Series(0.0, index=learner.index)) != 1.0]
+    pol = _policy_steps(learner)
     return {k.split("/")[-1]: float(pd.to_numeric(pol[k], errors="coerce").mean())
             for k in ("learner/clip_frac", "learner/clip_frac_low", "learner/clip_frac_high") if k in pol}
 
 
+def policy_blowup(learner: pd.DataFrame) -> dict[str, Any]:
+    """Entropy collapse (mean of the last tenth of policy steps < 10% of the first tenth's) or a KL
+    blow-up (k3 estimate > 1 nat on some step); not judged with fewer than 10 policy steps."""
+    pol = _policy_steps(learner)
+    if len(pol) < 10 or "learner/entropy" not in pol:
+        return {"entropy_first": None, "entropy_last": None, "kl_k3_max": None, "blowup": False}
+    tenth = max(1, len(pol) // 10)
+    ent = pd.to_numeric(pol["learner/entropy"], errors="coerce")
+    kl = pd.to_numeric(pol["learner/kl_k3"], errors="coerce") if "learner/kl_k3" in pol else pd.Series(dtype=float)
+    e0, e1 = float(ent.iloc[:tenth].mean()), float(ent.iloc[-tenth:].mean())
+    kmax = float(kl.max()) if kl.notna().any() else math.nan
+    return {"entropy_first": e0, "entropy_last": e1, "kl_k3_max": kmax,
+            "blowup": bool((e0 > 0 and e1 < 0.1 * e0) or kmax > 1.0)}
+
+
 def collapsed(traj: pd.DataFrame, learner: pd.DataFrame, window: int) -> dict[str, Any]:
-    """Collapse: a non-finite (skipped) update, or the last window's reward below half the first's
-    (when the first is > 0.05: a run that starts near zero cannot be said to collapse by reward)."""
+    """Collapse: a non-finite (skipped) update, an entropy or KL blow-up (`policy_blowup`), or the
+    reward falling to 0 over the last window after a first window above 0.2. Reward merely lower at
+    the end is not collapse here: drifts lower it by design."""
     skipped = int(learner["skipped"].sum()) if len(learner) and "skipped" in learner else 0
     r = traj["reward"].to_numpy(float) if len(traj) else np.zeros(0)
     first = float(r[:window].mean()) if r.size else math.nan
     last = float(r[-window:].mean()) if r.size else math.nan
-    by_reward = bool(r.size >= 2 * window and first > 0.05 and last < 0.5 * first)
-    return {"collapsed": bool(skipped > 0 or by_reward), "skipped_steps": skipped,
-            "first_window_reward": first, "last_window_reward": last}
+    to_zero = bool(r.size >= 2 * window and first > 0.2 and last == 0.0)
+    blow = policy_blowup(learner)
+    return {"collapsed": bool(skipped > 0 or to_zero or blow["blowup"]), "skipped_steps": skipped,
+            "first_window_reward": first, "last_window_reward": last, **blow}
 
 
 def curve(traj: pd.DataFrame, grid: np.ndarray, window: int) -> np.ndarray:
@@ -315,7 +339,10 @@ def plot_bands(series: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.nd
     for name, (x, m, lo, hi) in series.items():
         line, = ax.plot(x, m, label=name, lw=1.4)
         ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.15, lw=0)
+    xmax = max((float(np.nanmax(x)) for x, *_ in series.values() if len(x)), default=0.0)
     for x, label in events:
+        if x > xmax:  # past the budget: no run got there
+            continue
         ax.axvline(x, color="grey", ls="--", lw=0.8)
         ax.text(x, 1.0, f" {label}", rotation=90, va="top", ha="left", fontsize=7, color="dimgrey",
                 transform=ax.get_xaxis_transform())

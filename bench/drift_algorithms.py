@@ -7,11 +7,12 @@ with mean and 95% interval over seeds, the curves) and <out>/drift_algorithms.pn
 reward, mean with its band over seeds, drift events marked).
 
 Budget: the scenario is benchmark.yaml with every phase scaled by `scale` for single-rollout
-configurations and by `scale / n` for groups of n, so every configuration meets each drift after
-the same number of rollouts; a run stops once its trajectories hold `--tokens` generated tokens (or
-the scenario ends, or `max_seconds`), and every metric is computed on the prefix of trajectories
-(in finish order) within the smallest total any run reached, so all runs are compared at one
-token budget.
+configurations and by `scale / n` for groups of n (and its rate divided by n), so every
+configuration meets each drift after the same number of rollouts; tasks are published at that rate
+(`sao up --realtime`) so the stream keeps its order across the task topic's partitions. A run stops
+once its trajectories hold `--tokens` generated tokens (or the scenario ends, or `max_seconds`), and
+every metric is computed on the prefix of trajectories (in finish order) within the smallest total
+any run reached, so all runs are compared at one token budget.
 
     .venv/bin/python bench/drift_algorithms.py                 # full table: 9 configurations x 3 seeds
     .venv/bin/python bench/drift_algorithms.py --quick         # < 5 min with a cached warm start
@@ -62,6 +63,7 @@ class Mode:
     algos: list[str]
     seeds: list[int]
     scale: float  # phase lengths of benchmark.yaml times this (single rollout)
+    rate: float  # tasks/s published (single rollout; rate / n for groups of n): the stream keeps its order
     tokens: int  # generated-token budget of a run
     max_seconds: float  # safety cap of a run
     window: int  # W of the adaptation metrics (trajectories)
@@ -72,15 +74,15 @@ class Mode:
 
 ALL = [a.name for a in algorithms(0)]
 MODES = {
-    "full": Mode(ALL, [0, 1, 2], 0.08, 30_000, 210.0, 32),
-    "quick": Mode(["sao", "ppo", "grpo"], [0], 0.02, 5_000, 70.0, 16, ["steps=300"], warmup=2),
-    "smoke": Mode(["sao", "grpo"], [0], 0.01, 1_200, 25.0, 8, ["steps=20", "eval_every=0"], warmup=1),
+    "full": Mode(ALL, [0, 1, 2], 0.06, 30_000, 250.0, 32, 12.0),
+    "quick": Mode(["sao", "ppo", "grpo"], [0], 0.0125, 6_000, 75.0, 16, 10.0, ["steps=300"], warmup=2),
+    "smoke": Mode(["sao", "grpo"], [0], 0.01, 400, 40.0, 8, 20.0, ["steps=20", "eval_every=0"], warmup=1),
 }
 
 
 def scenarios(mode: Mode, seed: int, out: Path, sizes: set[int], base_path: Path) -> dict[int, Path]:
     base = c.base_scenario(base_path)
-    return {g: c.write_scenario(c.scale_scenario(base, mode.scale / g, seed),
+    return {g: c.write_scenario(c.scale_scenario(base, mode.scale / g, seed, rate=mode.rate / g),
                                 out / "scenarios" / f"s{seed}-g{g}.yaml") for g in sorted(sizes)}
 
 
@@ -109,7 +111,7 @@ def run_all(mode: Mode, out: Path, resume: bool, base: Path, log=print) -> list[
             log(f"[drift] {name}: loss {a.loss}, group {a.group_size}, sets {a.sets}")
             budget = c.Budget(gen_tokens=mode.tokens, max_seconds=mode.max_seconds)
             r = c.launch(a, name, scn[a.group_size], runs_dir, budget, mode.pretrain, base, seed=seed,
-                         extra_sets=mode.learner)
+                         extra_sets=mode.learner, realtime=True)
             done.append({"algo": a.name, "seed": seed, **r})
     return done
 

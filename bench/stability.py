@@ -59,7 +59,7 @@ class Mode:
 MODES = {
     "full": Mode(1000, 0.35, 1500.0, 3, 64),
     "quick": Mode(60, 0.03, 80.0, 3, 16, pretrain=["steps=300"]),
-    "smoke": Mode(3, 0.01, 30.0, 2, 8, algos=["sao"], pretrain=["steps=20", "eval_every=0"]),
+    "smoke": Mode(2, 0.01, 40.0, 2, 8, algos=["sao"], pretrain=["steps=20", "eval_every=0"]),
 }
 
 
@@ -81,33 +81,36 @@ def step_series(learner: pd.DataFrame, traj: pd.DataFrame, window: int, points: 
     return out
 
 
-def blowup(learner: pd.DataFrame) -> dict[str, float | bool | None]:
-    """Entropy collapse (last tenth's mean < 10% of the first tenth's) or KL blow-up (max k3 > 1)."""
-    pol = learner[learner.get("learner/value_warmup", pd.Series(0.0, index=learner.index)) != 1.0]
-    if len(pol) < 10:
-        return {"entropy_first": None, "entropy_last": None, "kl_k3_max": None, "blowup": False}
-    tenth = max(1, len(pol) // 10)
-    ent = pd.to_numeric(pol.get("learner/entropy", pd.Series(dtype=float)), errors="coerce")
-    kl = pd.to_numeric(pol.get("learner/kl_k3", pd.Series(dtype=float)), errors="coerce")
-    e0, e1 = float(ent.iloc[:tenth].mean()), float(ent.iloc[-tenth:].mean())
-    kmax = float(kl.max()) if kl.size else float("nan")
-    return {"entropy_first": e0, "entropy_last": e1, "kl_k3_max": kmax,
-            "blowup": bool((e0 > 0 and e1 < 0.1 * e0) or kmax > 1.0)}
-
-
 def measure(algo: str, launched: dict, mode: Mode) -> dict:
     traj, learner, _ = c.read_run(launched["run_dir"])
     lrn = learner.sort_values("step").iloc[:mode.steps] if len(learner) else learner
     pre = traj[traj["finished_at"] <= lrn["time"].max()] if len(lrn) and len(traj) else traj
     hist = c.ad.staleness_from_histograms(json.loads(s) for s in lrn["staleness"]) if len(lrn) else np.zeros(0)
-    col, bl = c.collapsed(pre, lrn, mode.window), blowup(lrn)
+    col = c.collapsed(pre, lrn, mode.window)
     return {"algo": algo, **launched, "learner_steps": int(len(lrn)), "reached_steps": bool(len(lrn) >= mode.steps),
             "trajectories": int(len(pre)), "gen_tokens": int(pre["n_gen_tokens"].sum()) if len(pre) else 0,
             "staleness": c.ad.staleness_stats(hist),
             "staleness_share_over_4": float((hist > 4).mean()) if hist.size else None,
             "auc": c.ad.auc(pre["reward"].to_numpy(float), mode.window) if len(pre) else None,
-            "masked": c.masked_fraction(lrn), **col, **bl, "collapsed": bool(col["collapsed"] or bl["blowup"]),
+            "masked": c.masked_fraction(lrn), **col,
             "series": step_series(lrn, pre, mode.window)}
+
+
+def markdown(result: dict) -> str:
+    """The result as a Markdown table, every figure read from `result`."""
+    def f(v, fmt="{:.3g}"):
+        return "-" if v is None else fmt.format(v)
+
+    lines = ["| config | learner steps | trajectories | staleness mean / p99 / max | share > 4 | clipped | "
+             "entropy first -> last | KL k3 max | AUC | collapsed |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["runs"]:
+        st = r["staleness"]
+        lines.append(f"| {r['algo']} | {r['learner_steps']} | {r['trajectories']} | "
+                     f"{f(st['mean'])} / {f(st['p99'])} / {f(st['max'])} | "
+                     f"{f(r['staleness_share_over_4'], '{:.1%}')} | {f(r['masked'].get('clip_frac'), '{:.2%}')} | "
+                     f"{f(r['entropy_first'])} -> {f(r['entropy_last'])} | {f(r['kl_k3_max'])} | {f(r['auc'])} | "
+                     f"{r['collapsed']} |")
+    return "\n".join(lines)
 
 
 def plot(rows: list[dict], path: Path, title: str) -> Path:
@@ -170,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
               "algos": c.asdicts(algorithms()),
               "runs": rows, "png": str(png)}
     c.save_json(result, out / "stability.json")
+    (out / "stability.md").write_text(markdown(result) + "\n")
     for r in rows:
         print(f"{r['algo']:>5}: {r['learner_steps']} steps, staleness {r['staleness']}, collapsed {r['collapsed']}, "
               f"auc {r['auc']}, stopped: {r['stopped']}")
