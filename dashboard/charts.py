@@ -74,7 +74,8 @@ def reward_chart(reward: pd.DataFrame, marks: pd.DataFrame, spans: pd.DataFrame,
 
 
 def lines_chart(df: pd.DataFrame, x_col: str, x_title: str, y_title: str, color_cols: list[str],
-                max_points: int = 2000, name: str = "lines") -> alt.Chart:
+                max_points: int = 800, name: str = "lines") -> alt.Chart:
+    """Lines per series; half-width charts get fewer points (the browser draws every one of them)."""
     d = _thin(df, "value", color_cols, max_points)
     return alt.Chart(d[[x_col, "value", "series"]], name=name).mark_line().encode(
         x=_x(x_col, x_title), y=alt.Y("value:Q", title=y_title), color=alt.Color("series:N", title=None),
