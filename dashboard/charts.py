@@ -78,7 +78,8 @@ def lines_chart(df: pd.DataFrame, x_col: str, x_title: str, y_title: str, color_
     """Lines per series; half-width charts get fewer points (the browser draws every one of them)."""
     d = _thin(df, "value", color_cols, max_points)
     return alt.Chart(d[[x_col, "value", "series"]], name=name).mark_line().encode(
-        x=_x(x_col, x_title), y=alt.Y("value:Q", title=y_title), color=alt.Color("series:N", title=None),
+        x=_x(x_col, x_title), y=alt.Y("value:Q", title=y_title),
+        color=alt.Color("series:N", title=None, legend=alt.Legend(orient="bottom", columns=2, labelLimit=300)),
         tooltip=["series:N", f"{x_col}:Q", "value:Q"]).properties(height=HEIGHT, usermeta=SVG)
 
 
