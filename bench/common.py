@@ -194,7 +194,9 @@ def drift_kind(event: dict) -> str:
 
 def recoveries(traj: pd.DataFrame, learner: pd.DataFrame, drift: list[dict], window: int,
                delta: float = ad.DEFAULT_DELTA) -> dict[str, dict[str, float]]:
-    """Per drift type: mean and worst recovery (trajectories of the family), and how many censored."""
+    """Per drift type: mean and worst recovery (trajectories of the family after the event; a censored
+    one counts as its phase's length, a lower bound), how many censored, and how many events had no
+    post-drift trajectory within the budget (left out)."""
     if not len(traj) or not drift:
         return {}
     times = learner["time"].to_numpy(float) if len(learner) else ()
@@ -206,9 +208,11 @@ def recoveries(traj: pd.DataFrame, learner: pd.DataFrame, drift: list[dict], win
     kinds = {e["phase"]: drift_kind(e) for e in drift}
     out: dict[str, dict[str, float]] = {}
     for kind, g in rec.assign(kind=rec["phase"].map(kinds)).groupby("kind"):
-        t = g["trajectories"].astype(float)
-        out[kind] = {"mean": float(t.mean()), "worst": float(t.max()), "n": int(len(g)),
-                     "censored": int(g["censored"].sum())}
+        t = pd.to_numeric(g["trajectories"], errors="coerce")
+        has = g[t > 0]
+        t = t[t > 0]
+        out[kind] = {"mean": float(t.mean()) if t.size else math.nan, "worst": float(t.max()) if t.size else math.nan,
+                     "n": int(len(has)), "censored": int(has["censored"].sum()), "no_data": int(len(g) - len(has))}
     return out
 
 
@@ -240,6 +244,15 @@ def _policy_steps(learner: pd.DataFrame) -> pd.DataFrame:
     return learner[learner["learner/value_warmup"] != 1.0]
 
 
+def learner_counts(learner: pd.DataFrame) -> dict[str, int]:
+    """The learner's admission counters at its last event (ok, stale = dropped as too old, ...)."""
+    if not len(learner):
+        return {}
+    last = learner.sort_values("step").iloc[-1]
+    return {k.split("count_", 1)[1]: int(last[k]) for k in learner.columns
+            if str(k).startswith("learner/count_") and pd.notna(last[k])}
+
+
 def masked_fraction(learner: pd.DataFrame) -> dict[str, float]:
     """Mean share of response tokens the clip cut, over policy steps (not value warm-up)."""
     if not len(learner):
@@ -265,16 +278,14 @@ def policy_blowup(learner: pd.DataFrame) -> dict[str, Any]:
 
 
 def collapsed(traj: pd.DataFrame, learner: pd.DataFrame, window: int) -> dict[str, Any]:
-    """Collapse: a non-finite (skipped) update, an entropy or KL blow-up (`policy_blowup`), or the
-    reward falling to 0 over the last window after a first window above 0.2. Reward merely lower at
-    the end is not collapse here: drifts lower it by design."""
+    """Collapse: a non-finite (skipped) update or an entropy or KL blow-up (`policy_blowup`). The
+    reward of the first and last windows is reported but not judged: drifts lower it by design."""
     skipped = int(learner["skipped"].sum()) if len(learner) and "skipped" in learner else 0
     r = traj["reward"].to_numpy(float) if len(traj) else np.zeros(0)
     first = float(r[:window].mean()) if r.size else math.nan
     last = float(r[-window:].mean()) if r.size else math.nan
-    to_zero = bool(r.size >= 2 * window and first > 0.2 and last == 0.0)
     blow = policy_blowup(learner)
-    return {"collapsed": bool(skipped > 0 or to_zero or blow["blowup"]), "skipped_steps": skipped,
+    return {"collapsed": bool(skipped > 0 or blow["blowup"]), "skipped_steps": skipped,
             "first_window_reward": first, "last_window_reward": last, **blow}
 
 

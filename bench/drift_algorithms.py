@@ -23,6 +23,7 @@ any run reached, so all runs are compared at one token budget.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -74,9 +75,11 @@ class Mode:
 
 ALL = [a.name for a in algorithms(0)]
 MODES = {
-    "full": Mode(ALL, [0, 1, 2], 0.06, 30_000, 250.0, 32, 12.0),
-    "quick": Mode(["sao", "ppo", "grpo"], [0], 0.0125, 6_000, 75.0, 16, 10.0, ["steps=300"], warmup=2),
-    "smoke": Mode(["sao", "grpo"], [0], 0.01, 400, 40.0, 8, 20.0, ["steps=20", "eval_every=0"], warmup=1),
+    "full": Mode(ALL, [0, 1, 2], scale=0.06, rate=12.0, tokens=30_000, max_seconds=250.0, window=32),
+    "quick": Mode(["sao", "ppo", "grpo"], [0], scale=0.0125, rate=10.0, tokens=6_000, max_seconds=75.0, window=16,
+                  pretrain=["steps=300"], warmup=2),
+    "smoke": Mode(["sao", "grpo"], [0], scale=0.01, rate=20.0, tokens=400, max_seconds=40.0, window=8,
+                  pretrain=["steps=20", "eval_every=0"], warmup=1),
 }
 
 
@@ -104,15 +107,17 @@ def run_all(mode: Mode, out: Path, resume: bool, base: Path, log=print) -> list[
         scn = scenarios(mode, seed, out, {a.group_size for a in algos}, base)
         for a in algos:
             name = f"{a.name}-s{seed}".replace("_", "-")
-            if resume and (runs_dir / name / "summary.json").is_file():
+            kept = runs_dir / name / "bench_launch.json"
+            if resume and kept.is_file() and (runs_dir / name / "summary.json").is_file():
                 log(f"[drift] {name}: kept (--resume)")
-                done.append({"algo": a.name, "seed": seed, "run_dir": str(runs_dir / name), "stopped": "resumed"})
+                done.append(json.loads(kept.read_text()))
                 continue
             log(f"[drift] {name}: loss {a.loss}, group {a.group_size}, sets {a.sets}")
             budget = c.Budget(gen_tokens=mode.tokens, max_seconds=mode.max_seconds)
             r = c.launch(a, name, scn[a.group_size], runs_dir, budget, mode.pretrain, base, seed=seed,
                          extra_sets=mode.learner, realtime=True)
             done.append({"algo": a.name, "seed": seed, **r})
+            c.save_json(done[-1], kept)
     return done
 
 
@@ -138,7 +143,8 @@ def measure(runs: list[dict], mode: Mode) -> tuple[list[dict], int, dict]:
                      "recovery": c.recoveries(pre, lrn, drift, mode.window), "final_reward_per_concept": final,
                      "forgetting": forget,
                      "forgetting_mean": float(np.mean([f["forgetting"] for f in forget])) if forget else None,
-                     "masked": c.masked_fraction(lrn), **c.collapsed(pre, lrn, mode.window)})
+                     "masked": c.masked_fraction(lrn), "learner_counts": c.learner_counts(lrn),
+                     **c.collapsed(pre, lrn, mode.window)})
         curves.setdefault(r["algo"], []).append(c.curve(pre, grid, mode.window))
     return rows, budget, {"x": grid.tolist(), "per_algo": curves}
 
@@ -217,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
                        "trajectories (rollouts)", f"windowed reward (W={mode.window})", drift_marks(mode, base))
     result = {"bench": "drift_algorithms", "mode": mode_name, "command": " ".join(["bench/drift_algorithms.py",
               *(argv if argv is not None else sys.argv[1:])]), "machine_before": machine, "machine_after": c.machine(),
-              "wall_s": time.monotonic() - t0, "settings": asdict(mode), "token_budget": budget,
+              "wall_s": time.monotonic() - t0, "runs_wall_s": sum(r.get("wall_s") or 0.0 for r in runs),
+              "settings": asdict(mode), "token_budget": budget,
               "budget_note": "phases scaled by scale/group_size; runs stop at the token budget; metrics on the "
                              "prefix within the smallest total any run reached",
               "algos": c.asdicts(a for a in algorithms(mode.warmup) if a.name in mode.algos),

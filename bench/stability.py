@@ -89,7 +89,7 @@ def measure(algo: str, launched: dict, mode: Mode) -> dict:
     col = c.collapsed(pre, lrn, mode.window)
     return {"algo": algo, **launched, "learner_steps": int(len(lrn)), "reached_steps": bool(len(lrn) >= mode.steps),
             "trajectories": int(len(pre)), "gen_tokens": int(pre["n_gen_tokens"].sum()) if len(pre) else 0,
-            "staleness": c.ad.staleness_stats(hist),
+            "staleness": c.ad.staleness_stats(hist), "learner_counts": c.learner_counts(lrn),
             "staleness_share_over_4": float((hist > 4).mean()) if hist.size else None,
             "auc": c.ad.auc(pre["reward"].to_numpy(float), mode.window) if len(pre) else None,
             "masked": c.masked_fraction(lrn), **col,
