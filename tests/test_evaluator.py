@@ -70,6 +70,42 @@ def test_held_out_set_spans_every_concept_and_is_deterministic(small_scenario):
         held_out_set(scn, 0)
 
 
+def test_evaluator_skips_intermediate_versions_and_waits_out_the_interval(tiny_policy_dir, small_scenario, tmp_path):
+    """In-process on the in-memory bus: the newest announced version only, and not before --min-interval."""
+    from learner.models import ModelConfig, build_policy
+    from streamer.agent import load_engine
+    from streamer.bus import MemoryBus
+    from streamer.evaluator import Evaluator, parse_args, settings_from_args
+    from streamer.schema import PolicyVersion
+    from streamer.weights import PolicyFollower
+
+    run = "evalunit"
+    s = settings_from_args(parse_args(["--run", run, "--model", str(tiny_policy_dir), "--max-new-tokens", "2",
+                                       "--weights-dir", str(tmp_path / "w")]))
+    assert s.temperature == 0.0 and s.group_size == 1  # greedy, one rollout per task
+    bus = MemoryBus()
+    bus.create_topics(partitions_by_topic(run))
+    store = WeightStore(s.weights_dir)
+    engine, tok = load_engine(s, store)
+    tasks = held_out_set(load_scenario(small_scenario), 1)
+    follower = PolicyFollower(bus.consumer({Topics(run).policy: PolicyVersion}), store)
+    ev = Evaluator(engine, tok, tasks, s, follower, bus.producer(), min_interval_s=3600)
+    s.poll_timeout_s = 0.0
+    assert ev.evaluate_current()
+    sd = build_policy(ModelConfig(**TINY), seed=1).state_dict()
+    for version, step in ((1, 5), (2, 9), (3, 12)):
+        announce(bus.producer(), run, store.publish(sd, version, step, side_files_from=tiny_policy_dir))
+        if version == 1:
+            assert not ev.step_once()  # announced, but within the interval of the last evaluation
+    ev.min_interval_s = 0.0
+    assert ev.step_once() and not ev.step_once()  # v3 straight away; nothing newer after it
+    assert ev.stats.versions == [0, 3] and engine.version == 3
+    pts = [p.msg for p in bus.consumer({Topics(run).metrics: MetricPoint}).poll(1000, 0)]
+    assert [p.learner_step for p in pts] == [0] * len(PAIRS) + [12] * len(PAIRS)
+    assert {(p.labels["family"], p.labels["concept"]) for p in pts[len(PAIRS):]} == set(PAIRS)
+    assert all(p.count == 1 and 0.0 <= p.value <= 1.0 for p in pts)
+
+
 def _read_points(cons, into: list[MetricPoint]) -> list[MetricPoint]:
     into += [p.msg for p in cons.poll(500, 0.2) if p.msg.name == "eval/reward"]
     return into
