@@ -53,7 +53,7 @@ def held_out_set(scn: Any, k: int, seed: int = EVAL_SEED) -> dict[tuple[str, str
     from learner.pretrain import eval_tasks
 
     if k < 1:
-        raise ConfigError(f"eval: --tasks-per-concept must be >= 1, got {k}")
+        raise ConfigError(f"--tasks-per-concept: must be >= 1, got {k}")
     out = {}
     for fam, concept in scenario_concepts(scn):
         ws = dataclasses.replace(scn.warm_start, families={fam: 1.0}, mixture={fam: {concept: 1.0}})
@@ -132,7 +132,7 @@ class Evaluator:
             return False
         if not self.follower.maybe_swap(self.engine):  # refused (bad checkpoint): logged, keep waiting
             return False
-        self.step = int(self.follower.newest.step) if self.follower.newest else self.step
+        self.step = int(self.follower.newest.step)  # maybe_swap loads the newest announcement
         return self.evaluate_current()
 
     def run(self, max_evaluations: int = 0) -> EvalStats:
@@ -167,7 +167,7 @@ def settings_from_args(a: argparse.Namespace) -> AgentSettings:
     if a.bootstrap:
         s.client.bootstrap = a.bootstrap
     if a.min_interval < 0:
-        raise ConfigError(f"eval: --min-interval must be >= 0, got {a.min_interval}")
+        raise ConfigError(f"--min-interval: must be >= 0, got {a.min_interval}")
     s.validate()
     Topics(s.run)  # checks the run name
     return s
@@ -214,8 +214,8 @@ def main(argv: list[str]) -> int:
               f"(start one with `sao broker`, or set --bootstrap / $SAO_BOOTSTRAP)", file=sys.stderr)
         return 1
     follower = PolicyFollower(policy, store, version=int(engine.version))
-    ev = Evaluator(engine, tokenizer, tasks, s, follower, producer, step=_step_of(store, int(engine.version))
-                   if not s.model else 0, min_interval_s=a.min_interval)
+    step = 0 if s.model else _step_of(store, int(engine.version))  # --model is version 0, before any step
+    ev = Evaluator(engine, tokenizer, tasks, s, follower, producer, step=step, min_interval_s=a.min_interval)
 
     def _stop(*_: Any) -> None:
         ev.stopping = True
