@@ -14,6 +14,7 @@ COMMANDS = {
     "pretrain": ("learner.pretrain", "supervised warm start of the tiny policy"),
     "agent": ("streamer.agent", "single-rollout agent: tasks -> trajectories"),
     "learn": ("learner.train", "continuous SAO learner: trajectories -> policy versions"),
+    "eval": ("streamer.evaluator", "held-out greedy eval of each policy version -> eval/reward per (family, concept)"),
     "tap": ("streamer.tap", "record a run's topics into its run directory (trajectories, drift, metrics)"),
     "metrics": ("streamer.metrics_app", "faust metrics app: windowed aggregates -> <run>.metrics"),
     "dashboard": ("dashboard.launch", "Streamlit dashboard"),

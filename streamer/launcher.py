@@ -39,6 +39,8 @@ class UpConfig:
     limit: int = 0  # stop the simulator after this many tasks (0: the whole scenario)
     realtime: bool = False  # publish tasks at the scenario's rate instead of all at once
     dashboard: bool = True
+    eval: bool = True  # held-out greedy evaluation of each policy version (eval reward, forgetting)
+    eval_interval: float = 30.0  # seconds between evaluations (each costs about 16 s of one core)
     dashboard_port: int = 8501
     max_seconds: float = 0.0  # stop after this long (0: at the scenario's end)
     drain_seconds: float = 5.0  # after the last trajectory, let the learner finish its batch
@@ -63,6 +65,8 @@ def parse_args(argv: list[str]) -> UpConfig:
     p.add_argument("--limit", type=int, default=d.limit, help="stop the simulator after this many tasks")
     p.add_argument("--realtime", action="store_true", help="publish tasks at the scenario's rate")
     p.add_argument("--no-dashboard", dest="dashboard", action="store_false")
+    p.add_argument("--no-eval", dest="eval", action="store_false", help="no held-out evaluation")
+    p.add_argument("--eval-interval", type=float, default=d.eval_interval)
     p.add_argument("--dashboard-port", type=int, default=d.dashboard_port)
     p.add_argument("--max-seconds", type=float, default=d.max_seconds)
     p.add_argument("--drain-seconds", type=float, default=d.drain_seconds)
@@ -112,6 +116,9 @@ def roles(cfg: UpConfig, bootstrap: str, run_dir: Path, init: Path) -> list[Role
         if cfg.sync:  # each agent answers its share of a batch, then waits for the next version
             agent += ["--set", f"sync_tasks_per_version={max(1, cfg.sync_batch // cfg.agents)}"]
         out.append(Role(f"agent-{i}", agent))
+    if cfg.eval:
+        out.append(Role("eval", ["eval", *common, "--scenario", cfg.scenario, "--model", str(init), "--weights-dir",
+                                 weights, "--threads", "1", "--min-interval", str(cfg.eval_interval)], required=False))
     if cfg.dashboard:
         out.append(Role("dashboard", ["dashboard", "--runs", cfg.runs_dir, "--port", str(cfg.dashboard_port),
                                       *common], required=False))
