@@ -62,6 +62,7 @@ def parse_args(argv: list[str]) -> UpConfig:
     p.add_argument("--group-size", type=int, default=d.group_size)
     p.add_argument("--loss", default=d.loss, help="policy loss: sao, ppo, dual_clip, dapo, gspo, cispo, decoupled_ppo")
     p.add_argument("--sync", action="store_true", help="synchronous baseline: agents wait for each version")
+    p.add_argument("--sync-batch", type=int, default=d.sync_batch, help="with --sync: trajectories per version")
     p.add_argument("--limit", type=int, default=d.limit, help="stop the simulator after this many tasks")
     p.add_argument("--realtime", action="store_true", help="publish tasks at the scenario's rate")
     p.add_argument("--no-dashboard", dest="dashboard", action="store_false")
