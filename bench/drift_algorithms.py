@@ -18,6 +18,7 @@ any run reached, so all runs are compared at one token budget.
     .venv/bin/python bench/drift_algorithms.py --quick         # < 5 min with a cached warm start
     .venv/bin/python bench/drift_algorithms.py --smoke         # CI: outputs produced and well-formed
     .venv/bin/python bench/drift_algorithms.py --algos sao,grpo --seeds 0,1 --resume
+    .venv/bin/python bench/drift_algorithms.py --quick --algos all --seeds 0,1,2   # every config, short stream
 """
 
 from __future__ import annotations
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--quick", action="store_true", help="3 configurations, 1 seed, short stream (< 5 min)")
     g.add_argument("--smoke", action="store_true", help="2 tiny runs: outputs only (CI)")
-    p.add_argument("--algos", help=f"comma-separated subset of {','.join(ALL)}")
+    p.add_argument("--algos", help=f"'all' or a comma-separated subset of {','.join(ALL)}")
     p.add_argument("--seeds", help="comma-separated seeds")
     p.add_argument("--tokens", type=int, help="generated-token budget of a run")
     p.add_argument("--max-seconds", type=float, help="safety cap of a run")
@@ -202,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     mode_name = "quick" if args.quick else "smoke" if args.smoke else "full"
     mode = MODES[mode_name]
+    if args.algos == "all":
+        args.algos = ",".join(ALL)
     if args.algos:
         unknown = set(args.algos.split(",")) - set(ALL)
         if unknown:

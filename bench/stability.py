@@ -1,12 +1,15 @@
 """Stability at high asynchrony: SAO for 1,000 learner steps with max staleness 8, next to GRPO and PPO.
 
-Each configuration runs the real pipeline (see bench/common.py) on the benchmark scenario (scaled to
-outlast the run; phases divided by the group size for GRPO) with small token-budgeted batches, so
+Each configuration runs the real pipeline (see bench/common.py) on a stationary stream (the first
+phase of the benchmark scenario, long enough to outlast the run; divided by the group size for GRPO,
+so a collapse cannot hide behind a drift) with small token-budgeted batches, all tasks published up
+front, so
 the learner publishes many versions while agents still roll out older ones, and trajectories up to
 8 versions old are trained on. A run stops once the learner has logged `--steps` steps (or at its
 time cap). Writes <out>/stability.json and .png: per learner step the windowed reward, clipped
 fraction, KL (k3) and entropy; per run the staleness reached, skipped (non-finite) updates and a
-collapse verdict (see common.collapsed, plus entropy or KL blowing up).
+collapse verdict: a non-finite update, entropy collapse (common.collapsed) or the windowed reward
+halving on the stationary stream.
 
     .venv/bin/python bench/stability.py              # 1,000 steps each
     .venv/bin/python bench/stability.py --quick      # 60 steps each (< 5 min)
@@ -46,7 +49,7 @@ def algorithms() -> list[c.Algo]:
 @dataclass
 class Mode:
     steps: int
-    scale: float
+    tasks: int  # tasks of the stationary stream for single rollout (divided by n for groups of n)
     max_seconds: float
     agents: int
     window: int
@@ -57,10 +60,19 @@ class Mode:
 
 
 MODES = {
-    "full": Mode(1000, 0.35, 1500.0, 3, 64),
-    "quick": Mode(60, 0.03, 80.0, 3, 16, pretrain=["steps=300"]),
-    "smoke": Mode(2, 0.01, 40.0, 2, 8, algos=["sao"], pretrain=["steps=20", "eval_every=0"]),
+    "full": Mode(1000, tasks=16_000, max_seconds=1500.0, agents=3, window=64),
+    "quick": Mode(60, tasks=1_600, max_seconds=80.0, agents=3, window=16, pretrain=["steps=300"]),
+    "smoke": Mode(2, tasks=200, max_seconds=40.0, agents=2, window=8, algos=["sao"],
+                  pretrain=["steps=20", "eval_every=0"]),
 }
+
+
+def stationary(base: dict, tasks: int) -> dict:
+    """The base scenario's first phase alone, `tasks` long."""
+    raw = c.scale_scenario(base, 1.0, 0)
+    raw["phases"] = raw["phases"][:1]
+    raw["phases"][0]["duration_tasks"] = max(1, tasks)
+    return raw
 
 
 def step_series(learner: pd.DataFrame, traj: pd.DataFrame, window: int, points: int = 200) -> dict[str, list]:
@@ -87,12 +99,16 @@ def measure(algo: str, launched: dict, mode: Mode) -> dict:
     pre = traj[traj["finished_at"] <= lrn["time"].max()] if len(lrn) and len(traj) else traj
     hist = c.ad.staleness_from_histograms(json.loads(s) for s in lrn["staleness"]) if len(lrn) else np.zeros(0)
     col = c.collapsed(pre, lrn, mode.window)
+    # the stream is stationary, so a reward that halves is a collapse here (not a drift)
+    f0, f1 = col["first_window_reward"], col["last_window_reward"]
+    reward_drop = bool(len(pre) >= 2 * mode.window and f0 > 0.05 and f1 < 0.5 * f0)
     return {"algo": algo, **launched, "learner_steps": int(len(lrn)), "reached_steps": bool(len(lrn) >= mode.steps),
             "trajectories": int(len(pre)), "gen_tokens": int(pre["n_gen_tokens"].sum()) if len(pre) else 0,
             "staleness": c.ad.staleness_stats(hist), "learner_counts": c.learner_counts(lrn),
             "staleness_share_over_4": float((hist > 4).mean()) if hist.size else None,
             "auc": c.ad.auc(pre["reward"].to_numpy(float), mode.window) if len(pre) else None,
-            "masked": c.masked_fraction(lrn), **col,
+            "masked": c.masked_fraction(lrn), **col, "reward_drop": reward_drop,
+            "collapsed": bool(col["collapsed"] or reward_drop),
             "series": step_series(lrn, pre, mode.window)}
 
 
@@ -158,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     base = c.base_scenario(base_path)
     rows = []
     for a in [a for a in algorithms() if a.name in mode.algos]:
-        scn = c.write_scenario(c.scale_scenario(base, mode.scale / a.group_size, 0),
+        scn = c.write_scenario(stationary(base, mode.tasks // a.group_size),
                                out / "scenarios" / f"g{a.group_size}.yaml")
         print(f"[stability] {a.name}: {mode.steps} steps at max staleness {STALENESS}", flush=True)
         r = c.launch(a, f"stab-{a.name}", scn, out / "runs", c.Budget(learner_steps=mode.steps,
