@@ -155,6 +155,10 @@ def finished(cfg: UpConfig, sup: Supervisor, simulator: Role, tap, t0: float, la
     return None
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def run(cfg: UpConfig) -> int:
     from streamer.artifacts import summarize, write_json
     from streamer.broker import BrokerSettings, EmbeddedBroker
@@ -177,7 +181,11 @@ def run(cfg: UpConfig) -> int:
     else:
         sup = Supervisor(run_dir / "logs", env=env)
     tap, tap_thread = None, None
-    reason = "interrupted (Ctrl-C)"
+    reason = "interrupted (Ctrl-C or SIGTERM)"
+    # A shell starts `nohup sao up ... &` with SIGINT ignored, and SIGTERM kills without cleanup: both
+    # would leave the children running and no summary.json. Both stop the run the Ctrl-C way.
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         KafkaBus(bootstrap).create_topics(partitions_by_topic(cfg.run))
         init = warm_start(cfg)
@@ -207,6 +215,7 @@ def run(cfg: UpConfig) -> int:
         pass
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not leave children behind
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         print(f"stopping: {reason}", flush=True)
         sup.stop_all()
         for role in sup.failed():
