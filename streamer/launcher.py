@@ -155,6 +155,17 @@ def finished(cfg: UpConfig, sup: Supervisor, simulator: Role, tap, t0: float, la
     return None
 
 
+def wait_for_agents(cfg: UpConfig, sup: Supervisor, run_dir: Path, timeout_s: float = 180.0) -> None:
+    """With --realtime, publish only once every agent is up (its status file written): agents take
+    ~20 s to load, and a stream published meanwhile would reach them as a backlog, phases mixed
+    across partitions, instead of at the scenario's rate."""
+    t0 = time.monotonic()
+    files = [run_dir / f"agent-{i}.json" for i in range(cfg.agents)]
+    while not all(f.is_file() for f in files) and not sup.failed() and time.monotonic() - t0 < timeout_s:
+        time.sleep(0.5)
+    print(f"agents ready after {time.monotonic() - t0:.0f}s: starting the simulator", flush=True)
+
+
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
@@ -193,8 +204,11 @@ def run(cfg: UpConfig) -> int:
         tap_thread = threading.Thread(target=tap.run, name="tap", daemon=True)
         tap_thread.start()
         plan = roles(cfg, bootstrap, run_dir, init)
-        for role in plan:
+        for role in plan[:-1]:
             sup.start(role)
+        if cfg.realtime and not cfg.ray:
+            wait_for_agents(cfg, sup, run_dir)
+        sup.start(plan[-1])  # the simulator
         if cfg.dashboard:
             print(f"dashboard: http://localhost:{cfg.dashboard_port}", flush=True)
         print(f"run {cfg.run}: {cfg.agents} agents, loss {cfg.loss}; logs in {run_dir / 'logs'}; Ctrl-C stops",
