@@ -80,18 +80,19 @@ def staleness_hist(learner: pd.DataFrame) -> dict[str, int]:
     return {str(k): int(n) for k, n in zip(keys, counts)}
 
 
-def reward_per_minute(traj: pd.DataFrame, window: int) -> list[dict]:
-    """Windowed reward (last `window` trajectories) at the end of each wall-clock minute from the
-    first rollout's start."""
+def reward_per_minute(traj: pd.DataFrame, window: int, step_s: float = 60.0) -> list[dict]:
+    """Windowed reward (last `window` trajectories) every `step_s` of wall-clock time from the first
+    rollout's start (the last point at the last finish), with the trajectories finished by then."""
     if not len(traj):
         return []
     w = c.ad.windowed_reward(traj["reward"].to_numpy(float), window)
     t = traj["finished_at"].to_numpy(float) - float(traj["started_at"].min())
+    marks = list(np.arange(step_s, t.max(), step_s)) + [float(t.max())]
     out = []
-    for m in range(1, int(np.ceil(t.max() / 60.0)) + 1):
-        k = np.searchsorted(t, 60.0 * m, side="right")
+    for m in marks:
+        k = np.searchsorted(t, m, side="right")
         if k:
-            out.append({"minute": m, "reward": float(w[k - 1]), "trajectories": int(k)})
+            out.append({"minute": round(m / 60.0, 4), "reward": float(w[k - 1]), "trajectories": int(k)})
     return out
 
 
@@ -114,7 +115,8 @@ def measure(name: str, launched: dict, budget: int, mode: Mode) -> dict:
             "staleness_max": smax, "staleness_within_bound": smax is not None and smax <= mode.max_staleness,
             "learner_counts": c.learner_counts(lrn),
             "auc": c.ad.auc(pre["reward"].to_numpy(float), mode.window) if len(pre) else None,
-            "reward_per_minute": reward_per_minute(pre, mode.window)}
+            "reward_per_minute": reward_per_minute(pre, mode.window),
+            "reward_curve": reward_per_minute(pre, mode.window, step_s=5.0)}
 
 
 def markdown(result: dict) -> str:
@@ -143,14 +145,15 @@ def plot(rows: list[dict], path: Path, title: str) -> Path:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.5))
     for r in rows:
-        pts = r["reward_per_minute"]
-        a.plot([p["minute"] for p in pts], [p["reward"] for p in pts], marker="o",
+        pts = r["reward_curve"]
+        a.plot([p["minute"] for p in pts], [p["reward"] for p in pts],
                label=f"{r['mode']} ({(r['trajectories_per_s'] or 0):.2f} traj/s)")
         h = r["staleness_histogram"]
         total = max(1, sum(h.values()))
         off = -0.2 if r["mode"] == "async" else 0.2
         b.bar([int(k) + off for k in h], [n / total for n in h.values()], width=0.4, label=r["mode"])
-    a.set(xlabel="wall-clock minute", ylabel="windowed reward", title="reward reached per minute")
+    a.set(xlabel="wall-clock minutes from the first rollout", ylabel="windowed reward",
+          title="reward reached against wall-clock time")
     b.set(xlabel="staleness (versions)", ylabel="share of trained trajectories", title="staleness")
     a.legend(fontsize=8)
     b.legend(fontsize=8)
