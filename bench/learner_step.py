@@ -4,8 +4,13 @@ SAO step = value forward (its detached output gives the advantages, its graph th
 policy log-probs and entropy + `policy_loss("sao")` + `value_loss` + two backward passes + two AdamW steps.
 Bare = the same two forwards and backwards with a trivial loss, no advantages and no optimizer.
 Goal: ratio (bare tokens/s over SAO tokens/s) <= 1.25. Prints and saves runs/bench/learner_step.json.
+With `--megatron`, also the learner's whole step (`learner.trainer.step.update`) on the megatron backend,
+1 process EP1, 2 processes EP1 and 2 processes EP2 under torchrun, next to the same step on the torch
+backend, all measured by bench/megatron_step.py's trainer rows (its own fixed batch: `--megatron-batch`
+sequences of `--megatron-seq` tokens, so compare the megatron rows with that torch row, not with the
+SAO/bare rows above); saved under the "megatron" key.
 
-    .venv/bin/python bench/learner_step.py [--threads 2] [--batch 64] [--repeats 5]
+    .venv/bin/python bench/learner_step.py [--threads 2] [--batch 64] [--repeats 5] [--megatron]
 """
 
 from __future__ import annotations
@@ -74,12 +79,36 @@ def timed(fn, repeats: int) -> list[float]:
     return times
 
 
+def megatron_rows(threads: int, steps: int, batch: int, seq: int) -> list[dict]:
+    """bench/megatron_step.py --trainer rows: torch learner step, then megatron 1x EP1, 2x EP1, 2x EP2."""
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    if str(repo) not in sys.path:
+        sys.path.insert(0, str(repo))
+    from bench import megatron_step as ms
+
+    args = ms.parse(["--trainer", "--threads", str(threads), "--steps", str(steps), "--warmup", "1",
+                     "--batch", str(batch), "--seq", str(seq)])
+    out_dir = repo / "runs" / "bench"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = [ms.bench_torch_learner(args)]
+    print(ms._line(rows[0]), flush=True)
+    for nproc, ep in ((1, 1), (2, 1), (2, 2)):
+        rows.append(ms.launch(nproc, ep, args, out_dir / f"learner_step_megatron_{nproc}x_ep{ep}.json"))
+        print(ms._line(rows[-1]), flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default="runs/bench/learner_step.json")
+    ap.add_argument("--megatron", action="store_true", help="add the megatron backend rows (EP=1, EP=2; torchrun)")
+    ap.add_argument("--megatron-batch", type=int, default=16, help="sequences per megatron-row step")
+    ap.add_argument("--megatron-seq", type=int, default=64, help="tokens per sequence in the megatron rows")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     policy = build_policy(seed=0).train()
@@ -107,11 +136,16 @@ def main(argv: list[str] | None = None) -> int:
         "ratio_of_medians": statistics.median(sao_times) / statistics.median(bare_times),
         "bare_times_s": bare_times, "sao_times_s": sao_times,
     }
+    print(f"tokens/step {tokens}  bare fwd+bwd {tokens / t_bare:,.0f} tok/s ({t_bare:.3f} s)  "
+          f"SAO step {tokens / t_sao:,.0f} tok/s ({t_sao:.3f} s)  ratio {t_sao / t_bare:.3f} (goal <= 1.25)", flush=True)
+    if args.megatron:
+        print(f"learner step, torch vs megatron backends ({args.megatron_batch} x {args.megatron_seq} tokens, "
+              f"median of {args.repeats} steps):", flush=True)
+        result["megatron"] = megatron_rows(args.threads, args.repeats, args.megatron_batch, args.megatron_seq)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
-    print(f"tokens/step {tokens}  bare fwd+bwd {tokens / t_bare:,.0f} tok/s ({t_bare:.3f} s)  "
-          f"SAO step {tokens / t_sao:,.0f} tok/s ({t_sao:.3f} s)  ratio {t_sao / t_bare:.3f} (goal <= 1.25)  -> {out}")
+    print(f"saved {out}")
     return 0
 
 
