@@ -103,14 +103,15 @@ class Budget:
 
 def launch(algo: Algo, run: str, scenario: Path, runs_dir: Path, budget: Budget, pretrain: list[str],
            base: Path, seed: int = 0, agents: int = 2, sync: bool = False, sync_batch: int = 64,
-           extra_sets: list[str] = (), realtime: bool = False) -> dict[str, Any]:
+           extra_sets: list[str] = (), realtime: bool = False, evaluate: bool = False) -> dict[str, Any]:
     """Run the pipeline once on `scenario`, warm-started from the `base` snapshot (`snapshot_base`);
-    returns {run_dir, stopped, wall_s, rc}."""
+    `evaluate`: also run the held-out evaluator role (eval/reward per concept: forgetting), which
+    costs CPU; returns {run_dir, stopped, wall_s, rc}."""
     from streamer.launcher import UpConfig, run as up
 
     cfg = UpConfig(scenario=str(scenario), run=run, runs_dir=str(runs_dir), agents=agents,
                    group_size=algo.group_size, loss=algo.loss, sync=sync, sync_batch=sync_batch,
-                   dashboard=False, max_seconds=budget.max_seconds, realtime=realtime,
+                   dashboard=False, max_seconds=budget.max_seconds, realtime=realtime, eval=evaluate,
                    pretrain=[f"scenario={base}", f"cache_dir={CACHE_DIR}", *pretrain],
                    learner=[f"seed={seed}", *algo.sets, *extra_sets])
     run_dir = runs_dir / run
@@ -168,6 +169,12 @@ def read_run(run_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, list[dict
     if len(traj):
         traj = ad.sort_by(traj, "finished_at").reset_index(drop=True)
     return traj, read_learner(run_dir), [msgspec.to_builtins(e) for e in read_drift(run_dir)]
+
+
+def read_summary(run_dir: str | Path) -> dict[str, Any] | None:
+    from streamer.artifacts import read_summary as _read
+
+    return _read(run_dir)
 
 
 def token_prefix(traj: pd.DataFrame, budget: int) -> pd.DataFrame:
