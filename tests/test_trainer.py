@@ -266,6 +266,21 @@ def test_sync_mode_trains_only_the_current_version(tmp_path, policy0):
     assert trainer.counters["stale"] == 2 and trainer.version == 3
 
 
+def test_sync_mode_publishes_a_version_after_a_critic_only_step(tmp_path, policy0):
+    # sync agents answer one batch per version and then wait: warm-up step 1 (critic only) must still
+    # publish v1, or no v1 trajectories would ever come. Batches of 4: v0 -> warm-up -> v1 -> policy step -> v2.
+    v0, v1 = (synthetic_trajectories(policy0, 4, seed=s, version=v) for s, v in ((0, 0), (1, 1)))
+    cfg = make_cfg(tmp_path, "batch.sync=true", "batch.sync_batch=4", "value.warmup_steps=1")
+    pub = DirectoryPublisher(tmp_path / "w")
+    trainer, events = make_trainer(cfg, file_source(tmp_path, v0 + v1), pub)
+    p0 = _params(trainer.models.policy)
+    trainer.run()
+    assert [e.staleness for e in events] == [{"0": 4}] * 2
+    assert pub.versions() == [0, 1, 2] and trainer.version == 2
+    v1_weights = WeightStore(tmp_path / "w").load(WeightStore(tmp_path / "w").versions()[1])
+    assert all(torch.equal(v1_weights[k], p0[k]) for k in v1_weights)  # v1: the unchanged policy
+
+
 def test_group_estimator_trains_complete_groups_without_critic(tmp_path, policy0):
     g = synthetic_trajectories(policy0, 12, group_size=4)  # 3 groups of 4
     order = [g[i] for i in (0, 4, 1, 5, 2, 6, 3, 7, 8, 9)]  # the third group never completes

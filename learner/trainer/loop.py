@@ -143,14 +143,16 @@ class Trainer:
         if not applied:
             self.counters["skipped_steps"] += 1
             log.warning("step %d: non-finite loss or gradient, step skipped", self.step)
-            return
-        if warm:
+        elif warm:
             self.warm_left -= 1
         else:
             self.policy_steps += 1
-            if self.policy_steps % self.cfg.batch.sync_every == 0:
-                self._publish(self.version + 1)
-        self._watch_value_loss(metrics.get("value_loss"), warm)
+        # Synchronous agents wait for a new version after every batch: a critic-only or skipped step must
+        # still publish one (the same policy weights), or they would wait forever.
+        if self.cfg.batch.sync or (applied and not warm and self.policy_steps % self.cfg.batch.sync_every == 0):
+            self._publish(self.version + 1)
+        if applied:
+            self._watch_value_loss(metrics.get("value_loss"), warm)
 
     def _watch_value_loss(self, v: float | None, warm: bool) -> None:
         """Re-enter critic-only warm-up when the value loss spikes (a drift the critic has not seen)."""
