@@ -137,6 +137,12 @@ class Engine(ABC):
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], version: int | None = None) -> None:
         """Replace the weights in place; `version` defaults to the current one plus 1."""
 
+    @property
+    def eos_id(self) -> int | None:
+        """The served model's end-of-sequence id (every engine exposes its HF config as `model.config`)."""
+        eos = self.model.config.eos_token_id
+        return eos[0] if isinstance(eos, list) else eos
+
     def load_weights(self, path: str | Path, version: int | None = None) -> None:
         self.load_state_dict(read_state_dict(path), version)
 

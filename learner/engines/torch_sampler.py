@@ -22,11 +22,6 @@ class TorchSampler(Engine):
         self.version = version
         self._packed = pack_weights(model)
 
-    @property
-    def eos_id(self) -> int | None:
-        eos = self.model.config.eos_token_id
-        return eos[0] if isinstance(eos, list) else eos
-
     def load_state_dict(self, state_dict: dict[str, torch.Tensor], version: int | None = None) -> None:
         load_into(self.model, state_dict)
         self._packed = pack_weights(self.model)

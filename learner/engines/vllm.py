@@ -205,11 +205,6 @@ class VLLMEngine(Engine):
         save_policy(model, tmp, tokenizer)
         return cls(tmp, tokenizer, settings, _owned_dir=tmp)
 
-    @property
-    def eos_id(self) -> int | None:
-        eos = self.config.eos_token_id
-        return eos[0] if isinstance(eos, list) else eos
-
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
                  stop: list[str] | list[int] | None = None, seed: int | None = None) -> list[Generation]:
         from vllm import SamplingParams
