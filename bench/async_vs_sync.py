@@ -157,12 +157,7 @@ def plot(rows: list[dict], path: Path, title: str) -> Path:
     b.set(xlabel="staleness (versions)", ylabel="share of trained trajectories", title="staleness")
     a.legend(fontsize=8)
     b.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return c.save_figure(fig, path, title)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -367,6 +367,15 @@ def plot_bands(series: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.nd
                 transform=ax.get_xaxis_transform())
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     ax.legend(fontsize=8, ncol=2, loc="lower right")
+    return save_figure(fig, path)
+
+
+def save_figure(fig, path: Path, title: str | None = None) -> Path:
+    """Lay out, write the PNG (creating its folder) and free the figure."""
+    import matplotlib.pyplot as plt
+
+    if title is not None:
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -145,12 +145,7 @@ def plot(rows: list[dict], path: Path, title: str) -> Path:
                 ax.plot(s["step"], [np.nan if v is None else v for v in s[key]], label=r["algo"], lw=1.2)
         ax.set(xlabel="learner step", title=label)
     axes[0].legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return c.save_figure(fig, path, title)
 
 
 def main(argv: list[str] | None = None) -> int:
