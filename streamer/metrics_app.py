@@ -25,6 +25,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from streamer.bus import DLQ_MAX_VALUE_BYTES, DeadLetter
 from streamer.config import ConfigError, load_config
@@ -105,6 +106,16 @@ class MetricsState:
                             trajectories=self.windows.on_time, learner_step=self.learner_step)
         return [point], reason
 
+    def _decode(self, value: bytes | None, cls: type) -> tuple[Any, str | None]:
+        """(message, None) or (None, the reason it goes to the DLQ)."""
+        reason = self._check(value)
+        if reason is not None:
+            return None, reason
+        try:
+            return decode(value, cls), None
+        except SchemaError as e:
+            return None, str(e)
+
     def on_trajectory(self, value: bytes | None, timestamp: float) -> tuple[list[MetricPoint], str | None]:
         """(points to publish, DLQ reason or None). `timestamp`: the record's, in seconds.
 
@@ -112,24 +123,14 @@ class MetricsState:
         points followed by a cumulative `metrics/late` point.
         """
         self.last_arrival = time.monotonic()
-        reason = self._check(value)
-        if reason is None:
-            try:
-                traj = decode(value, Trajectory)
-            except SchemaError as e:
-                reason = str(e)
+        traj, reason = self._decode(value, Trajectory)
         if reason is not None:
             return self._reject(reason)
         self.windows.add(observe(traj, self.learner_version, timestamp))
         return self._points(self.windows.close_due()), None
 
     def on_learner(self, value: bytes | None) -> tuple[list[MetricPoint], str | None]:
-        reason = self._check(value)
-        if reason is None:
-            try:
-                ev = decode(value, LearnerEvent)
-            except SchemaError as e:
-                reason = str(e)
+        ev, reason = self._decode(value, LearnerEvent)
         if reason is not None:
             return self._reject(reason)
         # Events may be redelivered or reordered across restarts: versions only move forward.
