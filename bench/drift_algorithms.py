@@ -76,7 +76,7 @@ class Mode:
 
 ALL = [a.name for a in algorithms(0)]
 MODES = {
-    "full": Mode(ALL, [0, 1, 2], scale=0.06, rate=12.0, tokens=30_000, max_seconds=250.0, window=32),
+    "full": Mode(ALL, [0, 1, 2], scale=0.06, rate=12.0, tokens=30_000, max_seconds=220.0, window=32),
     "quick": Mode(["sao", "ppo", "grpo"], [0], scale=0.0125, rate=10.0, tokens=6_000, max_seconds=75.0, window=16,
                   pretrain=["steps=300"], warmup=2),
     "smoke": Mode(["sao", "grpo"], [0], scale=0.01, rate=20.0, tokens=400, max_seconds=40.0, window=8,
