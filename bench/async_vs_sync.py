@@ -39,6 +39,7 @@ class Mode:
     max_seconds: float
     agents: int
     window: int
+    concurrency: int = 16  # tasks in flight per agent (both modes): tool calls overlap, turns share batches
     latency: dict = field(default_factory=lambda: {"kind": "lognormal", "mean_s": 0.3, "sigma": 1.5, "max_s": 10.0})
     max_staleness: int = 4
     sync_batch: int = 32
@@ -49,9 +50,9 @@ class Mode:
 
 
 MODES = {
-    "full": Mode(0.1, 40_000, 600.0, 4, 32),
-    "quick": Mode(0.03, 6_000, 100.0, 4, 16, pretrain=["steps=300"]),
-    "smoke": Mode(0.01, 300, 40.0, 2, 8, pretrain=["steps=20", "eval_every=0"], sync_batch=8),
+    "full": Mode(0.1, 40_000, 600.0, 2, 32),
+    "quick": Mode(0.03, 6_000, 100.0, 2, 16, pretrain=["steps=300"]),
+    "smoke": Mode(0.01, 300, 40.0, 2, 8, concurrency=4, pretrain=["steps=20", "eval_every=0"], sync_batch=8),
 }
 
 
@@ -168,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, help="generated-token budget of each run")
     p.add_argument("--max-seconds", type=float, help="safety cap of each run")
     p.add_argument("--agents", type=int)
+    p.add_argument("--concurrency", type=int, help="tasks in flight per agent")
     p.add_argument("--out", default="runs/bench/async_vs_sync")
     args = p.parse_args(argv)
     name = "quick" if args.quick else "smoke" if args.smoke else "full"
@@ -175,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     mode.tokens = args.tokens or mode.tokens
     mode.max_seconds = args.max_seconds or mode.max_seconds
     mode.agents = args.agents or mode.agents
+    mode.concurrency = args.concurrency or mode.concurrency
     out, t0, machine = Path(args.out), time.monotonic(), c.machine()
     base = c.snapshot_base()
     scn = scenario(mode, out, base)
@@ -182,16 +185,19 @@ def main(argv: list[str] | None = None) -> int:
     budget = c.Budget(gen_tokens=mode.tokens, max_seconds=mode.max_seconds)
     launched = {}
     for label, sync in (("async", False), ("sync", True)):
-        print(f"[async_vs_sync] {label}: {mode.agents} agents, budget {mode.tokens} generated tokens", flush=True)
+        print(f"[async_vs_sync] {label}: {mode.agents} agents x {mode.concurrency} tasks in flight, budget "
+              f"{mode.tokens} generated tokens", flush=True)
         launched[label] = c.launch(algo, label, scn, out / "runs", budget, mode.pretrain, base, agents=mode.agents,
-                                   sync=sync, sync_batch=mode.sync_batch, extra_sets=mode.learner)
+                                   sync=sync, sync_batch=mode.sync_batch, extra_sets=mode.learner,
+                                   agent_sets=[f"concurrency={mode.concurrency}"])
     totals = [int(c.read_run(r["run_dir"])[0]["n_gen_tokens"].sum()) for r in launched.values()]
     common = min([mode.tokens] + [t for t in totals if t > 0])
     rows = [measure(k, v, common, mode) for k, v in launched.items()]
     a, s = rows
     speedup = a["trajectories_per_s"] / s["trajectories_per_s"] if a["trajectories_per_s"] and s[
         "trajectories_per_s"] else None
-    png = plot(rows, out / "async_vs_sync.png", f"async vs sync ({name}; {mode.agents} agents; "
+    png = plot(rows, out / "async_vs_sync.png", f"async vs sync ({name}; {mode.agents} agents x "
+               f"{mode.concurrency} in flight; "
                f"{common} generated tokens; lognormal tool latency mean {mode.latency['mean_s']} s)")
     result = {"bench": "async_vs_sync", "mode": name,
               "command": " ".join(["bench/async_vs_sync.py", *(argv if argv is not None else sys.argv[1:])]),

@@ -103,7 +103,8 @@ class Budget:
 
 def launch(algo: Algo, run: str, scenario: Path, runs_dir: Path, budget: Budget, pretrain: list[str],
            base: Path, seed: int = 0, agents: int = 2, sync: bool = False, sync_batch: int = 64,
-           extra_sets: list[str] = (), realtime: bool = False, evaluate: bool = False) -> dict[str, Any]:
+           extra_sets: list[str] = (), realtime: bool = False, evaluate: bool = False,
+           agent_sets: list[str] = ()) -> dict[str, Any]:
     """Run the pipeline once on `scenario`, warm-started from the `base` snapshot (`snapshot_base`);
     `evaluate`: also run the held-out evaluator role (eval/reward per concept: forgetting), which
     costs CPU; returns {run_dir, stopped, wall_s, rc}."""
@@ -113,7 +114,7 @@ def launch(algo: Algo, run: str, scenario: Path, runs_dir: Path, budget: Budget,
                    group_size=algo.group_size, loss=algo.loss, sync=sync, sync_batch=sync_batch,
                    dashboard=False, max_seconds=budget.max_seconds, realtime=realtime, eval=evaluate,
                    pretrain=[f"scenario={base}", f"cache_dir={CACHE_DIR}", *pretrain],
-                   learner=[f"seed={seed}", *algo.sets, *extra_sets])
+                   learner=[f"seed={seed}", *algo.sets, *extra_sets], agent=list(agent_sets))
     run_dir = runs_dir / run
     if run_dir.exists():  # the launcher appends to a run directory: start clean
         import shutil

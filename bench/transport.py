@@ -123,7 +123,7 @@ def agent_rollout_seconds(model_dir: Path, n: int = 30) -> dict:
     from learner.engines import make_engine
     from simulator.generator import generate
     from simulator.scenario import load_scenario
-    from streamer.agent import rollout
+    from streamer.rollouts import rollout
     from streamer.settings import AgentSettings
 
     torch.set_num_threads(1)

@@ -1,9 +1,11 @@
 """`sao agent`: tasks -> rollouts -> trajectories, one consumer of `<run>.tasks` in a shared group.
 
-Each task gets one rollout (SAO) or a group of n (`--group-size n`, GRPO family; the group shares one
-policy version). The offset of a task is committed only after its trajectories are produced and
-flushed, so an agent that dies loses nothing (its uncommitted tasks go to another agent; the
-learner de-duplicates by task id). New policy versions are loaded between rollouts.
+Each task gets one rollout (SAO) or a group of n (`--group-size n`, GRPO family). Up to
+`concurrency` tasks are in flight (`streamer.rollouts`: their turns share engine batches, their tool
+calls overlap). A partition's offset is committed only up to its oldest task still in flight, and
+only after the finished tasks' trajectories are produced and flushed, so an agent that dies loses
+nothing (its uncommitted tasks go to another agent; the learner de-duplicates by task id). New
+policy versions are loaded between turns.
 
     sao agent --bootstrap 127.0.0.1:9092 --run exp1 --model runs/warm [--group-size 8] [--set max_new_tokens=24]
     sao agent --tasks tasks.jsonl --out trajectories.jsonl --model runs/warm     # no broker, no learner
@@ -19,7 +21,6 @@ import signal
 import socket
 import sys
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,91 +29,13 @@ from kafka.errors import KafkaError
 
 from streamer.bus import Consumer, DeadLetter, KafkaBus, MemoryBus, Producer
 from streamer.config import ConfigError, load_config
+from streamer.rollouts import ROLLOUT_ERRORS, Finished, Rollouts
 from streamer.schema import PolicyVersion, Task, Trajectory, encode
 from streamer.settings import AgentSettings
 from streamer.topics import Topics, partitions_by_topic
 from streamer.weights import CheckpointError, PolicyFollower, WeightStore
 
 log = logging.getLogger("sao.agent")
-
-
-# ----------------------------------------------------------------------------------------- rollouts
-
-@dataclass
-class _Episode:
-    env: Any
-    tokens: list[int]
-    mask: list[int]
-    logprobs: list[float]
-    final: Any = None  # the env's last Step
-    turns: int = 0
-    gen_seconds: float = 0.0
-
-
-def _context_limit(engine: Any) -> int:
-    model = getattr(engine, "model", None)
-    return int(getattr(getattr(model, "config", None), "max_position_embeddings", 0) or 1 << 30)
-
-
-def rollout_seed(task_id: str, seed: int) -> int:
-    return zlib.crc32(f"{seed}:{task_id}".encode())
-
-
-def rollout(engine: Any, tokenizer: Any, task: Task, s: AgentSettings, agent_id: str = "") -> list[Trajectory]:
-    """`s.group_size` multi-turn episodes of `task`, generated in one batch per turn by the same weights."""
-    from simulator.env import make_env
-
-    started = time.time()
-    version = int(engine.version)
-    eps = []
-    for _ in range(s.group_size):
-        env = make_env(task)
-        prompt = tokenizer.encode(env.prompt(), bos=True)
-        eps.append(_Episode(env, list(prompt), [0] * len(prompt), [0.0] * len(prompt)))
-    prompt_len, limit = len(eps[0].tokens), _context_limit(engine)
-    seed = rollout_seed(task.task_id, s.seed)
-    for turn in range(s.max_turns):
-        active = [e for e in eps if e.final is None]
-        room = limit - max(len(e.tokens) for e in active) if active else 0
-        if room < 1:
-            break
-        t0 = time.perf_counter()
-        gens = engine.generate([e.tokens for e in active], min(s.max_new_tokens, room), s.temperature, s.top_p,
-                               stop=active[0].env.stop or None, seed=seed + turn)
-        dt = time.perf_counter() - t0
-        for e, g in zip(active, gens):
-            e.gen_seconds += dt
-            e.turns += 1
-            e.tokens += g.token_ids
-            e.mask += [1] * len(g.token_ids)
-            # behaviour log-probs: the distribution actually sampled (model's own at temperature 0)
-            e.logprobs += list(g.sample_logprobs if s.temperature > 0 else g.logprobs)
-            step = e.env.step(g.text or tokenizer.decode(g.token_ids))
-            if step.done:
-                e.final = step
-            else:
-                obs = tokenizer.encode(step.observation)
-                e.tokens += obs
-                e.mask += [0] * len(obs)
-                e.logprobs += [0.0] * len(obs)
-    for e in eps:
-        if e.final is None:  # turn or context limit: the episode ends without an answer
-            e.final = e.env.step("")
-    finished = time.time()
-    return [_trajectory(task, e, i, prompt_len, version, s.group_size, agent_id, started, finished)
-            for i, e in enumerate(eps)]
-
-
-def _trajectory(task: Task, e: _Episode, i: int, prompt_len: int, version: int, n: int, agent_id: str,
-                started: float, finished: float) -> Trajectory:
-    return Trajectory(
-        traj_id=f"{task.task_id}:{i}", task_id=task.task_id, family=task.family, concept=task.concept,
-        phase=task.phase, group_id=task.task_id if n > 1 else "", group_size=n, prompt_len=prompt_len,
-        tokens=e.tokens, loss_mask=e.mask, logprobs=e.logprobs, reward=float(e.final.reward),
-        reward_parts={k: float(v) for k, v in e.final.parts.items()}, success=bool(e.final.success),
-        policy_version=version, policy_versions=[version], n_turns=e.turns, n_tool_calls=int(e.env.n_calls),
-        agent_id=agent_id, created_at=task.created_at, started_at=started, finished_at=finished,
-        gen_seconds=e.gen_seconds, env_seconds=float(e.env.env_seconds))
 
 
 # ----------------------------------------------------------------------------------------- the loop
@@ -128,7 +51,8 @@ class AgentStats:
 
 
 class Agent:
-    """One agent process: poll a task, roll out, produce + flush, commit; swap weights between tasks."""
+    """One agent process: keep up to `concurrency` tasks in flight, advance them a turn at a time,
+    produce + flush the finished ones, commit; swap weights between turns."""
 
     def __init__(self, s: AgentSettings, engine: Any, tokenizer: Any, tasks: Consumer, producer: Producer,
                  follower: PolicyFollower | None, status_path: str = "") -> None:
@@ -136,22 +60,14 @@ class Agent:
         self.tasks, self.producer, self.follower = tasks, producer, follower
         self.topics = Topics(s.run)
         self.agent_id = s.agent_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.rollouts = Rollouts(engine, tokenizer, s, self.agent_id)
         self.stats = AgentStats()
         self.status_path = status_path
         self.stopping = False
         self._last_status = 0.0
-        self._counted_version, self._version_tasks = -1, 0  # tasks answered with the current version
-
-    def handle(self, task: Task) -> list[Trajectory]:
-        t0 = time.perf_counter()
-        trajs = rollout(self.engine, self.tokenizer, task, self.s, self.agent_id)
-        for t in trajs:
-            self.producer.send(self.topics.trajectories, t, key=task.task_id)
-        self.producer.flush()  # before the commit: a task is never committed without its trajectories
-        self.stats.busy_seconds += time.perf_counter() - t0
-        self.stats.tasks += 1
-        self.stats.trajectories += len(trajs)
-        return trajs
+        self._counted_version, self._version_tasks = -1, 0  # tasks taken with the current version
+        self._open: dict[Any, list[int]] = {}  # partition -> offsets in flight, in poll order
+        self._next: dict[Any, int] = {}  # partition -> one past the newest finished offset
 
     def _give_up(self, task: Task, tp: Any, offset: int, err: Exception) -> None:
         """A task the environment or engine cannot run goes to the DLQ (else it would kill every agent in turn)."""
@@ -161,7 +77,6 @@ class Agent:
         self.producer.send(self.topics.dlq, DeadLetter(
             topic=tp.topic, partition=tp.partition, offset=offset, key=task.task_id.encode(), value=raw,
             value_len=len(raw), reason=reason, expected="Task", consumer=self.agent_id, time=time.time()))
-        self.producer.flush()
         self.stats.failed += 1
 
     def _waiting_for_version(self) -> bool:
@@ -170,39 +85,82 @@ class Agent:
             self._counted_version, self._version_tasks = self.engine.version, 0
         return bool(self.s.sync_tasks_per_version) and self._version_tasks >= self.s.sync_tasks_per_version
 
-    def step(self) -> int:
-        """Swap weights if a new version is out, then handle at most one task. Returns tasks handled."""
+    def _swap(self) -> None:
+        """Load a new version if one is out; when this version has had its share (sync) and nothing is in
+        flight, wait for one."""
+        if self.follower is None:
+            return
         if self._waiting_for_version():
-            if self.follower is None or not self.follower.maybe_swap(self.engine, self.s.poll_timeout_s):
-                self.write_status()
-                return 0
+            if not len(self.rollouts) and self.follower.maybe_swap(self.engine, self.s.poll_timeout_s):
+                self.write_status(force=True)
+        elif self.follower.maybe_swap(self.engine):
             self.write_status(force=True)
-        elif self.follower is not None and self.follower.maybe_swap(self.engine):
-            self.write_status(force=True)
-        self._waiting_for_version()  # restarts the count when the version just changed
-        polled = self.tasks.poll(max_records=1, timeout=self.s.poll_timeout_s)
+
+    def _take(self) -> None:
+        """Poll tasks into the free slots (none while waiting for a version)."""
+        if self._waiting_for_version():
+            return
+        free = self.s.concurrency - len(self.rollouts)
+        if self.s.sync_tasks_per_version:
+            free = min(free, self.s.sync_tasks_per_version - self._version_tasks)
+        if self.s.max_tasks:
+            free = min(free, self.s.max_tasks - self.stats.tasks - len(self.rollouts))
+        if free <= 0:
+            return
+        polled = self.tasks.poll(max_records=free, timeout=0 if len(self.rollouts) else self.s.poll_timeout_s)
         for task, tp, offset in polled:
-            try:
-                self.handle(task)
-            except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as e:
-                if isinstance(e, (ConnectionError, KafkaError)):
-                    raise  # the transport failed: do not commit, let the task be redelivered
-                self._give_up(task, tp, offset, e)
+            self.rollouts.start(task, (tp, offset))
+            self._open.setdefault(tp, []).append(offset)
             self._version_tasks += 1
-            if not self.tasks.commit({tp: offset + 1}):
-                self.stats.commit_failures += 1
+
+    def _finish(self, finished: list[Finished]) -> None:
+        """Produce the finished tasks' trajectories (or dead letters), flush, then commit each partition
+        up to its oldest task still in flight."""
+        for done in finished:
+            tp, offset = done.key
+            if done.error is None:
+                for t in done.trajectories:
+                    self.producer.send(self.topics.trajectories, t, key=done.task.task_id)
+                self.stats.tasks += 1
+                self.stats.trajectories += len(done.trajectories)
+            elif isinstance(done.error, (ConnectionError, KafkaError)) or not isinstance(done.error, ROLLOUT_ERRORS):
+                raise done.error  # the transport failed, or a bug: do not commit, the task is redelivered
+            else:
+                self._give_up(done.task, tp, offset, done.error)
+            self._open[tp].remove(offset)
+            self._next[tp] = max(self._next.get(tp, 0), offset + 1)
+        self.producer.flush()  # before the commit: a task is never committed without its trajectories
+        tps = {d.key[0] for d in finished}
+        if not self.tasks.commit({tp: self._open[tp][0] if self._open[tp] else self._next[tp] for tp in tps}):
+            self.stats.commit_failures += 1
+
+    def step(self) -> int:
+        """Swap weights if a new version is out, take tasks into free slots, advance every rollout one
+        turn (or wait for a tool). Returns the tasks finished."""
+        self._swap()
+        self._take()
+        finished: list[Finished] = []
+        if len(self.rollouts):
+            t0 = time.perf_counter()
+            finished = self.rollouts.advance(timeout=self.s.poll_timeout_s)
+            if finished:
+                self._finish(finished)
+            self.stats.busy_seconds += time.perf_counter() - t0
         self.write_status()
-        return len(polled)
+        return len(finished)
 
     def run(self) -> AgentStats:
         idle_since = time.monotonic()
-        while not self.stopping:
-            if self.step():
-                idle_since = time.monotonic()
-            elif self.s.idle_exit_s and time.monotonic() - idle_since > self.s.idle_exit_s:
-                break
-            if self.s.max_tasks and self.stats.tasks >= self.s.max_tasks:
-                break
+        try:
+            while not self.stopping:
+                if self.step() or len(self.rollouts):
+                    idle_since = time.monotonic()
+                elif self.s.idle_exit_s and time.monotonic() - idle_since > self.s.idle_exit_s:
+                    break
+                if self.s.max_tasks and self.stats.tasks >= self.s.max_tasks:
+                    break
+        finally:
+            self.rollouts.close()  # tasks still in flight are not committed: they go to another agent
         self.write_status(force=True)
         return self.stats
 
@@ -214,7 +172,7 @@ class Agent:
                 "dead_letters": self.tasks.dead_letters + (f.consumer.dead_letters if f else 0),
                 "refused": {str(k): v for k, v in (f.refused if f else {}).items()},
                 "swapped_at": f.swapped_at if f else 0.0,
-                "waiting_for_version": self._waiting_for_version(),
+                "waiting_for_version": self._waiting_for_version(), "in_flight": len(self.rollouts),
                 "busy_seconds": round(self.stats.busy_seconds, 4), "time": time.time()}
 
     def write_status(self, force: bool = False) -> None:

@@ -70,7 +70,7 @@ def held_out_set(scn: Any, k: int, seed: int = EVAL_SEED) -> dict[tuple[str, str
 def evaluate(engine: Any, tokenizer: Any, tasks: dict[tuple[str, str], list[Task]], s: AgentSettings,
              stop: Callable[[], bool] = lambda: False) -> dict[tuple[str, str], float] | None:
     """Mean reward of one greedy rollout per task, per (family, concept); None if `stop()` turned true."""
-    from streamer.agent import rollout
+    from streamer.rollouts import rollout
 
     out = {}
     for pair, group in tasks.items():

@@ -46,6 +46,7 @@ class UpConfig:
     drain_seconds: float = 5.0  # after the last trajectory, let the learner finish its batch
     pretrain: list[str] = field(default_factory=list)  # PretrainConfig overrides
     learner: list[str] = field(default_factory=list)  # LearnerConfig overrides
+    agent: list[str] = field(default_factory=list)  # AgentSettings overrides, e.g. concurrency=8
     ray: bool = False  # agents and learner as Ray actors (streamer.ray_launch)
     ray_address: str = ""  # join this Ray cluster ("auto", "ray://head:10001"); implies --ray
     ray_set: list[str] = field(default_factory=list)  # RayConfig overrides, e.g. agent.num_cpus=2
@@ -74,6 +75,8 @@ def parse_args(argv: list[str]) -> UpConfig:
     p.add_argument("--pretrain", action="append", default=[], metavar="KEY=VALUE", help="warm-start override")
     p.add_argument("--set", dest="learner", action="append", default=[], metavar="KEY=VALUE",
                    help="learner override, e.g. batch.tokens=2048")
+    p.add_argument("--agent-set", dest="agent", action="append", default=[], metavar="KEY=VALUE",
+                   help="agent override, e.g. concurrency=8 (tasks in flight per agent)")
     p.add_argument("--ray", action="store_true", help="run agents and learner as Ray actors (local Ray if no address)")
     p.add_argument("--ray-address", default=d.ray_address, help="join this Ray cluster: auto, ray://head:10001")
     p.add_argument("--ray-set", dest="ray_set", action="append", default=[], metavar="KEY=VALUE",
@@ -116,6 +119,8 @@ def roles(cfg: UpConfig, bootstrap: str, run_dir: Path, init: Path) -> list[Role
                  str(cfg.group_size), "--status-file", str(run_dir / f"agent-{i}.json")]
         if cfg.sync:  # each agent answers its share of a batch, then waits for the next version
             agent += ["--set", f"sync_tasks_per_version={max(1, cfg.sync_batch // cfg.agents)}"]
+        for kv in cfg.agent:
+            agent += ["--set", kv]
         out.append(Role(f"agent-{i}", agent))
     if cfg.eval:
         out.append(Role("eval", ["eval", *common, "--scenario", cfg.scenario, "--model", str(init), "--weights-dir",

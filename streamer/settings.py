@@ -71,6 +71,7 @@ class AgentSettings:
     model: str = ""  # model directory (HF format); "" -> the latest version in the weight store
     weights_dir: str = "runs/weights"  # weight store that <run>.policy announcements point into
     group_size: int = 1  # 1: single rollout (SAO); n>1: GRPO-family group sharing one policy version
+    concurrency: int = 1  # tasks in flight: their turns share engine batches, their tool calls overlap
     max_new_tokens: int = 32  # per turn
     max_turns: int = 4
     temperature: float = 1.0
@@ -88,6 +89,8 @@ class AgentSettings:
     def validate(self) -> None:
         if self.group_size < 1:
             raise ConfigError("AgentSettings.group_size: must be >= 1 (1 = single rollout)")
+        if self.concurrency < 1:
+            raise ConfigError("AgentSettings.concurrency: must be >= 1 (tasks in flight per agent)")
         if self.sync_tasks_per_version < 0:
             raise ConfigError("AgentSettings.sync_tasks_per_version: must be >= 0 (0 = asynchronous)")
         if self.max_new_tokens < 1 or self.max_turns < 1:

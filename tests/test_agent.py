@@ -9,7 +9,8 @@ import pytest
 from kafka_fixtures import scenario_tasks
 from learner.engines import Engine, Generation, make_engine
 from learner.models.tokenizer import EOS_ID, CharTokenizer
-from streamer.agent import build_agent, main, rollout
+from streamer.agent import build_agent, main
+from streamer.rollouts import rollout
 from streamer.bus import MemoryBus, MemoryProducer
 from streamer.schema import Task, Trajectory, decode
 from streamer.settings import AgentSettings

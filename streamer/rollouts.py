@@ -1,0 +1,225 @@
+"""Rollouts of tasks in flight: episodes of several tasks share the engine's batches, tool calls overlap.
+
+An agent keeps up to `concurrency` tasks in flight (each with `group_size` episodes). Every `advance`
+generates one turn, in one engine batch per stop set, for all the episodes that are ready, then hands
+each action to its environment on a thread pool, so a slow tool call (the simulator's latency)
+blocks only its own episode while the others keep generating: the continuous batching of rollout
+services (slime, AReaL) on the agent side. The episodes of one task wait for each other at every
+turn, so with one task in flight a group is generated in one batch per turn and a rollout is
+reproducible from its task id and seed. New weights may be loaded between two `advance` calls; a
+trajectory then records every version that generated it (`policy_versions`) and its oldest one as
+`policy_version`, and its behaviour log-probs are those actually sampled.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+from streamer.schema import Task, Trajectory
+from streamer.settings import AgentSettings
+
+
+ROLLOUT_ERRORS = (ValueError, KeyError, TypeError, IndexError, RuntimeError)  # a task we cannot run
+
+
+def rollout_seed(task_id: str, seed: int) -> int:
+    return zlib.crc32(f"{seed}:{task_id}".encode())
+
+
+def context_limit(engine: Any) -> int:
+    model = getattr(engine, "model", None)
+    return int(getattr(getattr(model, "config", None), "max_position_embeddings", 0) or 1 << 30)
+
+
+@dataclass(eq=False)
+class Episode:
+    env: Any
+    tokens: list[int]
+    mask: list[int]
+    logprobs: list[float]
+    final: Any = None  # the env's last Step
+    pending: Future | None = None  # the env step in progress
+    turns: int = 0
+    gen_seconds: float = 0.0
+    versions: list[int] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class InFlight:
+    task: Task
+    key: Any  # the caller's handle (the agent's partition and offset)
+    episodes: list[Episode]
+    prompt_len: int
+    seed: int
+    started: float
+    error: Exception | None = None  # the environment or engine raised: no more turns
+
+    @property
+    def done(self) -> bool:
+        return all(e.final is not None for e in self.episodes)
+
+    @property
+    def idle(self) -> bool:
+        """Every episode is back from its environment."""
+        return all(e.pending is None for e in self.episodes)
+
+    @property
+    def ready(self) -> bool:
+        """Idle, and at least one episode still needs a turn."""
+        return self.error is None and not self.done and self.idle
+
+
+@dataclass
+class Finished:
+    task: Task
+    key: Any
+    trajectories: list[Trajectory]
+    error: Exception | None = None  # the environment or engine raised: the task goes to the DLQ
+
+
+class Rollouts:
+    """Tasks in flight on one engine. `start` a task, call `advance` until it returns the task."""
+
+    def __init__(self, engine: Any, tokenizer: Any, s: AgentSettings, agent_id: str = "") -> None:
+        self.engine, self.tokenizer, self.s, self.agent_id = engine, tokenizer, s, agent_id
+        self.limit = context_limit(engine)
+        self.flights: list[InFlight] = []
+        self._pool: ThreadPoolExecutor | None = None
+
+    def __len__(self) -> int:
+        return len(self.flights)
+
+    def start(self, task: Task, key: Any = None) -> None:
+        from simulator.env import make_env
+
+        seed = rollout_seed(task.task_id, self.s.seed)
+        eps = []
+        try:
+            for _ in range(self.s.group_size):
+                env = make_env(task)
+                prompt = self.tokenizer.encode(env.prompt(), bos=True)
+                eps.append(Episode(env, list(prompt), [0] * len(prompt), [0.0] * len(prompt)))
+        except ROLLOUT_ERRORS as e:  # returned by the next `advance`
+            self.flights.append(InFlight(task, key, [], 0, seed, time.time(), error=e))
+            return
+        self.flights.append(InFlight(task, key, eps, len(eps[0].tokens), seed, time.time()))
+
+    def advance(self, timeout: float | None = None) -> list[Finished]:
+        """One turn for every ready task; else wait up to `timeout` for an environment. Returns the
+        tasks that ended (their trajectories, or the error that ended them)."""
+        ready = [f for f in self.flights if f.ready]
+        for batch in self._batches(ready):
+            try:
+                self._generate(batch)
+            except ROLLOUT_ERRORS as e:
+                for f, _ in batch:
+                    f.error = e
+        pending = [e.pending for f in self.flights for e in f.episodes if e.pending is not None]
+        if pending and not ready:
+            wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+        for f in self.flights:
+            for e in f.episodes:
+                if e.pending is not None and e.pending.done():
+                    self._observe(f, e)
+        ended = [f for f in self.flights if f.idle and (f.error is not None or f.done)]
+        self.flights = [f for f in self.flights if all(f is not g for g in ended)]
+        return [Finished(f.task, f.key, [] if f.error else self._trajectories(f), f.error) for f in ended]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    # ------------------------------------------------------------------------------------- turns
+
+    def _batches(self, ready: list[InFlight]) -> list[list[tuple[InFlight, Episode]]]:
+        """The active episodes of the ready tasks, one batch per stop set (a tool task stops after a call)."""
+        by_stop: dict[tuple[str, ...], list[tuple[InFlight, Episode]]] = {}
+        for f in ready:
+            for e in f.episodes:
+                if e.final is not None:
+                    continue
+                if e.turns >= self.s.max_turns or self.limit - len(e.tokens) < 1:
+                    e.final = e.env.step("")  # turn or context limit: the episode ends without an answer
+                    continue
+                by_stop.setdefault(tuple(e.env.stop), []).append((f, e))
+        return list(by_stop.values())
+
+    def _generate(self, batch: list[tuple[InFlight, Episode]]) -> None:
+        f0, e0 = batch[0]
+        room = self.limit - max(len(e.tokens) for _, e in batch)
+        t0 = time.perf_counter()
+        gens = self.engine.generate([e.tokens for _, e in batch], min(self.s.max_new_tokens, room),
+                                    self.s.temperature, self.s.top_p, stop=list(e0.env.stop) or None,
+                                    seed=f0.seed + e0.turns)
+        dt, version = time.perf_counter() - t0, int(self.engine.version)
+        for (f, e), g in zip(batch, gens):
+            e.gen_seconds += dt
+            e.turns += 1
+            e.versions.append(version)
+            e.tokens += g.token_ids
+            e.mask += [1] * len(g.token_ids)
+            # behaviour log-probs: the distribution actually sampled (the model's own at temperature 0)
+            e.logprobs += list(g.sample_logprobs if self.s.temperature > 0 else g.logprobs)
+            e.pending = self._env_step(e.env, g.text or self.tokenizer.decode(g.token_ids))
+
+    def _env_step(self, env: Any, text: str) -> Future:
+        if self.s.concurrency <= 1 and self.s.group_size <= 1:  # nothing to overlap with: no thread
+            fut: Future = Future()
+            try:
+                fut.set_result(env.step(text))
+            except Exception as e:  # noqa: BLE001 - handed to the caller like a pool's future
+                fut.set_exception(e)
+            return fut
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.s.concurrency * self.s.group_size, thread_name_prefix="env")
+        return self._pool.submit(env.step, text)
+
+    def _observe(self, f: InFlight, e: Episode) -> None:
+        fut, e.pending = e.pending, None
+        err = fut.exception()
+        if err is not None:
+            f.error = err
+            return
+        step = fut.result()
+        if step.done:
+            e.final = step
+            return
+        obs = self.tokenizer.encode(step.observation)
+        e.tokens += obs
+        e.mask += [0] * len(obs)
+        e.logprobs += [0.0] * len(obs)
+
+    def _trajectories(self, f: InFlight) -> list[Trajectory]:
+        finished, n = time.time(), self.s.group_size
+        out = []
+        for i, e in enumerate(f.episodes):
+            versions = sorted(set(e.versions)) or [int(self.engine.version)]
+            t = f.task
+            out.append(Trajectory(
+                traj_id=f"{t.task_id}:{i}", task_id=t.task_id, family=t.family, concept=t.concept, phase=t.phase,
+                group_id=t.task_id if n > 1 else "", group_size=n, prompt_len=f.prompt_len, tokens=e.tokens,
+                loss_mask=e.mask, logprobs=e.logprobs, reward=float(e.final.reward),
+                reward_parts={k: float(v) for k, v in e.final.parts.items()}, success=bool(e.final.success),
+                policy_version=versions[0], policy_versions=versions, n_turns=e.turns,
+                n_tool_calls=int(e.env.n_calls), agent_id=self.agent_id, created_at=t.created_at,
+                started_at=f.started, finished_at=finished, gen_seconds=e.gen_seconds,
+                env_seconds=float(e.env.env_seconds)))
+        return out
+
+
+def rollout(engine: Any, tokenizer: Any, task: Task, s: AgentSettings, agent_id: str = "") -> list[Trajectory]:
+    """`s.group_size` multi-turn episodes of one task, generated in one batch per turn by the same weights."""
+    r = Rollouts(engine, tokenizer, s, agent_id)
+    r.start(task)
+    try:
+        while True:
+            for done in r.advance(timeout=None):
+                if done.error is not None:
+                    raise done.error
+                return done.trajectories
+    finally:
+        r.close()
