@@ -65,7 +65,8 @@ class Agent:
         self.status_path = status_path
         self.stopping = False
         self._last_status = 0.0
-        self._counted_version, self._version_tasks = -1, 0  # tasks taken with the current version
+        self._first_version: int | None = None  # the version this agent started with (admission)
+        self._started = 0  # tasks taken since then
         self._open: dict[Any, list[int]] = {}  # partition -> offsets in flight, in poll order
         self._next: dict[Any, int] = {}  # partition -> one past the newest finished offset
 
@@ -79,15 +80,23 @@ class Agent:
             value_len=len(raw), reason=reason, expected="Task", consumer=self.agent_id, time=time.time()))
         self.stats.failed += 1
 
+    def _admissible(self) -> int:
+        """Tasks this agent may still start: `tasks_per_version` per version, up to `versions_ahead` versions
+        ahead of the newest one loaded (AReaL's staleness-bounded rollout; 0 ahead: synchronous)."""
+        if not self.s.tasks_per_version:
+            return 1 << 30
+        if self._first_version is None:
+            self._first_version = int(self.engine.version)
+        versions = int(self.engine.version) - self._first_version + 1 + self.s.versions_ahead
+        return versions * self.s.tasks_per_version - self._started
+
     def _waiting_for_version(self) -> bool:
-        """Synchronous baseline: this version has had its share of tasks; block on the policy topic instead."""
-        if self._counted_version != self.engine.version:
-            self._counted_version, self._version_tasks = self.engine.version, 0
-        return bool(self.s.sync_tasks_per_version) and self._version_tasks >= self.s.sync_tasks_per_version
+        """This version has had its share of tasks: block on the policy topic instead."""
+        return self._admissible() <= 0
 
     def _swap(self) -> None:
-        """Load a new version if one is out; when this version has had its share (sync) and nothing is in
-        flight, wait for one."""
+        """Load a new version if one is out; when this version has had its share and nothing is in flight,
+        wait for one."""
         if self.follower is None:
             return
         if self._waiting_for_version():
@@ -100,9 +109,7 @@ class Agent:
         """Poll tasks into the free slots (none while waiting for a version)."""
         if self._waiting_for_version():
             return
-        free = self.s.concurrency - len(self.rollouts)
-        if self.s.sync_tasks_per_version:
-            free = min(free, self.s.sync_tasks_per_version - self._version_tasks)
+        free = min(self.s.concurrency - len(self.rollouts), self._admissible())
         if self.s.max_tasks:
             free = min(free, self.s.max_tasks - self.stats.tasks - len(self.rollouts))
         if free <= 0:
@@ -111,7 +118,7 @@ class Agent:
         for task, tp, offset in polled:
             self.rollouts.start(task, (tp, offset))
             self._open.setdefault(tp, []).append(offset)
-            self._version_tasks += 1
+            self._started += 1
 
     def _finish(self, finished: list[Finished]) -> None:
         """Produce the finished tasks' trajectories (or dead letters), flush, then commit each partition

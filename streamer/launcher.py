@@ -118,7 +118,7 @@ def roles(cfg: UpConfig, bootstrap: str, run_dir: Path, init: Path) -> list[Role
         agent = ["agent", *common, "--model", str(init), "--weights-dir", weights, "--group-size",
                  str(cfg.group_size), "--status-file", str(run_dir / f"agent-{i}.json")]
         if cfg.sync:  # each agent answers its share of a batch, then waits for the next version
-            agent += ["--set", f"sync_tasks_per_version={max(1, cfg.sync_batch // cfg.agents)}"]
+            agent += ["--set", f"tasks_per_version={max(1, cfg.sync_batch // cfg.agents)}", "--set", "versions_ahead=0"]
         for kv in cfg.agent:
             agent += ["--set", kv]
         out.append(Role(f"agent-{i}", agent))

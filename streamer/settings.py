@@ -77,7 +77,11 @@ class AgentSettings:
     temperature: float = 1.0
     top_p: float = 1.0
     max_tasks: int = 0  # stop after this many tasks (0: run until stopped)
-    sync_tasks_per_version: int = 0  # synchronous baseline: answer this many tasks, then wait for a new version
+    # staleness-bounded rollout (AReaL's eta): start at most `tasks_per_version` tasks per policy version,
+    # running at most `versions_ahead` versions ahead of the newest one loaded; 0 ahead is the synchronous
+    # baseline (answer a share of the batch, then wait). tasks_per_version 0: unbounded
+    tasks_per_version: int = 0
+    versions_ahead: int = 0
     idle_exit_s: float = 0.0  # stop after this long without tasks (0: never)
     poll_timeout_s: float = 0.5
     seed: int = 0
@@ -91,8 +95,9 @@ class AgentSettings:
             raise ConfigError("AgentSettings.group_size: must be >= 1 (1 = single rollout)")
         if self.concurrency < 1:
             raise ConfigError("AgentSettings.concurrency: must be >= 1 (tasks in flight per agent)")
-        if self.sync_tasks_per_version < 0:
-            raise ConfigError("AgentSettings.sync_tasks_per_version: must be >= 0 (0 = asynchronous)")
+        if self.tasks_per_version < 0 or self.versions_ahead < 0:
+            raise ConfigError("AgentSettings.tasks_per_version / versions_ahead: must be >= 0 (tasks_per_version 0 = "
+                              "unbounded)")
         if self.max_new_tokens < 1 or self.max_turns < 1:
             raise ConfigError("AgentSettings.max_new_tokens / max_turns: must be >= 1")
         self.client.validate()

@@ -151,7 +151,7 @@ def test_bad_settings_are_refused_with_the_field_name(capsys):
 def test_sync_baseline_waits_for_a_new_version_after_its_share(tmp_path, tiny_policy_dir):
     from streamer.weights import WeightStore, announce
 
-    bus, s = _setup(scenario_tasks(6), sync_tasks_per_version=2, weights_dir=str(tmp_path / "w"))
+    bus, s = _setup(scenario_tasks(6), tasks_per_version=2, weights_dir=str(tmp_path / "w"))
     engine = make_engine("torch", tiny_policy_dir)
     agent = build_agent(s, bus, engine, engine.tokenizer)
     s.poll_timeout_s = 0.0
@@ -163,6 +163,28 @@ def test_sync_baseline_waits_for_a_new_version_after_its_share(tmp_path, tiny_po
     assert done == 2 and engine.version == 1
     trajs = sorted(_trajectories(bus, "a"), key=lambda t: t.started_at)
     assert [t.policy_version for t in trajs] == [0, 0, 1, 1]
+
+
+def test_versions_ahead_bounds_the_tasks_started_before_the_learner_catches_up(tmp_path, tiny_policy_dir):
+    from streamer.weights import WeightStore, announce
+
+    bus, s = _setup(scenario_tasks(9), tasks_per_version=2, versions_ahead=1, concurrency=3,
+                    weights_dir=str(tmp_path / "w"))
+    engine = make_engine("torch", tiny_policy_dir)
+    agent = build_agent(s, bus, engine, engine.tokenizer)
+    s.poll_timeout_s = 0.05
+
+    def until_blocked() -> int:
+        done = 0
+        for _ in range(400):
+            done += agent.step()
+            if agent.status()["waiting_for_version"] and not len(agent.rollouts):
+                break
+        return done + sum(agent.step() for _ in range(5))  # and nothing more while it waits
+
+    assert until_blocked() == 4  # (this version + 1 ahead) x 2 tasks
+    announce(bus.producer(), "a", WeightStore(tmp_path / "w").publish(tiny_policy_dir, version=1, step=1))
+    assert until_blocked() == 2 and engine.version == 1  # one more version: two more tasks
 
 
 def test_a_task_the_environment_cannot_run_goes_to_the_dlq_and_the_agent_goes_on(tiny_policy_dir):

@@ -136,5 +136,5 @@ def test_sao_up_passes_agent_settings_to_every_agent(tmp_path):
     assert len(agents) == 2
     for r in agents:
         s = settings_from_args(parse_args(r.argv[1:]))
-        assert (s.concurrency, s.sync_tasks_per_version) == (8, 16)
+        assert (s.concurrency, s.tasks_per_version, s.versions_ahead) == (8, 16, 0)
     assert UpConfig().agent == []
