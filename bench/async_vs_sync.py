@@ -44,14 +44,25 @@ class Mode:
     max_staleness: int = 4
     sync_batch: int = 32
     pretrain: list[str] = field(default_factory=list)
-    # no critic warm-up: in sync mode a critic-only step publishes no version and the agents, waiting
-    # for one, never send the next batch (a deadlock of the current pipeline, reported)
-    learner: list[str] = field(default_factory=lambda: ["batch.tokens=1024", "threads=1", "value.warmup_steps=0"])
+    # no critic warm-up: a critic-only step publishes no version in async mode, so agents bounded by
+    # versions_ahead would wait for one that never comes when the warm-up is longer than versions_ahead
+    learner: list[str] = field(default_factory=lambda: ["batch.tokens=1048576", "threads=1", "value.warmup_steps=0"])
+
+    def learner_sets(self) -> list[str]:
+        """Both modes train on batches of `sync_batch` trajectories (one policy version each)."""
+        return [*self.learner, f"batch.max_trajectories={self.sync_batch}"]
+
+    def agent_sets(self, sync: bool) -> list[str]:
+        """Async agents run at most `max_staleness` versions ahead of the learner (AReaL's eta), so
+        they never generate what the learner would drop; `sao up --sync` sets 0 ahead itself."""
+        ahead = [] if sync else [f"tasks_per_version={self.sync_batch // self.agents}",
+                                 f"versions_ahead={self.max_staleness}"]
+        return [f"concurrency={self.concurrency}", *ahead]
 
 
 MODES = {
     "full": Mode(0.1, 40_000, 600.0, 2, 32),
-    "quick": Mode(0.03, 6_000, 100.0, 2, 16, pretrain=["steps=300"]),
+    "quick": Mode(0.03, 12_000, 150.0, 2, 16, pretrain=["steps=300"]),
     "smoke": Mode(0.01, 300, 40.0, 2, 8, concurrency=4, pretrain=["steps=20", "eval_every=0"], sync_batch=8),
 }
 
@@ -109,6 +120,8 @@ def measure(name: str, launched: dict, budget: int, mode: Mode) -> dict:
             "trajectories_in_budget": int(len(pre)), "learner_steps_in_budget": int(len(lrn)),
             "seconds_in_budget": span,
             "trajectories_per_s": len(pre) / span if span else None,
+            "trained_trajectories_in_budget": sum(hist.values()),
+            "trained_per_s": sum(hist.values()) / span if span else None,
             "gen_tokens_per_s": float(pre["n_gen_tokens"].sum()) / span if span else None,
             "env_seconds_mean": float(pre["env_seconds"].mean()) if len(pre) else None,
             "env_seconds_p99": float(pre["env_seconds"].quantile(0.99)) if len(pre) else None,
@@ -125,16 +138,18 @@ def markdown(result: dict) -> str:
     def f(v, fmt="{:.3g}"):
         return "-" if v is None else fmt.format(v)
 
-    lines = ["| mode | trajectories/s | generated tokens/s | learner idle | staleness max (bound) | AUC | stopped |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| mode | trained trajectories/s | generated trajectories/s | generated tokens/s | learner idle | "
+             "staleness max (bound) | dropped stale | AUC | stopped |", "|---|---|---|---|---|---|---|---|---|"]
     bound = result["settings"]["max_staleness"]
     for r in result["runs"]:
-        lines.append(f"| {r['mode']} | {f(r['trajectories_per_s'])} | {f(r['gen_tokens_per_s'])} | "
-                     f"{f(r['learner_idle_fraction'], '{:.0%}')} | {f(r['staleness_max'], '{}')} ({bound}) | "
+        lines.append(f"| {r['mode']} | {f(r['trained_per_s'])} | {f(r['trajectories_per_s'])} | "
+                     f"{f(r['gen_tokens_per_s'])} | {f(r['learner_idle_fraction'], '{:.0%}')} | "
+                     f"{f(r['staleness_max'], '{}')} ({bound}) | {r['learner_counts'].get('stale', 0)} | "
                      f"{f(r['auc'])} | {r['stopped']} |")
-    lines.append(f"\nspeedup (trajectories/s, async over sync): {f(result['speedup_trajectories_per_s'])} "
-                 f"(goal {result['goal_speedup']}, met: {result['goal_met']}); budget {result['token_budget']} "
-                 f"generated tokens")
+    lines.append(f"\nspeedup, async over sync: {f(result['speedup_trained_per_s'])} in trained trajectories/s, "
+                 f"{f(result['speedup_trajectories_per_s'])} in generated trajectories/s (goal "
+                 f"{result['goal_speedup']} in trained/s with staleness within the bound, met: {result['goal_met']}); "
+                 f"budget {result['token_budget']} generated tokens")
     return "\n".join(lines)
 
 
@@ -148,7 +163,7 @@ def plot(rows: list[dict], path: Path, title: str) -> Path:
     for r in rows:
         pts = r["reward_curve"]
         a.plot([p["minute"] for p in pts], [p["reward"] for p in pts],
-               label=f"{r['mode']} ({(r['trajectories_per_s'] or 0):.2f} traj/s)")
+               label=f"{r['mode']} ({(r['trained_per_s'] or 0):.2f} trained traj/s)")
         h = r["staleness_histogram"]
         total = max(1, sum(h.values()))
         off = -0.2 if r["mode"] == "async" else 0.2
@@ -188,14 +203,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[async_vs_sync] {label}: {mode.agents} agents x {mode.concurrency} tasks in flight, budget "
               f"{mode.tokens} generated tokens", flush=True)
         launched[label] = c.launch(algo, label, scn, out / "runs", budget, mode.pretrain, base, agents=mode.agents,
-                                   sync=sync, sync_batch=mode.sync_batch, extra_sets=mode.learner,
-                                   agent_sets=[f"concurrency={mode.concurrency}"])
+                                   sync=sync, sync_batch=mode.sync_batch, extra_sets=mode.learner_sets(),
+                                   agent_sets=mode.agent_sets(sync))
     totals = [int(c.read_run(r["run_dir"])[0]["n_gen_tokens"].sum()) for r in launched.values()]
     common = min([mode.tokens] + [t for t in totals if t > 0])
     rows = [measure(k, v, common, mode) for k, v in launched.items()]
     a, s = rows
-    speedup = a["trajectories_per_s"] / s["trajectories_per_s"] if a["trajectories_per_s"] and s[
-        "trajectories_per_s"] else None
+    def ratio(key: str) -> float | None:
+        return a[key] / s[key] if a[key] and s[key] else None
+
+    speedup, trained_speedup = ratio("trajectories_per_s"), ratio("trained_per_s")
     png = plot(rows, out / "async_vs_sync.png", f"async vs sync ({name}; {mode.agents} agents x "
                f"{mode.concurrency} in flight; "
                f"{common} generated tokens; lognormal tool latency mean {mode.latency['mean_s']} s)")
@@ -203,17 +220,17 @@ def main(argv: list[str] | None = None) -> int:
               "command": " ".join(["bench/async_vs_sync.py", *(argv if argv is not None else sys.argv[1:])]),
               "machine_before": machine, "machine_after": c.machine(), "wall_s": time.monotonic() - t0,
               "settings": asdict(mode), "base_scenario": str(base), "token_budget": common, "runs": rows,
-              "speedup_trajectories_per_s": speedup,
-              "goal_speedup": GOAL_SPEEDUP, "goal_met": bool(speedup is not None and speedup >= GOAL_SPEEDUP
-                                                            and a["staleness_within_bound"]),
+              "speedup_trajectories_per_s": speedup, "speedup_trained_per_s": trained_speedup,
+              "goal_speedup": GOAL_SPEEDUP, "goal_met": bool(trained_speedup is not None and trained_speedup >=
+                                                            GOAL_SPEEDUP and a["staleness_within_bound"]),
               "png": str(png)}
     c.save_json(result, out / "async_vs_sync.json")
     (out / "async_vs_sync.md").write_text(markdown(result) + "\n")
     for r in rows:
-        print(f"{r['mode']:>5}: {r['trajectories_per_s']} traj/s, idle {r['learner_idle_fraction']}, "
+        print(f"{r['mode']:>5}: {r['trained_per_s']} trained/s, {r['trajectories_per_s']} generated/s, idle {r['learner_idle_fraction']}, "
               f"staleness {r['staleness_histogram']} (max {r['staleness_max']}, bound {mode.max_staleness}), "
               f"stopped: {r['stopped']}")
-    print(f"speedup {speedup} (goal {GOAL_SPEEDUP}); wrote {out / 'async_vs_sync.json'} and {png}")
+    print(f"speedup {trained_speedup} trained/s, {speedup} generated/s (goal {GOAL_SPEEDUP}); wrote {out / 'async_vs_sync.json'} and {png}")
     return 0
 
 

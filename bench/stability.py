@@ -2,10 +2,10 @@
 
 Each configuration runs the real pipeline (see bench/common.py) on a stationary stream (the first
 phase of the benchmark scenario, long enough to outlast the run; divided by the group size for GRPO,
-so a collapse cannot hide behind a drift) with small token-budgeted batches, all tasks published up
-front, so
-the learner publishes many versions while agents still roll out older ones, and trajectories up to
-8 versions old are trained on. A run stops once the learner has logged `--steps` steps (or at its
+so a collapse cannot hide behind a drift) with small batches (8 trajectories, one policy version
+each), all tasks published up front, and an agent with 8 tasks in flight that runs up to 8 versions
+ahead of the learner (`versions_ahead`, AReaL's eta), so trajectories up to 8 versions old are
+trained on. A run stops once the learner has logged `--steps` steps (or at its
 time cap). Writes <out>/stability.json and .png: per learner step the windowed reward, clipped
 fraction, KL (k3) and entropy; per run the staleness reached, skipped (non-finite) updates and a
 collapse verdict: a non-finite update, entropy collapse (common.collapsed) or the windowed reward
@@ -53,16 +53,26 @@ class Mode:
     max_seconds: float
     agents: int
     window: int
+    batch: int = 8  # trajectories per learner step (one policy version each)
+    concurrency: int = 8  # tasks in flight per agent
     algos: list[str] = field(default_factory=lambda: ["sao", "ppo", "grpo"])
     pretrain: list[str] = field(default_factory=list)
-    learner: list[str] = field(default_factory=lambda: [f"batch.max_staleness={STALENESS}", "batch.tokens=192",
+    learner: list[str] = field(default_factory=lambda: [f"batch.max_staleness={STALENESS}", "batch.tokens=1048576",
                                                          "threads=1"])
+
+    def learner_sets(self) -> list[str]:
+        return [*self.learner, f"batch.max_trajectories={self.batch}"]
+
+    def agent_sets(self, group_size: int) -> list[str]:
+        """Each version gets one batch of trajectories from the agents together, `STALENESS` versions ahead."""
+        share = max(1, self.batch // (group_size * self.agents))
+        return [f"concurrency={self.concurrency}", f"tasks_per_version={share}", f"versions_ahead={STALENESS}"]
 
 
 MODES = {
-    "full": Mode(1000, tasks=16_000, max_seconds=1500.0, agents=3, window=64),
-    "quick": Mode(60, tasks=1_600, max_seconds=80.0, agents=3, window=16, pretrain=["steps=300"]),
-    "smoke": Mode(2, tasks=200, max_seconds=40.0, agents=2, window=8, algos=["sao"],
+    "full": Mode(1000, tasks=16_000, max_seconds=550.0, agents=1, window=64),
+    "quick": Mode(60, tasks=1_600, max_seconds=80.0, agents=1, window=16, pretrain=["steps=300"]),
+    "smoke": Mode(2, tasks=200, max_seconds=40.0, agents=1, window=8, algos=["sao"],
                   pretrain=["steps=20", "eval_every=0"]),
 }
 
@@ -174,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[stability] {a.name}: {mode.steps} steps at max staleness {STALENESS}", flush=True)
         r = c.launch(a, f"stab-{a.name}", scn, out / "runs", c.Budget(learner_steps=mode.steps,
                      max_seconds=mode.max_seconds), mode.pretrain, base_path, agents=mode.agents,
-                     extra_sets=mode.learner)
+                     extra_sets=mode.learner_sets(), agent_sets=mode.agent_sets(a.group_size))
         rows.append(measure(a.name, r, mode))
     png = plot(rows, out / "stability.png", f"stability ({name}): max staleness {STALENESS}, {mode.steps} steps")
     result = {"bench": "stability", "mode": name,

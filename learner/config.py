@@ -85,7 +85,7 @@ class BatchConfig:
     max_trajectories: int = 256  # a batch closes at this many trajectories, whatever its tokens
     micro_batch: int = 32  # trajectories per forward pass (gradients are accumulated)
     max_staleness: int = 4  # drop trajectories more than this many versions behind the learner
-    sync_every: int = 1  # publish weights (a new policy version) every this many policy steps
+    sync_every: int = 1  # publish weights (a new policy version) every this many steps (critic-only ones count)
     sync: bool = False  # synchronous mode: wait for `sync_batch` trajectories of the current version
     sync_batch: int = 64
     flush_at_end: bool = True  # when a finite source ends, train on the last partial batch

@@ -48,7 +48,7 @@ def test_drift_algorithms_smoke(tmp_path):
 def test_async_vs_sync_smoke(tmp_path):
     r = _run("async_vs_sync.py", tmp_path)
     assert [x["mode"] for x in r["runs"]] == ["async", "sync"]
-    assert {"speedup_trajectories_per_s", "goal_met", "token_budget"} <= set(r)
+    assert {"speedup_trajectories_per_s", "speedup_trained_per_s", "goal_met", "token_budget"} <= set(r)
     for row in r["runs"]:
         assert {"trajectories_per_s", "learner_idle_fraction", "staleness_histogram", "staleness_within_bound",
                 "reward_per_minute"} <= set(row)

@@ -52,6 +52,7 @@ class Trainer:
         self.batcher = Batcher(b.tokens, b.max_trajectories, cfg.advantage.group_size if grouped else None,
                                b.sync_batch if b.sync else None, grouped and cfg.advantage.dynamic_sampling)
         self.step = self.policy_steps = self.version = 0
+        self.unpublished = 0  # steps since the last published version
         self.positions: dict[str, int] = {}
         self.counters: Counter[str] = Counter()
         self.value_ema: float | None = None
@@ -147,10 +148,12 @@ class Trainer:
             self.warm_left -= 1
         else:
             self.policy_steps += 1
-        # Synchronous agents wait for a new version after every batch: a critic-only or skipped step must
-        # still publish one (the same policy weights), or they would wait forever.
-        if self.cfg.batch.sync or (applied and not warm and self.policy_steps % self.cfg.batch.sync_every == 0):
+        # Agents pace themselves on versions (sync: one batch per version; async: `versions_ahead`), so a
+        # critic-only or skipped step publishes one too (the same policy weights), or they would wait forever.
+        self.unpublished += 1
+        if self.cfg.batch.sync or self.unpublished >= self.cfg.batch.sync_every:
             self._publish(self.version + 1)
+            self.unpublished = 0
         if applied:
             self._watch_value_loss(metrics.get("value_loss"), warm)
 
