@@ -72,11 +72,12 @@ class Mode:
     pretrain: list[str] = field(default_factory=list)
     warmup: int = 5  # critic-only steps of the configurations with a warm-up
     learner: list[str] = field(default_factory=lambda: ["batch.tokens=1024", "threads=1"])
+    agent: list[str] = field(default_factory=lambda: ["concurrency=8"])  # tasks in flight per agent
 
 
 ALL = [a.name for a in algorithms(0)]
 MODES = {
-    "full": Mode(ALL, [0, 1, 2], scale=0.06, rate=12.0, tokens=30_000, max_seconds=220.0, window=32),
+    "full": Mode(ALL, [0, 1, 2], scale=0.05, rate=14.0, tokens=22_000, max_seconds=170.0, window=32),
     "quick": Mode(["sao", "ppo", "grpo"], [0], scale=0.0125, rate=10.0, tokens=6_000, max_seconds=75.0, window=16,
                   pretrain=["steps=300"], warmup=2),
     "smoke": Mode(["sao", "grpo"], [0], scale=0.01, rate=20.0, tokens=400, max_seconds=40.0, window=8,
@@ -116,7 +117,7 @@ def run_all(mode: Mode, out: Path, resume: bool, base: Path, log=print) -> list[
             log(f"[drift] {name}: loss {a.loss}, group {a.group_size}, sets {a.sets}")
             budget = c.Budget(gen_tokens=mode.tokens, max_seconds=mode.max_seconds)
             r = c.launch(a, name, scn[a.group_size], runs_dir, budget, mode.pretrain, base, seed=seed,
-                         extra_sets=mode.learner, realtime=True, evaluate=True)
+                         extra_sets=mode.learner, realtime=True, evaluate=True, agent_sets=mode.agent)
             done.append({"algo": a.name, "seed": seed, **r})
             c.save_json(done[-1], kept)
     return done
