@@ -69,17 +69,16 @@ def held_out_set(scn: Any, k: int, seed: int = EVAL_SEED) -> dict[tuple[str, str
 
 def evaluate(engine: Any, tokenizer: Any, tasks: dict[tuple[str, str], list[Task]], s: AgentSettings,
              stop: Callable[[], bool] = lambda: False) -> dict[tuple[str, str], float] | None:
-    """Mean reward of one greedy rollout per task, per (family, concept); None if `stop()` turned true."""
-    from streamer.rollouts import rollout
+    """Mean reward of one greedy rollout per task, per (family, concept), a pair's tasks in flight together;
+    None if `stop()` turned true."""
+    from streamer.rollouts import run_tasks
 
     out = {}
     for pair, group in tasks.items():
-        total = 0.0
-        for task in group:
-            if stop():
-                return None
-            total += rollout(engine, tokenizer, task, s, agent_id="eval")[0].reward
-        out[pair] = total / len(group)
+        if stop():
+            return None
+        trajs = run_tasks(engine, tokenizer, group, dataclasses.replace(s, concurrency=len(group)), agent_id="eval")
+        out[pair] = sum(t[0].reward for t in trajs) / len(group)
     return out
 
 

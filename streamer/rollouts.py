@@ -211,15 +211,25 @@ class Rollouts:
         return out
 
 
-def rollout(engine: Any, tokenizer: Any, task: Task, s: AgentSettings, agent_id: str = "") -> list[Trajectory]:
-    """`s.group_size` multi-turn episodes of one task, generated in one batch per turn by the same weights."""
+def run_tasks(engine: Any, tokenizer: Any, tasks: list[Task], s: AgentSettings, agent_id: str = "") -> list[list[Trajectory]]:
+    """Every task's trajectories (in the order given), with up to `s.concurrency` tasks in flight; the
+    first task whose rollout raised raises here."""
     r = Rollouts(engine, tokenizer, s, agent_id)
-    r.start(task)
+    queue, out = list(enumerate(tasks)), {}
     try:
-        while True:
+        while queue or len(r):
+            while queue and len(r) < s.concurrency:
+                i, task = queue.pop(0)
+                r.start(task, key=i)
             for done in r.advance(timeout=None):
                 if done.error is not None:
                     raise done.error
-                return done.trajectories
+                out[done.key] = done.trajectories
     finally:
         r.close()
+    return [out[i] for i in range(len(tasks))]
+
+
+def rollout(engine: Any, tokenizer: Any, task: Task, s: AgentSettings, agent_id: str = "") -> list[Trajectory]:
+    """`s.group_size` multi-turn episodes of one task, generated in one batch per turn by the same weights."""
+    return run_tasks(engine, tokenizer, [task], s, agent_id)[0]
