@@ -8,8 +8,7 @@ reward reached at each wall-clock minute. Goal: async >= 3x the trajectories/s o
 trained trajectory's staleness within `batch.max_staleness`.
 
     .venv/bin/python bench/async_vs_sync.py            # < 30 min
-    .venv/bin/python bench/async_vs_sync.py --quick    # < 5 min with a cached warm start
-    .venv/bin/python bench/async_vs_sync.py --smoke    # CI: outputs produced and well-formed
+    .venv/bin/python bench/async_vs_sync.py --quick    # CI (~1 min): outputs produced and well-formed
 """
 
 from __future__ import annotations
@@ -62,8 +61,7 @@ class Mode:
 
 MODES = {
     "full": Mode(0.1, 40_000, 600.0, 2, 32),
-    "quick": Mode(0.03, 12_000, 150.0, 2, 16, pretrain=["steps=300"]),
-    "smoke": Mode(0.01, 300, 40.0, 2, 8, concurrency=4, pretrain=["steps=20", "eval_every=0"], sync_batch=8),
+    "quick": Mode(0.01, 300, 40.0, 2, 8, concurrency=4, pretrain=["steps=20", "eval_every=0"], sync_batch=8),
 }
 
 
@@ -179,15 +177,14 @@ def plot(rows: list[dict], path: Path, title: str) -> Path:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--quick", action="store_true", help="short stream (< 5 min)")
-    g.add_argument("--smoke", action="store_true", help="tiny runs: outputs only (CI)")
+    g.add_argument("--quick", action="store_true", help="tiny runs (< 5 min): outputs only, what CI runs")
     p.add_argument("--tokens", type=int, help="generated-token budget of each run")
     p.add_argument("--max-seconds", type=float, help="safety cap of each run")
     p.add_argument("--agents", type=int)
     p.add_argument("--concurrency", type=int, help="tasks in flight per agent")
     p.add_argument("--out", default="runs/bench/async_vs_sync")
     args = p.parse_args(argv)
-    name = "quick" if args.quick else "smoke" if args.smoke else "full"
+    name = "quick" if args.quick else "full"
     mode = MODES[name]
     mode.tokens = args.tokens or mode.tokens
     mode.max_seconds = args.max_seconds or mode.max_seconds

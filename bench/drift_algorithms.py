@@ -15,10 +15,9 @@ every metric is computed on the prefix of trajectories (in finish order) within 
 any run reached, so all runs are compared at one token budget.
 
     .venv/bin/python bench/drift_algorithms.py                 # full table: 9 configurations x 3 seeds
-    .venv/bin/python bench/drift_algorithms.py --quick         # < 5 min with a cached warm start
-    .venv/bin/python bench/drift_algorithms.py --smoke         # CI: outputs produced and well-formed
+    .venv/bin/python bench/drift_algorithms.py --quick         # CI (~2 min): outputs produced and well-formed
     .venv/bin/python bench/drift_algorithms.py --algos sao,grpo --seeds 0,1 --resume
-    .venv/bin/python bench/drift_algorithms.py --quick --algos all --seeds 0,1,2   # every config, short stream
+    .venv/bin/python bench/drift_algorithms.py --quick --algos all --seeds 0,1,2   # every config, tiny stream
 """
 
 from __future__ import annotations
@@ -78,9 +77,7 @@ class Mode:
 ALL = [a.name for a in algorithms(0)]
 MODES = {
     "full": Mode(ALL, [0, 1, 2], scale=0.05, rate=14.0, tokens=22_000, max_seconds=170.0, window=32),
-    "quick": Mode(["sao", "ppo", "grpo"], [0], scale=0.0125, rate=10.0, tokens=6_000, max_seconds=75.0, window=16,
-                  pretrain=["steps=300"], warmup=2),
-    "smoke": Mode(["sao", "grpo"], [0], scale=0.01, rate=20.0, tokens=400, max_seconds=40.0, window=8,
+    "quick": Mode(["sao", "grpo"], [0], scale=0.01, rate=20.0, tokens=400, max_seconds=40.0, window=8,
                   pretrain=["steps=20", "eval_every=0"], warmup=1),
 }
 
@@ -197,8 +194,7 @@ def markdown(tab: dict[str, dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--quick", action="store_true", help="3 configurations, 1 seed, short stream (< 5 min)")
-    g.add_argument("--smoke", action="store_true", help="2 tiny runs: outputs only (CI)")
+    g.add_argument("--quick", action="store_true", help="2 tiny runs (< 5 min): outputs only, what CI runs")
     p.add_argument("--algos", help=f"'all' or a comma-separated subset of {','.join(ALL)}")
     p.add_argument("--seeds", help="comma-separated seeds")
     p.add_argument("--tokens", type=int, help="generated-token budget of a run")
@@ -206,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/bench/drift_algorithms")
     p.add_argument("--resume", action="store_true", help="keep runs that already have a summary.json")
     args = p.parse_args(argv)
-    mode_name = "quick" if args.quick else "smoke" if args.smoke else "full"
+    mode_name = "quick" if args.quick else "full"
     mode = MODES[mode_name]
     if args.algos == "all":
         args.algos = ",".join(ALL)

@@ -1,4 +1,4 @@
-"""Smoke test of the headline benchmarks: `--smoke` runs the real pipeline briefly (embedded broker,
+"""Smoke test of the headline benchmarks: `--quick` (what CI runs) runs the real pipeline briefly (embedded broker,
 tiny warm start, agents, learner) and this checks only that each script writes well-formed outputs
 (the JSON keys the README and the dashboards read, a PNG that is a PNG). Figures are not judged here:
 timing and quality live in the benchmarks themselves."""
@@ -17,14 +17,14 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _run(script: str, out: Path) -> dict:
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--smoke", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--quick", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     name = script.removesuffix(".py")
     png = out / f"{name}.png"
     assert png.read_bytes()[:8] == PNG_MAGIC, f"{png} is not a PNG"
     result = json.loads((out / f"{name}.json").read_text())
-    assert result["bench"] == name and result["mode"] == "smoke"
+    assert result["bench"] == name and result["mode"] == "quick"
     assert result["png"] == str(png)
     return result
 
