@@ -111,6 +111,7 @@ class IOConfig:
     init: str = ""  # policy directory to start from (e.g. the warm start); "" -> a fresh `model`
     value_init: str = ""  # value-model directory; "" -> policy backbone + a fresh head
     weights_dir: str = ""  # policy-version store; "" -> no publication
+    keep_versions: int = 32  # newest versions kept in the store (a version is ~13 MB for the tiny model; 0: all)
     run_dir: str = ""  # run directory: learner events table (streamer.artifacts); "" -> none
     events: str = ""  # LearnerEvent JSONL file; "" -> <checkpoint.dir>/events.jsonl
 

@@ -167,7 +167,7 @@ def build_outputs(cfg: LearnerConfig):
         sinks.append(lambda e: (producer.send(topics.learner, e), producer.flush()))
         announce.append(lambda pv: announce_version(producer, cfg.io.run, pv))
         closers.append(producer.close)
-    publisher = DirectoryPublisher(cfg.io.weights_dir, announce) if cfg.io.weights_dir else None
+    publisher = DirectoryPublisher(cfg.io.weights_dir, announce, cfg.io.keep_versions) if cfg.io.weights_dir else None
     return publisher, sinks, closers
 
 

@@ -92,6 +92,15 @@ class WeightStore:
         os.replace(tmp, final)
         return pv
 
+    def prune(self, keep: int) -> list[int]:
+        """Delete all but the newest `keep` versions (0 keeps all); returns the versions deleted. An agent
+        that asks for a deleted version later gets a CheckpointError and keeps its weights."""
+        found = sorted(int(d.name[1:]) for d in self.root.glob("v[0-9]*") if d.name[1:].isdigit())
+        gone = found[:-keep] if keep > 0 else []
+        for v in gone:
+            shutil.rmtree(self.path_of(v), ignore_errors=True)
+        return gone
+
     def versions(self) -> list[PolicyVersion]:
         out = []
         for d in sorted(self.root.glob("v[0-9]*")):

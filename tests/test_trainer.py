@@ -255,6 +255,18 @@ def test_staleness_drops_and_versions_published(tmp_path, policy0):
     assert latest_checkpoint(cfg.checkpoint.dir).name == "step_00000002"
 
 
+def test_the_weight_store_keeps_only_the_newest_versions(tmp_path, policy0):
+    trajs = synthetic_trajectories(policy0, 16, version=0)
+    cfg = make_cfg(tmp_path, "batch.max_trajectories=4", "batch.tokens=100000", "batch.max_staleness=8")
+    pub = DirectoryPublisher(tmp_path / "weights", keep=2)
+    trainer, _ = make_trainer(cfg, file_source(tmp_path, trajs), pub)
+    trainer.run()
+    assert trainer.version == 4 and pub.versions() == [3, 4]  # v0..v2 deleted as v3, v4 arrived
+    store = WeightStore(tmp_path / "weights")
+    assert store.load(store.latest())["model.embed_tokens.weight"].shape[0] > 0
+    assert store.prune(0) == [] and pub.versions() == [3, 4]  # keep 0: keep all
+
+
 def test_sync_mode_trains_only_the_current_version(tmp_path, policy0):
     v0, late, v1, v2 = (synthetic_trajectories(policy0, n, seed=s, version=v)
                         for n, s, v in ((4, 0, 0), (2, 1, 0), (4, 2, 1), (4, 3, 2)))

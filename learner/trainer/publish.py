@@ -42,9 +42,11 @@ def assert_finite(model: torch.nn.Module) -> None:
 
 
 class DirectoryPublisher:
-    def __init__(self, store: str | Path, announce: list[Callable[[PolicyVersion], None]] | None = None) -> None:
+    def __init__(self, store: str | Path, announce: list[Callable[[PolicyVersion], None]] | None = None,
+                 keep: int = 0) -> None:
         self.store = WeightStore(store)
         self.announce = list(announce or [])
+        self.keep = keep  # versions kept on disk (0: all)
 
     def versions(self) -> list[int]:
         return sorted(pv.version for pv in self.store.versions())
@@ -59,6 +61,7 @@ class DirectoryPublisher:
             model.config.save_pretrained(side)
             CharTokenizer().save(side)
             pv = self.store.publish(model.state_dict(), version, step, side_files_from=side)
+        self.store.prune(self.keep)
         for fn in self.announce:
             fn(pv)
         return pv
