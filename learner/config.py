@@ -61,8 +61,8 @@ class AdvantageConfig:
 
 @dataclass
 class OptimConfig:
-    # policy AdamW. 5e-5: on the benchmark's stationary first phase at staleness <= 4, 3e-4 rose to 0.87
-    # reward then fell to 0.54 within 60 steps; 5e-5 rose steadily from 0.77 to 0.95 (bench/lr_probe.py)
+    # policy AdamW. 5e-5: on the benchmark's stationary first phase at staleness <= 4, 3e-4 rose to 0.885 reward
+    # then fell to 0.415 within 70 steps; 5e-5 rose to 0.925 (bench/lr_probe.py, docs/bench/components/lr_probe.json)
     lr: float = 5e-5
     value_lr: float = 1e-3  # value-model AdamW
     weight_decay: float = 0.0
