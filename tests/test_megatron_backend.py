@@ -16,6 +16,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from learner.backends.megatron import convert  # noqa: E402
+from learner.config import LearnerConfig  # noqa: E402
 from learner.backends.megatron.model import check_supported  # noqa: E402
 from learner.models.config import ModelConfig  # noqa: E402
 from learner.models.policy import build_policy  # noqa: E402
@@ -149,8 +150,8 @@ def test_critic_step_and_trainer_factory_match_torch(parity):
     g_m, g_t = parity["value_step_ep2_grad_norm"]
     assert abs(g_m - g_t) <= 1e-5 * g_t
     step = parity["factory_policy_step_ep2"]
-    # policy AdamW lr 3e-4: the first Adam step moves some weight by ~lr
-    assert 0.5 * 3e-4 <= step["max_update"] <= 1.5 * 3e-4
+    lr = LearnerConfig().optim.lr  # the first Adam step moves some weight by ~lr
+    assert 0.5 * lr <= step["max_update"] <= 1.5 * lr
 
 
 def test_torch_trainer_step_code_drives_megatron(parity):
@@ -161,6 +162,7 @@ def test_torch_trainer_step_code_drives_megatron(parity):
     for name in ("grad_norm", "value_grad_norm"):
         g_m, g_t = r[name]
         assert g_t > 1.0 and abs(g_m - g_t) <= 1e-5 * g_t  # clip 1.0 binds on both models
-    for model, lr in (("policy", 3e-4), ("value", 1e-3)):  # LearnerConfig's AdamW rates
+    optim = LearnerConfig().optim
+    for model, lr in (("policy", optim.lr), ("value", optim.value_lr)):
         assert r[f"{model}_max_abs"] <= 0.1 * lr
         assert r[f"{model}_max_abs_grad_gt_1e-5"] <= 1e-6

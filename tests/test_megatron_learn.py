@@ -30,7 +30,7 @@ MODEL = TINY_OVERRIDES + ["model.num_experts=4", "model.experts_per_token=2"]
 # 21 trajectories, batches of 7 (odd: rank 1 gets a padding row) in micro-batches of 2
 TRAIN = MODEL + ["threads=1", "batch.max_trajectories=7", "batch.tokens=100000", "batch.micro_batch=2",
                  "checkpoint.every=1"]
-LR = 3e-4  # LearnerConfig's policy AdamW rate
+LR = LearnerConfig().optim.lr  # the policy AdamW rate
 
 
 # ---------------------------------------------------------------------- pure pieces
