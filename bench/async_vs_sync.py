@@ -1,6 +1,6 @@
 """Asynchronous against synchronous SAO on an agentic workload with long-tailed tool latency.
 
-The same scenario (benchmark.yaml, scaled, tool-heavy first phase, lognormal tool latency), the same
+The same scenario (benchmark.yaml, scaled, a tool-heavy mix every phase inherits, lognormal tool latency), the same
 warm start and the same generated-token budget, run twice through the real pipeline (`sao up` and
 `sao up --sync`, see bench/common.py). Writes <out>/async_vs_sync.json and .png: trajectories/s,
 learner idle fraction, staleness distribution against the configured bound, and the windowed
@@ -67,7 +67,7 @@ MODES = {
 
 def scenario(mode: Mode, out: Path, base: Path) -> Path:
     raw = c.scale_scenario(c.base_scenario(base), mode.scale, 0, latency=mode.latency)
-    raw["phases"][0]["families"] = {"arith": 1, "string": 1, "format": 1, "tool": 3}  # environment time dominates
+    raw["phases"][0]["families"] = {"arith": 1, "string": 1, "format": 1, "tool": 3}  # later phases inherit it
     return c.write_scenario(raw, out / "scenarios" / "async_vs_sync.yaml")
 
 
