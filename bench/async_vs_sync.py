@@ -4,8 +4,8 @@ The same scenario (benchmark.yaml, scaled, a tool-heavy mix every phase inherits
 warm start and the same generated-token budget, run twice through the real pipeline (`sao up` and
 `sao up --sync`, see bench/common.py). Writes <out>/async_vs_sync.json and .png: trajectories/s,
 learner idle fraction, staleness distribution against the configured bound, and the windowed
-reward reached at each wall-clock minute. Goal: async >= 3x the trajectories/s of sync with every
-trained trajectory's staleness within `batch.max_staleness`.
+reward reached at each wall-clock minute. Goal: async >= 3x the trained trajectories/s of sync with
+every trained trajectory's staleness within `batch.max_staleness`.
 
     .venv/bin/python bench/async_vs_sync.py            # < 30 min
     .venv/bin/python bench/async_vs_sync.py --quick    # CI (~1 min): outputs produced and well-formed
