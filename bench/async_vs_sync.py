@@ -43,8 +43,7 @@ class Mode:
     max_staleness: int = 4
     sync_batch: int = 32
     pretrain: list[str] = field(default_factory=list)
-    # no critic warm-up: a critic-only step publishes no version in async mode, so agents bounded by
-    # versions_ahead would wait for one that never comes when the warm-up is longer than versions_ahead
+    # no critic warm-up, so both modes make the same policy steps from the first batch on
     learner: list[str] = field(default_factory=lambda: ["batch.tokens=1048576", "threads=1", "value.warmup_steps=0"])
 
     def learner_sets(self) -> list[str]:
@@ -133,9 +132,7 @@ def measure(name: str, launched: dict, budget: int, mode: Mode) -> dict:
 
 def markdown(result: dict) -> str:
     """The result as a Markdown table, every figure read from `result`."""
-    def f(v, fmt="{:.3g}"):
-        return "-" if v is None else fmt.format(v)
-
+    f = c.fmt
     lines = ["| mode | trained trajectories/s | generated trajectories/s | generated tokens/s | learner idle | "
              "staleness max (bound) | dropped stale | AUC | stopped |", "|---|---|---|---|---|---|---|---|---|"]
     bound = result["settings"]["max_staleness"]
@@ -152,11 +149,7 @@ def markdown(result: dict) -> str:
 
 
 def plot(rows: list[dict], path: Path, title: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = c.pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.5))
     for r in rows:
         pts = r["reward_curve"]

@@ -347,14 +347,25 @@ def save_json(obj: Any, path: Path) -> Path:
     return path
 
 
-def plot_bands(series: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]], path: Path,
-               title: str, xlabel: str, ylabel: str, events: list[tuple[float, str]] = ()) -> Path:
-    """One line per name: (x, mean, lo, hi) with the band shaded; vertical lines at `events`."""
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend (the benchmarks run headless)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def fmt(v: Any, spec: str = "{:.3g}") -> str:
+    """A Markdown table cell: `v` formatted with `spec`, '-' when it is missing."""
+    return "-" if v is None else spec.format(v)
+
+
+def plot_bands(series: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]], path: Path,
+               title: str, xlabel: str, ylabel: str, events: list[tuple[float, str]] = ()) -> Path:
+    """One line per name: (x, mean, lo, hi) with the band shaded; vertical lines at `events`."""
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(10, 5.5))
     for name, (x, m, lo, hi) in series.items():
         line, = ax.plot(x, m, label=name, lw=1.4)

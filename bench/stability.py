@@ -122,9 +122,7 @@ def measure(algo: str, launched: dict, mode: Mode) -> dict:
 
 def markdown(result: dict) -> str:
     """The result as a Markdown table, every figure read from `result`."""
-    def f(v, fmt="{:.3g}"):
-        return "-" if v is None else fmt.format(v)
-
+    f = c.fmt
     lines = ["| config | learner steps | trajectories | staleness mean / p99 / max | share > 4 | clipped | "
              "entropy first -> last | KL k3 max | AUC | collapsed |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["runs"]:
@@ -138,11 +136,7 @@ def markdown(result: dict) -> str:
 
 
 def plot(rows: list[dict], path: Path, title: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = c.pyplot()
     panels = [("reward", "windowed reward"), ("clip_frac", "clipped fraction"), ("kl_k3", "KL (k3)"),
               ("entropy", "entropy")]
     fig, axes = plt.subplots(1, len(panels), figsize=(15, 4))

@@ -126,7 +126,7 @@ class Rollouts:
                 if e.pending is not None and e.pending.done():
                     self._observe(f, e)
         ended = [f for f in self.flights if f.idle and (f.error is not None or f.done)]
-        self.flights = [f for f in self.flights if all(f is not g for g in ended)]
+        self.flights = [f for f in self.flights if f not in ended]  # eq=False: identity
         return [Finished(f.task, f.key, [] if f.error else self._trajectories(f), f.error) for f in ended]
 
     def close(self) -> None:
