@@ -1,6 +1,11 @@
 """`sao simulate`: generate a scenario's task stream into a sink (file, queue or Kafka).
 
     sao simulate --scenario default --out tasks.jsonl [--seed 1] [--limit N] [--realtime] [--set rate=5]
+    sao simulate --bootstrap 127.0.0.1:9092 --run exp1 --max-lag 96 [--group exp1.agents]
+
+`--max-lag N` (Kafka only): back-pressure, so a drift reaches every agent at one moment. The simulator
+publishes only while fewer than N tasks are unanswered by the agents' consumer group (streamer.backpressure;
+`streamer.backpressure.default_max_lag` derives N from the agents' settings). 0: publish as fast as it can.
 """
 
 from __future__ import annotations
@@ -37,10 +42,17 @@ def simulate(scn: Scenario, sink: TaskSink, seed: int | None = None, limit: int 
     return counts
 
 
-def kafka_sink(bootstrap: str, run: str) -> TaskSink:
+def kafka_sink(bootstrap: str, run: str, max_lag: int = 0, group: str = "") -> TaskSink:
     from streamer.sinks import KafkaTaskSink  # only when asked: needs the Kafka clients
 
-    return KafkaTaskSink(bootstrap=bootstrap, run=run)
+    group = group or f"{run}.agents"
+    if max_lag > 0:
+        print(f"sao simulate: back-pressure: at most {max_lag} tasks of {run}.tasks ahead of what consumer group "
+              f"{group} has committed", file=sys.stderr, flush=True)
+    else:
+        print(f"sao simulate: no back-pressure (--max-lag 0): publishing {run}.tasks as fast as possible",
+              file=sys.stderr, flush=True)
+    return KafkaTaskSink(bootstrap=bootstrap, run=run, max_lag=max_lag, group=group)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -52,10 +64,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=None, help="default: the scenario's seed")
     p.add_argument("--limit", type=int, default=None, help="stop after this many tasks")
     p.add_argument("--realtime", action="store_true", help="publish each task at its timestamp (rate)")
+    p.add_argument("--max-lag", type=int, default=0, metavar="N",
+                   help="with --bootstrap: publish only while fewer than N tasks are uncommitted by --group "
+                        "(0: no back-pressure; file sinks ignore it)")
+    p.add_argument("--group", default="", help="consumer group whose commits --max-lag watches (default <run>.agents)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a scenario field")
     args = p.parse_args(argv)
     if bool(args.out) == bool(args.bootstrap):
         p.error("give exactly one of --out FILE, --bootstrap SERVERS")
+    if args.max_lag < 0:
+        p.error("--max-lag: must be >= 0 (0: no back-pressure)")
     return args
 
 
@@ -66,9 +84,12 @@ def main(argv: list[str]) -> int:
     except ScenarioError as e:
         print(f"sao simulate: {e}", file=sys.stderr)
         return 2
-    sink = kafka_sink(args.bootstrap, args.run) if args.bootstrap else file_sink(args.out)
+    sink = kafka_sink(args.bootstrap, args.run, args.max_lag, args.group) if args.bootstrap else file_sink(args.out)
     t = time.perf_counter()
     counts = simulate(scn, sink, seed=args.seed, limit=args.limit, realtime=args.realtime)
     counts["seconds"] = round(time.perf_counter() - t, 3)
+    gate = getattr(sink, "gate", None)
+    if gate is not None:
+        counts.update(max_lag=gate.max_lag, waited_s=round(gate.waited_s, 3))
     print(json.dumps({"scenario": scn.name, "out": args.out or f"{args.run}.tasks", **counts}))
     return 0

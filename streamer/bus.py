@@ -72,10 +72,11 @@ def _key_bytes(key: str | bytes | None) -> bytes | None:
 class Producer:
     """Encodes schema structs (msgpack) and hands bytes to a transport."""
 
-    def send(self, topic: str, msg: Message, key: str | bytes | None = None) -> None:
-        self.send_raw(topic, encode(msg), _key_bytes(key))
+    def send(self, topic: str, msg: Message, key: str | bytes | None = None) -> Any:
+        """Returns the transport's delivery future (Kafka: record metadata), or None."""
+        return self.send_raw(topic, encode(msg), _key_bytes(key))
 
-    def send_raw(self, topic: str, value: bytes, key: bytes | None = None) -> None:
+    def send_raw(self, topic: str, value: bytes, key: bytes | None = None) -> Any:
         raise NotImplementedError
 
     def flush(self, timeout: float | None = None) -> None:
@@ -216,8 +217,8 @@ class KafkaProducerClient(Producer):
         cfg.update(overrides)
         self._p = KafkaProducer(**cfg)
 
-    def send_raw(self, topic: str, value: bytes, key: bytes | None = None) -> None:
-        self._p.send(topic, value=value, key=key)
+    def send_raw(self, topic: str, value: bytes, key: bytes | None = None) -> Any:
+        return self._p.send(topic, value=value, key=key)  # FutureRecordMetadata
 
     def flush(self, timeout: float | None = None) -> None:
         self._p.flush(timeout=timeout)
