@@ -8,7 +8,8 @@ services (slime, AReaL) on the agent side. The episodes of one task wait for eac
 turn, so with one task in flight a group is generated in one batch per turn and a rollout is
 reproducible from its task id and seed. New weights may be loaded between two `advance` calls; a
 trajectory then records every version that generated it (`policy_versions`) and its oldest one as
-`policy_version`, and its behaviour log-probs are those actually sampled.
+`policy_version`, and its behaviour log-probs are those actually sampled, at the `temperature` it
+carries (the learner scores at that temperature; a greedy one, temperature 0, is not trained on).
 """
 
 from __future__ import annotations
@@ -202,7 +203,8 @@ class Rollouts:
             out.append(Trajectory(
                 traj_id=f"{t.task_id}:{i}", task_id=t.task_id, family=t.family, concept=t.concept, phase=t.phase,
                 group_id=t.task_id if n > 1 else "", group_size=n, prompt_len=f.prompt_len, tokens=e.tokens,
-                loss_mask=e.mask, logprobs=e.logprobs, reward=float(e.final.reward),
+                loss_mask=e.mask, logprobs=e.logprobs, temperature=float(self.s.temperature),
+                reward=float(e.final.reward),
                 reward_parts={k: float(v) for k, v in e.final.parts.items()}, success=bool(e.final.success),
                 policy_version=versions[0], policy_versions=versions, n_turns=e.turns,
                 n_tool_calls=int(e.env.n_calls), agent_id=self.agent_id, created_at=t.created_at,

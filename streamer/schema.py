@@ -3,6 +3,11 @@
 A leaf module: it imports nothing from the project, and every package may import it.
 Encode with `encode(msg)` (msgpack) or `encode_json(msg)`; decode with `decode(data, Type)`,
 which raises `SchemaError` naming the message type and the field at fault.
+
+Versioning: `v` changes only for an incompatible change (a field removed, renamed or retyped, or a
+new field without a default). A new field with a default keeps `v`: older messages decode with the
+default, and older readers ignore the field (`forbid_unknown_fields=False`). E.g.
+`Trajectory.temperature` (default 1.0, what every agent sampled at before the field existed).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class Trajectory(Message, kw_only=True):
     tokens: list[int]  # prompt + generated tokens + environment observations, in order
     loss_mask: list[int]  # 1 where the policy generated the token (trained on), 0 elsewhere
     logprobs: list[float]  # behaviour log-prob of each token (0.0 where loss_mask is 0)
+    temperature: float = 1.0  # sampling temperature of the logprobs (the learner scores at it); <= 0: greedy
     reward: float
     reward_parts: dict[str, float] = {}
     success: bool = False

@@ -6,7 +6,8 @@ with `learner.models.token_logprobs` for the same weights, so r_t = exp(logp_lea
 the policy ratio. `Generation.sample_logprobs[i]` is the log-prob under the distribution actually
 sampled from (temperature and top-p applied); it equals `logprobs` when temperature == 1 and
 top_p == 1, and is 0.0 for greedy decoding (temperature == 0), which is deterministic. Use
-`sample_logprobs` as the behaviour policy mu when sampling at temperature != 1.
+`sample_logprobs` as the behaviour policy mu when sampling at temperature != 1: the learner scores
+each trajectory at the temperature it carries (`learner.models.scoring`), without top-p.
 """
 
 from __future__ import annotations

@@ -3,6 +3,12 @@
 Shapes: `input_ids`, `attention_mask` are [B, T] (1 = real token, either padding side works:
 positions are counted from the mask); every output is [B, T] aligned with the input tokens,
 so `out[:, t]` belongs to token t. Padded positions hold 0.
+
+Sampling temperature: an agent that samples at T records log-probs of softmax(logits / T), so the
+learner must score at the same T or the ratio pi/mu is far from 1 even on-policy (and the strict
+clip drops those tokens). Every log-prob/entropy function here takes an optional `temperature`, a
+float or a [B] tensor (one per trajectory), and divides the logits by it before the log-softmax,
+as verl does. Top-p is not applied here (verl neither): see `learner.trainer.batching`.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ from torch import nn
 from transformers import Qwen3MoeForCausalLM
 
 from learner.models.value import ValueModel
+
+Temperature = torch.Tensor | float | None  # None or 1.0: the model's own distribution
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -47,38 +55,65 @@ def _shift(per_pred: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask.bool() & prev_real, out, torch.zeros_like(out))
 
 
-def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+def scale_logits(logits: torch.Tensor, temperature: Temperature) -> torch.Tensor:
+    """[B, T', V] logits / temperature (a float, or a [B] tensor: one per row); T must be > 0."""
+    t = _divisor(temperature, logits)
+    return logits if t is None else logits / t
+
+
+def _divisor(temperature: Temperature, logits: torch.Tensor) -> torch.Tensor | None:
+    """The temperature, checked and shaped to broadcast over [B, T', V]; None when it is 1 everywhere."""
+    if temperature is None or (not torch.is_tensor(temperature) and temperature == 1.0):
+        return None
+    t = torch.as_tensor(temperature, dtype=logits.dtype, device=logits.device)
+    if t.dim() > 1 or (t.dim() == 1 and t.shape[0] != logits.shape[0]) or not bool((t > 0).all()):
+        raise ValueError(f"temperature: expected a float or [{logits.shape[0]}] values, all > 0, got {temperature!r}")
+    if bool((t == 1).all()):  # the usual case: no [B, T, V] copy
+        return None
+    return t[:, None, None] if t.dim() == 1 else t
+
+
+def _log_softmax(logits: torch.Tensor, temperature: Temperature) -> torch.Tensor:
+    """Log-probs of predictions 0..T-2 at `temperature`."""
+    return torch.log_softmax(scale_logits(logits[:, :-1].float(), temperature), dim=-1)
+
+
+def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor,
+                         temperature: Temperature = None) -> torch.Tensor:
+    logp = _log_softmax(logits, temperature)
     picked = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     return _shift(picked, mask)
 
 
-def entropy_from_logits(logits: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+def entropy_from_logits(logits: torch.Tensor, mask: torch.Tensor, temperature: Temperature = None) -> torch.Tensor:
+    logp = _log_softmax(logits, temperature)
     ent = -(logp.exp() * logp).sum(-1)
     return _shift(ent, mask)
 
 
 def token_logprobs(model: Qwen3MoeForCausalLM, input_ids: torch.Tensor,
-                   attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, T]: log pi(token t | tokens < t) at temperature 1; 0 at the first real token and at padding."""
+                   attention_mask: torch.Tensor | None = None, temperature: Temperature = None) -> torch.Tensor:
+    """[B, T]: log pi_T(token t | tokens < t) (T = `temperature`, default 1); 0 at the first real token and
+    at padding."""
     mask = _check(input_ids, attention_mask)
-    return logprobs_from_logits(policy_logits(model, input_ids, mask), input_ids, mask)
+    return logprobs_from_logits(policy_logits(model, input_ids, mask), input_ids, mask, temperature)
 
 
 def token_entropy(model: Qwen3MoeForCausalLM, input_ids: torch.Tensor,
-                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                  attention_mask: torch.Tensor | None = None, temperature: Temperature = None) -> torch.Tensor:
     """[B, T]: entropy of the distribution that token t was drawn from (same alignment as token_logprobs)."""
     mask = _check(input_ids, attention_mask)
-    return entropy_from_logits(policy_logits(model, input_ids, mask), mask)
+    return entropy_from_logits(policy_logits(model, input_ids, mask), mask, temperature)
 
 
 def logprobs_and_entropy(model: Qwen3MoeForCausalLM, input_ids: torch.Tensor,
-                         attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         attention_mask: torch.Tensor | None = None,
+                         temperature: Temperature = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Both from one forward pass (the trainer's usual call)."""
     mask = _check(input_ids, attention_mask)
     logits = policy_logits(model, input_ids, mask)
-    return logprobs_from_logits(logits, input_ids, mask), entropy_from_logits(logits, mask)
+    return (logprobs_from_logits(logits, input_ids, mask, temperature),
+            entropy_from_logits(logits, mask, temperature))
 
 
 def values(value_model: ValueModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:

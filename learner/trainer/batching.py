@@ -5,6 +5,15 @@ A batch closes once its trajectories hold `tokens` tokens (prompt + response + o
 `group_size` set, trajectories wait until their group (`group_id`, falling back to `task_id`) is
 complete (the trajectories' own `group_size` when the agent set one, else `group_size`) and enter
 the buffer together, so a batch never splits a group.
+
+`collate` also gives each row the temperature its trajectory was sampled at (`Batch.temperature`):
+the learner scores at that temperature (`learner.models.scoring`), so the ratio pi/mu is 1 on-policy.
+Top-p is not applied when scoring (as in verl): the behaviour log-probs the engines record are those
+of the truncated, renormalised distribution (`learner.engines.sampling`), so for a token inside the
+nucleus of mass Z the on-policy ratio is pi_T / (pi_T / Z) = Z, in [top_p, 1]: the exact importance
+weight of the untruncated policy the learner trains. With top_p >= 1 - eps_low the clip keeps those
+tokens. Greedy trajectories (temperature <= 0) never get here: admission drops them
+(`learner.trainer.staleness`).
 """
 
 from __future__ import annotations
@@ -95,6 +104,7 @@ class Batch:
     old_logp: torch.Tensor  # behaviour log-probs, 0 off the loss mask
     rewards: torch.Tensor  # [B]
     trajectories: list[Trajectory]
+    temperature: torch.Tensor | None = None  # [B] sampling temperature of each row; None: all 1
 
     @property
     def n_tokens(self) -> int:
@@ -103,12 +113,14 @@ class Batch:
     def to(self, device: torch.device | str) -> "Batch":
         """The tensors on `device` (the megatron backend's GPU); a no-op where they already are."""
         return Batch(self.input_ids.to(device), self.attention_mask.to(device), self.loss_mask.to(device),
-                     self.old_logp.to(device), self.rewards.to(device), self.trajectories)
+                     self.old_logp.to(device), self.rewards.to(device), self.trajectories,
+                     None if self.temperature is None else self.temperature.to(device))
 
     def rows(self, start: int, stop: int) -> "Batch":
         sl = slice(start, stop)
+        temp = None if self.temperature is None else self.temperature[sl]
         return Batch(self.input_ids[sl], self.attention_mask[sl], self.loss_mask[sl], self.old_logp[sl],
-                     self.rewards[sl], self.trajectories[sl])
+                     self.rewards[sl], self.trajectories[sl], temp)
 
 
 def collate(trajs: list[Trajectory]) -> Batch:
@@ -128,4 +140,5 @@ def collate(trajs: list[Trajectory]) -> Batch:
         mask[i, :n] = m
         old[i, :n] = torch.where(m.bool(), torch.tensor(x.logprobs, dtype=torch.float32), torch.zeros(n))
     rewards = torch.tensor([x.reward for x in trajs], dtype=torch.float32)
-    return Batch(ids, attn, mask, old, rewards, list(trajs))
+    temperature = torch.tensor([x.temperature for x in trajs], dtype=torch.float32)
+    return Batch(ids, attn, mask, old, rewards, list(trajs), temperature)

@@ -5,6 +5,10 @@ version that generated any of its tokens). A trajectory more than `max_staleness
 is dropped and counted; it is checked on arrival and again when its batch is trained, since it may
 wait in the buffer while versions advance. A GRPO-family group goes stale as a whole (its oldest
 member decides).
+
+A greedy trajectory (`temperature` <= 0) is dropped as 'greedy': argmax decoding is not a sample of
+any distribution the learner can score, so it has no policy ratio (its recorded log-probs are the
+model's at temperature 1, which would make the ratio 1 and the update a biased one).
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ def invalid_reason(t: Trajectory) -> str | None:
         return "Trajectory.loss_mask: no generated token after the prompt"
     if not all(math.isfinite(x) for x, m in zip(t.logprobs, t.loss_mask) if m):
         return "Trajectory.logprobs: non-finite behaviour log-prob on a generated token"
+    if not math.isfinite(t.temperature):
+        return f"Trajectory.temperature: non-finite {t.temperature}"
     return None
 
 
@@ -59,12 +65,14 @@ class Admission:
         return f"{t.group_id or t.task_id}/{t.traj_id}" if grouped else t.task_id
 
     def admit(self, t: Trajectory, version: int) -> str:
-        """'ok', 'duplicate', 'stale' or 'invalid' (counted in `counts`)."""
+        """'ok', 'duplicate', 'invalid', 'greedy' or 'stale' (counted in `counts`)."""
         key = self.key(t)
         if key in self.seen:
             reason = "duplicate"
         elif invalid_reason(t) is not None:
             reason = "invalid"
+        elif t.temperature <= 0:
+            reason = "greedy"
         elif staleness(t, version) > self.max_staleness:
             reason = "stale"
         else:

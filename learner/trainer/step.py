@@ -3,6 +3,8 @@
 Alignment: every `[B, T]` tensor is indexed by token. The policy's log-prob of token t comes from
 the logits at t-1 (`learner.models.scoring`); the value of the state in which token t was chosen is
 the value model's output at t-1 (the prefix before t), which is what GAE and the critic use here.
+Log-probs and entropies (the policy loss, decoupled PPO's proximal policy) are taken at each
+trajectory's sampling temperature (`Batch.temperature`), so the ratio is 1 on-policy.
 
 A non-finite loss or gradient norm anywhere in the batch skips the whole update (both models), so
 non-finite values never reach the weights.
@@ -77,7 +79,7 @@ def prepare(cfg: LearnerConfig, models: Models, batch: Batch) -> dict[str, torch
         adv = group_advantages(a.estimator, batch.rewards, groups, mask, a.batch_norm)
     out["advantages"] = adv
     if cfg.loss.name == "decoupled_ppo":  # AReaL's proximal policy: the learner's weights before this update
-        out["prox_logp"] = torch.cat([token_logprobs(models.policy, b.input_ids, b.attention_mask)
+        out["prox_logp"] = torch.cat([token_logprobs(models.policy, b.input_ids, b.attention_mask, b.temperature)
                                       for b in (batch.rows(i, j) for i, j in _micro(batch, cfg.batch.micro_batch))])
     return out
 
@@ -118,7 +120,7 @@ def policy_backward(cfg: LearnerConfig, models: Models, batch: Batch, ref: dict,
     for i, j in _micro(batch, cfg.batch.micro_batch):
         mb, mask = batch.rows(i, j), batch.loss_mask[i:j]
         w = scale * _denom(mask, agg) / max(full, 1.0)
-        logp, ent = logprobs_and_entropy(models.policy, mb.input_ids, mb.attention_mask)
+        logp, ent = logprobs_and_entropy(models.policy, mb.input_ids, mb.attention_mask, mb.temperature)
         extra = {"prox_logp": ref["prox_logp"][i:j]} if "prox_logp" in ref else {}
         loss, m = policy_loss(cfg.loss.name, logp, mb.old_logp, ref["advantages"][i:j], mask, **params, **extra)
         (loss * w).backward()
@@ -139,8 +141,9 @@ def shard_batch(batch: Batch, ref: dict[str, torch.Tensor], shard: Shard) -> tup
     """This rank's rows of the batch and its references; padding rows get a zero loss mask."""
     idx, real = shard.index.to(batch.loss_mask.device), shard.real.to(batch.loss_mask.device)
     mask = batch.loss_mask[idx] * real[:, None].to(batch.loss_mask.dtype)
+    temp = None if batch.temperature is None else batch.temperature[idx]
     local = Batch(batch.input_ids[idx], batch.attention_mask[idx], mask, batch.old_logp[idx], batch.rewards[idx],
-                  [batch.trajectories[i] for i in shard.index.tolist()] if batch.trajectories else [])
+                  [batch.trajectories[i] for i in shard.index.tolist()] if batch.trajectories else [], temp)
     return local, {k: v[idx] for k, v in ref.items()}
 
 

@@ -11,8 +11,9 @@ ranks. The trainer (`learner/train.py`, `--backend megatron`) calls:
     stats = lrn.value_step(batch)                        # clipped value loss on the critic
     sd = lrn.policy_state_dict()                         # full HF state dict (collective)
 
-`batch` keys: input_ids, attention_mask [B, T]; old_logp, advantages, loss_mask [B, T] for the
-policy; old_values, returns, loss_mask for the critic. Alignment as learner.models.scoring:
+`batch` keys: input_ids, attention_mask [B, T]; old_logp, advantages, loss_mask [B, T] and
+optionally temperature [B] (the sampling temperature to score at, default 1) for the policy;
+old_values, returns, loss_mask for the critic. Alignment as learner.models.scoring:
 column t belongs to token t (values: V of the prefix ending at t; the trainer's one-token shift
 is the caller's). The objective is the mean over the W ranks of each rank's loss; when ranks hold
 different token counts, pass loss_scale = W * local_tokens / global_tokens to get the global
@@ -101,12 +102,14 @@ class MegatronLearner:
             self.value_opt = _adamw(self.value, self.optim_cfg.value_lr, self.optim_cfg)
 
     # ---- forward passes
-    def forward_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+    def forward_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                         temperature: torch.Tensor | float | None = None):
+        """[B, T] log-probs at the sampling `temperature` (a float or [B]; None: 1), as scoring's."""
         from learner.models.scoring import logprobs_from_logits
 
         input_ids = input_ids.to(self.device)
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(self.device)
-        return logprobs_from_logits(megatron_logits(self.policy, input_ids, mask), input_ids, mask)
+        return logprobs_from_logits(megatron_logits(self.policy, input_ids, mask), input_ids, mask, temperature)
 
     def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
         if self.value is None:
@@ -123,7 +126,7 @@ class MegatronLearner:
         self.policy.train()
         self.opt.zero_grad(set_to_none=True)
         batch = _to(batch, self.device)
-        logp = self.forward_logprobs(batch["input_ids"], batch.get("attention_mask"))
+        logp = self.forward_logprobs(batch["input_ids"], batch.get("attention_mask"), batch.get("temperature"))
         loss, stats = self.policy_loss(logp, batch)
         (loss * loss_scale).backward()
         return {**stats, **_reduce_and_step(self.policy, self.opt, self.optim_cfg.grad_clip)}
