@@ -200,28 +200,16 @@ def drift_kind(event: dict) -> str:
     return str(event.get("schedule", "?"))
 
 
-def recoveries(traj: pd.DataFrame, learner: pd.DataFrame, drift: list[dict], window: int,
-               delta: float = ad.DEFAULT_DELTA) -> dict[str, dict[str, float]]:
-    """Per drift type: mean and worst recovery (trajectories of the family after the event; a censored
-    one counts as its phase's length, a lower bound), how many censored, and how many events had no
-    post-drift trajectory within the budget (left out)."""
-    if not len(traj) or not drift:
+def recovery_by_kind(traj: pd.DataFrame, learner: pd.DataFrame, drift: list[dict], window: int,
+                     delta: float = ad.DEFAULT_DELTA) -> dict[str, dict[str, Any]]:
+    """Per drift type (`drift_kind`): `adaptation.recovery_summary` of the run's recoveries
+    (`adaptation.drift_recoveries`: counts per status, medians over recovered records only)."""
+    if not drift:
         return {}
-    times = learner["time"].to_numpy(float) if len(learner) else ()
-    seen = set(traj["phase"].unique())
-    events = [dict(e, families=changed(e)) for e in drift if e["phase"] in seen and changed(e)]
-    if not events:
-        return {}
-    rec = ad.drift_recoveries(traj, events, times, window, delta)
-    kinds = {e["phase"]: drift_kind(e) for e in drift}
-    out: dict[str, dict[str, float]] = {}
-    for kind, g in rec.assign(kind=rec["phase"].map(kinds)).groupby("kind"):
-        t = pd.to_numeric(g["trajectories"], errors="coerce")
-        has = g[t > 0]
-        t = t[t > 0]
-        out[kind] = {"mean": float(t.mean()) if t.size else math.nan, "worst": float(t.max()) if t.size else math.nan,
-                     "n": int(len(has)), "censored": int(has["censored"].sum()), "no_data": int(len(g) - len(has))}
-    return out
+    rec = ad.drift_recoveries(traj, drift, learner, window, delta)
+    kinds = {(e["phase"], e.get("at_seq")): drift_kind(e) for e in drift}
+    kind = [kinds.get((p, s), "?") for p, s in zip(rec["phase"], rec["at_seq"])]
+    return {k: ad.recovery_summary(g) for k, g in rec.assign(kind=kind).groupby("kind")}
 
 
 def online_forgetting(traj: pd.DataFrame, window: int) -> list[dict]:
@@ -334,6 +322,8 @@ def finite(obj: Any) -> Any:
         return {str(k): finite(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return [finite(v) for v in obj]
+    if obj is pd.NA:
+        return None
     if hasattr(obj, "item") and callable(obj.item):
         obj = obj.item()
     if isinstance(obj, float) and not math.isfinite(obj):

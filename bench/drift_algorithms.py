@@ -141,7 +141,7 @@ def measure(runs: list[dict], mode: Mode) -> tuple[list[dict], int, dict]:
         rows.append({**r, "gen_tokens_total": total, "trajectories_in_budget": int(len(pre)),
                      "learner_steps_in_budget": int(len(lrn)),
                      "auc": c.ad.auc(pre["reward"].to_numpy(float), mode.window) if len(pre) else None,
-                     "recovery": c.recoveries(pre, lrn, drift, mode.window), "final_reward_per_concept": final,
+                     "recovery": c.recovery_by_kind(pre, lrn, drift, mode.window), "final_reward_per_concept": final,
                      "forgetting": forget,
                      "forgetting_mean": float(np.mean([f["forgetting"] for f in forget])) if forget else None,
                      "forgetting_eval": held_out, "forgetting_eval_mean": float(np.mean(held)) if held else None,
@@ -164,9 +164,11 @@ def table(rows: list[dict]) -> dict[str, dict]:
              "masked_low": c.mean_ci([r["masked"].get("clip_frac_low") for r in rs]),
              "masked_high": c.mean_ci([r["masked"].get("clip_frac_high") for r in rs])}
         for kind in sorted({k for r in rs for k in r["recovery"]}):
-            for stat in ("mean", "worst"):
-                t[f"recovery_{stat}/{kind}"] = c.mean_ci([r["recovery"].get(kind, {}).get(stat) for r in rs])
-            t[f"recovery_censored/{kind}"] = sum(r["recovery"].get(kind, {}).get("censored", 0) for r in rs)
+            per = [r["recovery"].get(kind) or {} for r in rs]
+            # censored recoveries are counted, never averaged: the median is over recovered records only
+            t[f"recovery_median/{kind}"] = c.mean_ci([p.get("median_trajectories") for p in per])
+            t[f"recovery_counts/{kind}"] = {s: sum(p.get("by_status", {}).get(s, 0) for p in per)
+                                            for s in c.ad.STATUSES}
         for concept in sorted({k for r in rs for k in r["final_reward_per_concept"]}):
             t[f"final_reward/{concept}"] = c.mean_ci([r["final_reward_per_concept"].get(concept) for r in rs])
         out[algo] = t
@@ -174,21 +176,30 @@ def table(rows: list[dict]) -> dict[str, dict]:
 
 
 def markdown(tab: dict[str, dict]) -> str:
-    """The headline columns as a Markdown table (mean [95% interval])."""
-    kinds = sorted({k.split("/", 1)[1] for t in tab.values() for k in t if k.startswith("recovery_mean/")})
-    cols = ["auc"] + [f"recovery_mean/{k}" for k in kinds] + [f"recovery_worst/{k}" for k in kinds] + [
-        "forgetting", "masked_fraction"]
-
-    def cell(v) -> str:
-        if not isinstance(v, dict) or v.get("mean") is None or v["mean"] != v["mean"]:
-            return "-"
-        return f"{v['mean']:.3g} [{v['lo']:.3g}, {v['hi']:.3g}]" if v["n"] > 1 else f"{v['mean']:.3g}"
-
+    """The headline columns as a Markdown table: mean [95% interval] over seeds; a recovery cell is
+    'recovered/drifted (family, event) records over the seeds, med: mean over seeds of each run's
+    median recovery in trajectories of the family' (recovered records only: censored ones are counted)."""
+    kinds = sorted({k.split("/", 1)[1] for t in tab.values() for k in t if k.startswith("recovery_counts/")})
+    cols = ["auc"] + [f"recovery/{k}" for k in kinds] + ["forgetting", "masked_fraction"]
     lines = ["| config | " + " | ".join(cols) + " | collapsed |", "|" + "---|" * (len(cols) + 2)]
     for algo, t in tab.items():
-        lines.append(f"| {algo} | " + " | ".join(cell(t.get(k)) for k in cols)
-                     + f" | {t['collapsed_runs']}/{t['runs']} |")
+        cells = [_recovery_cell(t, k.split("/", 1)[1]) if k.startswith("recovery/") else _cell(t.get(k)) for k in cols]
+        lines.append(f"| {algo} | " + " | ".join(cells) + f" | {t['collapsed_runs']}/{t['runs']} |")
     return "\n".join(lines)
+
+
+def _cell(v) -> str:
+    if not isinstance(v, dict) or v.get("mean") is None or v["mean"] != v["mean"]:
+        return "-"
+    return f"{v['mean']:.3g} [{v['lo']:.3g}, {v['hi']:.3g}]" if v["n"] > 1 else f"{v['mean']:.3g}"
+
+
+def _recovery_cell(t: dict, kind: str) -> str:
+    n = t.get(f"recovery_counts/{kind}")
+    if not n:
+        return "-"
+    drifted = sum(n.values()) - n["unaffected"]
+    return f"{n['recovered']}/{drifted}, med {_cell(t.get(f'recovery_median/{kind}'))}"
 
 
 def main(argv: list[str] | None = None) -> int:

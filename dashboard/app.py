@@ -125,7 +125,7 @@ def views() -> None:
     st.subheader("Online reward per family")
     reward = _concat(frames, "reward")
     if len(reward):
-        chart = charts.reward_chart(reward, _concat(frames, "marks"), _concat(frames, "spans"), x_col, x_title)
+        chart = charts.reward_chart(reward, _concat(frames, "marks"), x_col, x_title)
         st.altair_chart(chart, width="stretch", key="reward_chart")
     else:
         st.info("No trajectories or reward metrics yet.")
@@ -133,11 +133,7 @@ def views() -> None:
     st.subheader("Drift events and recovery")
     rec = _concat(frames, "recovery")
     if len(rec):
-        cols = [c for c in ("run", "phase", "name", "family", "prev_concept", "concept", "pre_level", "trajectories",
-                            "learner_steps", "censored") if c in rec]
-        names = {"trajectories": "recovery (family trajectories)", "learner_steps": "recovery (learner steps)",
-                 "pre_level": "pre-drift reward"}
-        st.dataframe(rec[cols].rename(columns=names), hide_index=True, key="drift_table")
+        recovery_table(rec, {f["header"]["name"]: f["recovery_summary"] for f in frames}, window, delta)
     else:
         st.info("No drift events.")
 
@@ -190,15 +186,44 @@ def _metric_view(frames: list[dict], view: str, title: str, y_title: str, x_col:
                    f"{view}_chart", f"No {title.lower()} in the learner events.")
 
 
+RECOVERY_COLUMNS = {"run": "run", "phase": "phase", "name": "name", "family": "family", "prev_concept": "from",
+                    "concept": "to", "status": "status", "pre_level": "pre-drift level",
+                    "initial_level": "initial level", "trajectories": "recovery (family trajectories)",
+                    "stream_trajectories": "recovery (stream trajectories)",
+                    "learner_steps": "recovery (policy steps)", "low_pre_level": "low pre-drift level"}
+
+
+def recovery_table(rec: pd.DataFrame, summaries: dict[str, dict], window: int, delta: float) -> None:
+    """One row per (drift event, family), with the counts per status (adaptation.drift_recoveries)."""
+    st.caption(f"Per family, on the task stream's order: levels are mean rewards over W={window} trajectories of the "
+               f"family (the last before the drift, the first after it); recovered = a later window back within "
+               f"δ={delta:g} of the pre-drift level, from a policy updated after the drift; censored = not back "
+               "before the block ended (counted, never averaged). Recovery in trajectories is a lower bound "
+               "when censored.")
+    for name, s in summaries.items():
+        counts = "  ·  ".join(f"{k}: {v}" for k, v in s["by_status"].items() if v)
+        st.caption(f"{name}: {counts}" if len(summaries) > 1 else counts)
+    cols = [c for c in RECOVERY_COLUMNS if c in rec and (c != "run" or rec["run"].nunique() > 1)]
+    st.dataframe(rec[cols].rename(columns=RECOVERY_COLUMNS), hide_index=True, key="drift_table")
+
+
 def header(values: list[dict], window: int) -> None:
     for h in values:
         st.markdown(f"**{h['name']}** ({h['state']})")
-        cols = st.columns(5)
+        cols = st.columns(7)
         cols[0].metric("trajectories", f"{h['trajectories']:,}")
         cols[1].metric("learner steps", f"{h['learner_steps']:,}")
-        cols[2].metric(f"AUC (W={window})", "–" if h["auc"] is None else f"{h['auc']:.3f}")
+        cols[2].metric(f"AUC (W={window})", _fmt(h["auc"], "{:.3f}"))
         cols[3].metric("drift events", str(h["drift_events"]))
-        cols[4].metric("mean staleness", "–" if h["mean_staleness"] is None else f"{h['mean_staleness']:.2f}")
+        cols[4].metric("mean staleness", _fmt(h["mean_staleness"], "{:.2f}"))
+        cols[5].metric("trained fraction", _fmt(h["trained_fraction"], "{:.0%}"),
+                       help="trajectories the learner trained on ÷ trajectories generated")
+        cols[6].metric("learner busy share", _fmt(h["busy_share"], "{:.0%}"),
+                       help="1 − the learner's idle time (waiting for a batch) ÷ its wall time")
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "–" if v is None else spec.format(v)
 
 
 def main() -> None:

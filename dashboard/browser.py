@@ -24,7 +24,6 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
 REWARD_LINES = "svg g.reward_lines_marks path"
 DRIFT_RULES = "svg g.drift_rules_marks line, svg g.drift_rules_marks path"
 DRIFT_LABELS = "svg g.drift_labels_marks text"
-RECOVERY_SPANS = "svg g.recovery_spans_marks line, svg g.recovery_spans_marks path"
 
 
 def binaries() -> tuple[str | None, str | None]:

@@ -39,11 +39,10 @@ def _thin(df: pd.DataFrame, y: str, cols: list[str], max_points: int) -> pd.Data
     return d.assign(series=series_label(d, cols))
 
 
-def reward_chart(reward: pd.DataFrame, marks: pd.DataFrame, spans: pd.DataFrame, x_col: str, x_title: str,
+def reward_chart(reward: pd.DataFrame, marks: pd.DataFrame, x_col: str, x_title: str,
                  max_points: int = 2000) -> alt.LayerChart:
-    """Online reward per family (per run); a dashed rule and the phase name at each drift event; at
-    the bottom, one bar per (event, family) from the event to its recovery, labelled with the
-    recovery time (dashed and "censored" when the phase ended first)."""
+    """Online reward per family (per run); a dashed rule and the phase name at each drift event.
+    Recovery is a table on the page (one row per event and family), not labels on the chart."""
     df = _thin(reward, "reward_w", ["run", "family"], max_points)
     lines = alt.Chart(df[[x_col, "reward_w", "series"]], name="reward_lines").mark_line(interpolate="linear").encode(
         x=_x(x_col, x_title), y=alt.Y("reward_w:Q", title="online reward (windowed)", scale=alt.Scale(domain=[0, 1])),
@@ -57,19 +56,6 @@ def reward_chart(reward: pd.DataFrame, marks: pd.DataFrame, spans: pd.DataFrame,
         layers.append(base.mark_text(align="left", baseline="top", dx=4, dy=2, fontSize=11, fontWeight="bold",
                                      color=DRIFT).encode(x=alt.X(f"{x_col}:Q"), y=alt.value(2), text="text:N")
                       .properties(name="drift_labels"))
-    if len(spans):
-        x2 = "x2_" + x_col.split("_", 1)[1]
-        s = spans.assign(text=spans["label"] if spans["run"].nunique() <= 1 else spans["run"] + " · " + spans["label"])
-        # stack the bars of one event upwards from the bottom of the plot, one row per family (and run)
-        s["row"] = s.groupby(x_col).cumcount()
-        s["ypos"] = 0.04 + 0.07 * s["row"]
-        base = alt.Chart(s[[x_col, x2, "text", "ypos", "censored"]])
-        layers.append(base.mark_rule(color=DRIFT, size=3, opacity=0.7).encode(
-            x=alt.X(f"{x_col}:Q"), x2=alt.X2(f"{x2}:Q"), y=alt.Y("ypos:Q"),
-            strokeDash=alt.condition("datum.censored", alt.value([4, 3]), alt.value([1, 0])),
-            tooltip=["text:N"]).properties(name="recovery_spans"))
-        layers.append(base.mark_text(align="left", baseline="middle", dx=4, fontSize=10, color=DRIFT).encode(
-            x=alt.X(f"{x2}:Q"), y=alt.Y("ypos:Q"), text="text:N").properties(name="recovery_labels"))
     return alt.layer(*layers).properties(height=HEIGHT + 60, usermeta=SVG)
 
 

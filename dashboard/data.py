@@ -58,9 +58,10 @@ class RunData:
         return not (len(self.trajectories) or len(self.learner) or len(self.metrics) or self.drift)
 
 
-# trajectory columns the views use (ids and timings of a million trajectories are not read)
+# trajectory columns the views use (ids and timings of a million trajectories are not read; `seq`, the
+# task's stream position, is derived from the task id part by part: artifacts.read_part)
 TRAJ_COLUMNS = ("family", "concept", "phase", "reward", "policy_version", "learner_version", "created_at",
-                "finished_at")
+                "finished_at", "seq")
 CATEGORICAL = ("family", "concept")
 
 
@@ -149,52 +150,19 @@ def reward_frame(run: RunData, window: int, max_points: int = 4000) -> pd.DataFr
 
 
 def recovery_frame(run: RunData, window: int, delta: float) -> pd.DataFrame:
-    """Recovery of every (drift event, family), from the trajectories (adaptation.drift_recoveries)."""
-    if not run.drift or not len(run.trajectories):
-        cols = ["run", "phase", "name", "family", "prev_concept", "concept", "time", "trajectories",
-                "learner_steps", "censored", "pre_level"]
-        rows = [{"run": run.name, "phase": e["phase"], "name": e.get("name", ""), "family": f,
-                 "prev_concept": e.get("prev_concepts", {}).get(f, ""), "concept": e.get("concepts", {}).get(f, ""),
-                 "time": e.get("time", math.nan), "trajectories": None, "learner_steps": None, "censored": True,
-                 "pre_level": math.nan} for e in run.drift for f in (e.get("families") or [""])]
-        return pd.DataFrame(rows, columns=cols)
-    times = run.learner["time"].to_numpy(float) if len(run.learner) else ()
-    rec = ad.drift_recoveries(run.trajectories, run.drift, times, window, delta)
-    return rec.assign(run=run.name)
+    """Recovery of every (drift event, family): adaptation.drift_recoveries, as in summary.json (on
+    stream positions; without trajectory rows, e.g. live topics, every changed family is "no data")."""
+    return ad.drift_recoveries(run.trajectories, run.drift, run.learner, window, delta).assign(run=run.name)
 
 
 def drift_marks(run: RunData) -> pd.DataFrame:
-    """One mark per drift event at its time, labelled with its phase name."""
-    rows = [{"run": run.name, "phase": e["phase"], "time": float(e.get("time", 0.0)),
-             "label": e.get("name") or f"phase {e['phase']}"} for e in run.drift]
+    """One mark per drift event, labelled with its phase name, when it reached the agents: the first
+    finish of a trajectory of its block (adaptation.drift_times), not its publish time."""
+    times = ad.drift_times(run.trajectories, run.drift)
+    rows = [{"run": run.name, "phase": e["phase"], "time": t, "label": e.get("name") or f"phase {e['phase']}"}
+            for e, t in zip(run.drift, times)]
     df = pd.DataFrame(rows, columns=["run", "phase", "time", "label"])
     return run.axes.add(df, "time") if len(df) else df.assign(x_time=[], x_traj=[], x_step=[])
-
-
-def recovery_spans(run: RunData, recoveries: pd.DataFrame) -> pd.DataFrame:
-    """One span per (drift event, family): from the event to its recovery (or to the phase end when
-    censored), with the recovery time as text. `x2_*` columns hold the span's end on each axis."""
-    cols = ["run", "family", "label", "censored", "x_time", "x_traj", "x_step", "x2_time", "x2_traj", "x2_step"]
-    if not len(recoveries) or "until" not in recoveries:
-        return pd.DataFrame(columns=cols)
-    rec = recoveries.dropna(subset=["until"])
-    if not len(rec):
-        return pd.DataFrame(columns=cols)
-    axes = run.axes
-    start, end = axes.add(rec[["time"]], "time"), axes.add(rec[["until"]], "until")
-    df = pd.DataFrame({"run": run.name, "family": rec["family"].to_numpy(), "censored": rec["censored"].to_numpy(),
-                       "label": [f"{r.family}: {_rec_text(r)}" for r in rec.itertuples()]})
-    for axis in ("time", "traj", "step"):
-        df[f"x_{axis}"] = start[f"x_{axis}"].to_numpy()
-        df[f"x2_{axis}"] = end[f"x_{axis}"].to_numpy()
-    return df[cols]
-
-
-def _rec_text(r) -> str:
-    if r.trajectories is None or pd.isna(r.trajectories):
-        return "no data"
-    steps = "" if r.learner_steps is None or pd.isna(r.learner_steps) else f", {int(r.learner_steps)} steps"
-    return f"{'censored ≥' if r.censored else 'recovered in '}{int(r.trajectories)} traj{steps}"
 
 
 def learner_metrics(run: RunData, view: str) -> pd.DataFrame:
@@ -300,15 +268,21 @@ def header_values(run: RunData, window: int, staleness: pd.DataFrame) -> dict[st
     mean = float((staleness["staleness"] * staleness["count"]).sum() / staleness["count"].sum()) if len(staleness) else None
     state = "finished" if run.summary else "live topics" if run.name.startswith("live:") else "being written"
     return {"name": run.name, "state": state, "trajectories": n_traj, "learner_steps": len(run.learner),
-            "auc": auc, "drift_events": len(run.drift), "mean_staleness": mean}
+            "auc": auc, "drift_events": len(run.drift), "mean_staleness": mean,
+            "trained_fraction": _finite_or_none(ad.trained_fraction(run.learner, n_traj)),
+            "busy_share": _finite_or_none(ad.learner_busy_share(run.learner))}
+
+
+def _finite_or_none(v: float) -> float | None:
+    return v if math.isfinite(v) else None
 
 
 def run_frames(run: RunData, window: int, delta: float) -> dict[str, Any]:
     """Every view's frame for one run (what the page shows, before downsampling for the charts)."""
     rec = recovery_frame(run, window, delta)
     stal = staleness_counts(run)
-    out: dict[str, Any] = {"recovery": rec, "reward": reward_frame(run, window), "marks": drift_marks(run),
-                           "spans": recovery_spans(run, rec), "eval": eval_frame(run),
+    out: dict[str, Any] = {"recovery": rec, "recovery_summary": ad.recovery_summary(rec),
+                           "reward": reward_frame(run, window), "marks": drift_marks(run), "eval": eval_frame(run),
                            "forgetting": forgetting_frame(run), "staleness": stal, "throughput": throughput(run)}
     for view in VIEW_METRICS:
         out[view] = learner_metrics(run, view)

@@ -3,6 +3,7 @@
     runs/<run>/config.json           the run's configuration (any JSON object)
     runs/<run>/trajectories/part-00001.parquet ...   one row per trajectory (live run)
     runs/<run>/trajectories.parquet  the same rows in one file (after `RunWriter.close`)
+                                     (readers add `seq`, the task's stream position, from its id)
     runs/<run>/learner/part-*.parquet | learner.parquet   one row per LearnerEvent, metrics as columns
     runs/<run>/metrics/part-*.parquet | metrics.parquet   MetricPoint rows, labels as columns
     runs/<run>/drift.jsonl           DriftEvent JSON lines
@@ -31,6 +32,7 @@ from typing import Any, Iterable
 import msgspec
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from streamer import adaptation as ad
@@ -239,6 +241,8 @@ def write_json(path: Path, obj: Any) -> None:
 
 def _finite(obj: Any) -> Any:
     """NaN/inf are not JSON: write them as null."""
+    if obj is pd.NA:
+        return None
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
     if isinstance(obj, dict):
@@ -254,11 +258,27 @@ def _finite(obj: Any) -> Any:
 
 def read_part(path: Path, columns: Iterable[str] | None = None, categorical: Iterable[str] = ()) -> pd.DataFrame:
     """One parquet file; `columns`: only those (the ones this file has), `categorical`: string columns
-    to read as pandas categoricals. Both much faster on a million rows."""
+    to read as pandas categoricals. Both much faster on a million rows. A file with task ids and no
+    `seq` gets one (`task_seq`) unless `columns` leaves it out."""
     have = set(pq.read_schema(path).names)
-    cols = None if columns is None else [c for c in columns if c in have]
+    wanted = None if columns is None else list(columns)
+    derive = "seq" not in have and "task_id" in have and (wanted is None or "seq" in wanted)
+    cols = None if wanted is None else [c for c in wanted if c in have] + (["task_id"] if derive else [])
     cats = [c for c in categorical if c in have and (cols is None or c in cols)]
-    return pq.read_table(path, columns=cols, read_dictionary=cats or None).to_pandas()
+    table = pq.read_table(path, columns=list(dict.fromkeys(cols)) if cols is not None else None,
+                          read_dictionary=cats or None)
+    if derive:
+        table = table.append_column("seq", task_seq(table["task_id"]))
+        if wanted is not None and "task_id" not in wanted:
+            table = table.drop(["task_id"])
+    return table.to_pandas()
+
+
+def task_seq(task_ids: pa.ChunkedArray | pa.Array) -> pa.ChunkedArray | pa.Array:
+    """The stream position of each task from its id: the simulator names tasks `<scenario>-<seed>-<seq>`
+    (null where an id does not end in `-<digits>`). Trajectory rows carry no seq of their own."""
+    ids = pc.cast(task_ids, pa.string())
+    return pc.cast(pc.struct_field(pc.extract_regex(ids, r"-(?P<seq>\d+)$"), [0]), pa.int64())
 
 
 def compacted_through(single: Path) -> dict[str, int]:
@@ -379,11 +399,13 @@ def list_runs(root: str | Path) -> list[Path]:
 
 # ---------------------------------------------------------------- summary
 
-def summarize(run_dir: str | Path, window: int = ad.DEFAULT_WINDOW, delta: float = ad.DEFAULT_DELTA) -> dict[str, Any]:
-    """AUC, recovery of every drift event, final reward per concept, staleness and throughput."""
+def summarize(run_dir: str | Path, window: int = ad.DEFAULT_WINDOW, delta: float = ad.DEFAULT_DELTA,
+              floor: float = ad.DEFAULT_FLOOR) -> dict[str, Any]:
+    """AUC, recovery of every (drift event, family) (`adaptation.drift_recoveries`) and its counts per
+    status, final reward per concept, staleness, throughput and the learner's shares."""
     traj, learner, metrics = read_trajectories(run_dir), read_learner(run_dir), read_metrics(run_dir)
     drift = [msgspec.to_builtins(e) for e in read_drift(run_dir)]
-    out: dict[str, Any] = {"run": Path(run_dir).name, "window": window, "delta": delta,
+    out: dict[str, Any] = {"run": Path(run_dir).name, "window": window, "delta": delta, "floor": floor,
                            "n_trajectories": int(len(traj)), "n_learner_steps": int(len(learner)),
                            "n_drift_events": len(drift)}
     if len(traj):
@@ -393,10 +415,12 @@ def summarize(run_dir: str | Path, window: int = ad.DEFAULT_WINDOW, delta: float
         out["final_reward_per_concept"] = {
             f"{f}/{c}": float(g["reward"].to_numpy(float)[-window:].mean()) for (f, c), g in traj.groupby(["family", "concept"])}
         out["trajectories_per_s"] = ad.rate(traj["finished_at"])
-    times = learner["time"].to_numpy(float) if len(learner) else ()
-    rec = ad.drift_recoveries(traj, drift, times, window, delta) if len(traj) and drift else pd.DataFrame()
+    rec = ad.drift_recoveries(traj, drift, learner, window, delta, floor)
     out["recoveries"] = rec.to_dict(orient="records")
+    out["recovery_summary"] = ad.recovery_summary(rec)
     out["staleness"] = _staleness(traj, learner)
+    out["trained_fraction"] = ad.trained_fraction(learner, len(traj))
+    out["learner_busy_share"] = ad.learner_busy_share(learner)
     if len(learner):
         out["learner_tokens_per_s"] = ad.rate(learner["time"], learner["n_tokens"])
         out["learner_steps_per_s"] = ad.rate(learner["time"])
@@ -425,9 +449,13 @@ def eval_points(metrics: pd.DataFrame) -> pd.DataFrame:
 
 
 def forgetting_rows(metrics: pd.DataFrame, drift: list[dict], traj: pd.DataFrame) -> list[dict]:
+    """Forgetting of each recurring concept (`adaptation.forgetting`). A concept leaves when its
+    drift reached the agents (`adaptation.drift_times`: the first finish of a trajectory of the new
+    block), not when the event was published."""
     ev = eval_points(metrics)
     if not len(ev) or not drift:
         return []
+    drift = [dict(e, time=t) for e, t in zip(drift, ad.drift_times(traj, drift))]
     t0 = float(traj["created_at"].min()) if len(traj) else float(ev["time"].min())
     t1 = float(max(ev["time"].max(), traj["finished_at"].max() if len(traj) else -math.inf))
     families = sorted({f for e in drift for f in e.get("concepts", {})})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import msgspec
 import pandas as pd
 import pytest
 
@@ -116,34 +117,55 @@ def test_list_runs(tmp_path):
 def test_summarize_hand_computed(tmp_path):
     run = tmp_path / "r"
     w = art.RunWriter(run, config={}, flush_seconds=1e9)
-    # arith: phase 0 rewards [1,1] at t=1,2; drift at t=2.5; phase 1 rewards [0,1,1] at t=3,4,5
-    for i, (ph, r, t) in enumerate([(0, 1, 1), (0, 1, 2), (1, 0, 3), (1, 1, 4), (1, 1, 5)]):
-        w.trajectory(traj(i, "arith", ph, float(r), float(t), version=0), learner_version=i % 2)
+    # arith: phase 0 rewards [1,1] at t=1,2; drift; phase 1 rewards [0,1,1] at t=3,4,5 by policy versions 1,1,2
+    rows = [(0, 1, 1, 0), (0, 1, 2, 0), (1, 0, 3, 1), (1, 1, 4, 1), (1, 1, 5, 2)]
+    for i, (ph, r, t, v) in enumerate(rows):
+        w.trajectory(traj(i, "arith", ph, float(r), float(t), version=v), learner_version=v + i % 2)
     w.drift(DriftEvent(phase=1, prev_phase=0, name="p1", schedule="abrupt", families=["arith"],
                        concepts={"arith": "arith1"}, prev_concepts={"arith": "arith0"}, at_seq=2, time=2.5))
     for s, t in enumerate([3.0, 4.0, 6.0]):
-        w.learner_event(LearnerEvent(step=s, version=s, time=t, n_trajectories=2, n_tokens=100,
-                                     metrics={"perf/idle_s": float(s)}))
-    # eval of arith0: 0.9 at t=2 (before it left at 2.5); it never recurs -> no forgetting rows
+        w.learner_event(LearnerEvent(step=s, version=s, time=t, n_trajectories=1, n_tokens=100,
+                                     metrics={"perf/idle_s": 0.5 * s, "perf/step_s": 0.5}))
+    # eval of arith0: 0.9 at t=2 (before it left); it never recurs -> no forgetting rows
     w.metric(MetricPoint(name="eval/reward", value=0.9, time=2.0, labels={"family": "arith", "concept": "arith0"}))
     w.close(window=2)
     s = art.read_summary(run)
     assert s["window"] == 2
     # W=2: windowed of [1,1,0,1,1] = [1,1,.5,.5,1] -> AUC 0.8
     assert s["auc"] == pytest.approx(0.8)
-    # post-drift [0,1,1]: full windows .5, 1 >= 0.9 at index 2 -> 3 trajectories; steps in (2.5, 5]: t=3,4 -> 2
+    # pre level 1, threshold 0.9; initial [0,1] = .5 (a drop); window [1,1] = 1 ends at index 2, its versions
+    # {1,2} are all newer than the pre-drift version 0 -> recovered in 3; policy steps with version in (0, 2]: 2
     (rec,) = s["recoveries"]
-    assert (rec["trajectories"], rec["learner_steps"], rec["censored"]) == (3, 2, False)
+    assert (rec["status"], rec["trajectories"], rec["stream_trajectories"], rec["learner_steps"]) == (
+        "recovered", 3, 3, 2)
+    assert (rec["pre_level"], rec["initial_level"], rec["low_pre_level"]) == (1.0, 0.5, False)
+    assert (rec["version_pre"], rec["version_recovered"]) == (0, 2)
+    assert s["recovery_summary"]["by_status"] == {"unaffected": 0, "no drop": 0, "recovered": 1, "censored": 0,
+                                                  "no data": 0}
+    assert s["recovery_summary"]["median_trajectories"] == 3
     # last W=2 of each concept: arith0 [1,1] -> 1; arith1 [1,1] -> 1
     assert s["final_reward_per_concept"] == {"arith/arith0": 1.0, "arith/arith1": 1.0}
-    # staleness = learner_version - 0 = [0,1,0,1,0]: mean 0.4, max 1
+    # staleness = learner_version - version = [0,1,0,1,0]: mean 0.4, max 1
     assert (s["staleness"]["mean"], s["staleness"]["max"]) == (pytest.approx(0.4), 1.0)
     # 5 trajectories over 4 s; 300 tokens over 3 s
     assert s["trajectories_per_s"] == pytest.approx(1.25)
     assert s["learner_tokens_per_s"] == pytest.approx(100.0)
-    assert s["learner_idle"] == {"perf/idle_s": 1.0}  # mean of 0, 1, 2
+    assert s["learner_idle"] == {"perf/idle_s": 0.5}  # mean of 0, .5, 1
+    # 3 trained of 5 generated; idle 1.5 s of the 3.5 s from the first wait (3 - 0.5 - 0) to the last event (6)
+    assert s["trained_fraction"] == pytest.approx(0.6)
+    assert s["learner_busy_share"] == pytest.approx(1 - 1.5 / 3.5)
     assert s["forgetting"] == []
     json.dumps(s, allow_nan=False)  # NaN-free JSON
+
+
+def test_readers_add_the_stream_position_from_the_task_id(tmp_path):
+    w = art.RunWriter(tmp_path, flush_seconds=1e9)
+    for i, task in enumerate(["default-0-12", "default-0-3"]):
+        w.trajectory(msgspec.structs.replace(traj(i, "a", 0, 1.0, 1.0), task_id=task))
+    w.close(summary=False)
+    assert art.read_trajectories(tmp_path)["seq"].tolist() == [12, 3]
+    only = art.read_part(tmp_path / "trajectories.parquet", ["reward", "seq"])
+    assert list(only.columns) == ["reward", "seq"] and only["seq"].tolist() == [12, 3]
 
 
 def test_summarize_empty_run(tmp_path):

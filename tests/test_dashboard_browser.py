@@ -40,8 +40,6 @@ def test_reward_chart_and_drift_markers_in_chromium(live_run, tmp_path):
         labels = browser.wait_css(driver, browser.DRIFT_LABELS, timeout=30, min_count=2)
         assert len(rules) >= 2
         assert {"phase1", "phase2"} <= {el.text for el in labels}
-        spans = browser.wait_css(driver, browser.RECOVERY_SPANS, timeout=30, min_count=2)
-        assert spans
         assert "Online reward per family" in driver.page_source
         driver.save_screenshot(str(SHOTS / "dashboard_live.png"))
     assert (SHOTS / "dashboard_live.png").stat().st_size > 10_000
