@@ -23,6 +23,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from streamer.processes import Role, Supervisor
+from streamer.resources import (AGENT_NICE, SIDE_NICE, Admission, ResourcePlan, available_cores, check_pacing,
+                                paced_admission,
+                                plan_resources, thread_env)
 
 
 @dataclass
@@ -31,16 +34,20 @@ class UpConfig:
     run: str = ""  # "" -> up-<date>-<time>
     runs_dir: str = "runs"
     bootstrap: str = ""  # "" -> start the embedded broker
-    agents: int = 2
+    agents: int = 0  # 0: from the resource plan (one per core the learner leaves, 1 on 2 cores)
     group_size: int = 1  # >1 for the GRPO family (set advantage.estimator too)
     loss: str = "sao"
+    batch: int = 64  # trajectories per learner batch (batch.max_trajectories); agents generate one per version
+    staleness: int = 2  # versions a trajectory may lag the learner: learner max_staleness and agent admission
     sync: bool = False
     sync_batch: int = 64  # with --sync: trajectories per policy version (the learner's batch.sync_batch)
     limit: int = 0  # stop the simulator after this many tasks (0: the whole scenario)
-    realtime: bool = False  # publish tasks at the scenario's rate instead of all at once
+    realtime: bool = False  # publish tasks at the scenario's rate instead of as fast as the agents answer
+    max_lag: int = -1  # simulator back-pressure: tasks published ahead of the agents (-1: derived, 0: none)
     dashboard: bool = True
-    eval: bool = True  # held-out greedy evaluation of each policy version (eval reward, forgetting)
+    eval: bool | None = None  # held-out greedy evaluation of each policy version; None: on above 2 cores
     eval_interval: float = 30.0  # seconds between evaluations (each costs about 16 s of one core)
+    cores: int = 0  # cores the resource plan shares out (0: those this process may run on)
     dashboard_port: int = 8501
     max_seconds: float = 0.0  # stop after this long (0: at the scenario's end)
     drain_seconds: float = 5.0  # after the last trajectory, let the learner finish its batch
@@ -51,6 +58,35 @@ class UpConfig:
     ray_address: str = ""  # join this Ray cluster ("auto", "ray://head:10001"); implies --ray
     ray_set: list[str] = field(default_factory=list)  # RayConfig overrides, e.g. agent.num_cpus=2
 
+    def plan(self) -> ResourcePlan:
+        return plan_resources(self.cores or available_cores(), self.agents, self.eval)
+
+    def admission(self) -> Admission:
+        """Agent admission: paced by the learner's batch and staleness bound (sync: one batch per version)."""
+        agents = self.plan().agents
+        batch, staleness = (self.sync_batch, 0) if self.sync else (self.batch, self.staleness)
+        adm = paced_admission(staleness, batch, agents, self.group_size)
+        check_pacing(adm, agents, self.group_size, batch, staleness)
+        return adm
+
+
+# learner settings that `sao up` derives from --batch / --staleness / the resource plan, validated together
+PACED_KEYS = ("batch.max_staleness", "batch.max_trajectories", "batch.tokens", "batch.sync_batch", "threads")
+# a batch must close at --batch trajectories, not at a token budget: agents generate exactly one batch per version
+TOKENS_PER_TRAJECTORY = 1024
+PACED_AGENT_KEYS = ("tasks_per_version", "versions_ahead", "threads")
+
+
+def _check_overrides(p: argparse.ArgumentParser, cfg: UpConfig) -> None:
+    for flag, given, keys in (("--set", cfg.learner, PACED_KEYS), ("--agent-set", cfg.agent, PACED_AGENT_KEYS)):
+        for kv in given:
+            key = kv.split("=", 1)[0].strip()
+            if key in keys:
+                p.error(f"{flag} {kv}: sao up derives {key} from --batch, --staleness, --sync-batch and the resource "
+                        f"plan (--cores, --agents); set those instead so learner and agents stay consistent")
+    if cfg.batch < 1 or cfg.staleness < 0:
+        p.error(f"--batch {cfg.batch} / --staleness {cfg.staleness}: need batch >= 1 and staleness >= 0")
+
 
 def parse_args(argv: list[str]) -> UpConfig:
     d = UpConfig()
@@ -59,14 +95,22 @@ def parse_args(argv: list[str]) -> UpConfig:
     p.add_argument("--run", default=d.run, help="run name (topic prefix, directory under --runs-dir)")
     p.add_argument("--runs-dir", default=d.runs_dir)
     p.add_argument("--bootstrap", default=d.bootstrap, help="use this Kafka instead of the embedded broker")
-    p.add_argument("--agents", type=int, default=d.agents)
+    p.add_argument("--agents", type=int, default=d.agents, help="agent processes (0: from the resource plan)")
     p.add_argument("--group-size", type=int, default=d.group_size)
     p.add_argument("--loss", default=d.loss, help="policy loss: sao, ppo, dual_clip, dapo, gspo, cispo, decoupled_ppo")
+    p.add_argument("--batch", type=int, default=d.batch, help="trajectories per learner batch (one per version)")
+    p.add_argument("--staleness", type=int, default=d.staleness,
+                   help="versions a trajectory may lag the learner; agents are admitted to stay within it")
+    p.add_argument("--cores", type=int, default=d.cores, help="cores to plan for (0: all this process may use)")
     p.add_argument("--sync", action="store_true", help="synchronous baseline: agents wait for each version")
     p.add_argument("--sync-batch", type=int, default=d.sync_batch, help="with --sync: trajectories per version")
     p.add_argument("--limit", type=int, default=d.limit, help="stop the simulator after this many tasks")
     p.add_argument("--realtime", action="store_true", help="publish tasks at the scenario's rate")
+    p.add_argument("--max-lag", type=int, default=d.max_lag,
+                   help="simulator back-pressure: tasks published ahead of the agents (-1: derived, 0: none)")
     p.add_argument("--no-dashboard", dest="dashboard", action="store_false")
+    p.add_argument("--eval", dest="eval", action="store_true", default=None,
+                   help="held-out evaluation of each version (default: on above 2 cores)")
     p.add_argument("--no-eval", dest="eval", action="store_false", help="no held-out evaluation")
     p.add_argument("--eval-interval", type=float, default=d.eval_interval)
     p.add_argument("--dashboard-port", type=int, default=d.dashboard_port)
@@ -82,8 +126,9 @@ def parse_args(argv: list[str]) -> UpConfig:
     p.add_argument("--ray-set", dest="ray_set", action="append", default=[], metavar="KEY=VALUE",
                    help="Ray resources/restarts, e.g. agent.num_cpus=2 learner.num_gpus=1 max_restarts=5")
     cfg = UpConfig(**vars(p.parse_args(argv)))
-    if cfg.agents < 1:
-        p.error(f"--agents {cfg.agents}: need at least one agent")
+    if cfg.agents < 0:
+        p.error(f"--agents {cfg.agents}: need at least one agent (0: from the resource plan)")
+    _check_overrides(p, cfg)
     cfg.run = cfg.run or time.strftime("up-%Y%m%d-%H%M%S")
     cfg.ray = cfg.ray or bool(cfg.ray_address)
     if cfg.ray:
@@ -107,34 +152,51 @@ def warm_start(cfg: UpConfig) -> Path:
 
 
 def roles(cfg: UpConfig, bootstrap: str, run_dir: Path, init: Path) -> list[Role]:
+    plan, adm = cfg.plan(), cfg.admission()
     common = ["--bootstrap", bootstrap, "--run", cfg.run]
     weights = str(run_dir / "weights")
+    side = {"env": thread_env(1), "nice": SIDE_NICE}
     learner = ["learn", *common, "--init", str(init), "--weights-dir", weights, "--run-dir", str(run_dir),
-               "--checkpoint-dir", str(run_dir / "checkpoints"), "--loss", cfg.loss, *cfg.learner]
+               "--checkpoint-dir", str(run_dir / "checkpoints"), "--loss", cfg.loss,
+               f"threads={plan.learner_threads}", f"batch.max_staleness={cfg.staleness}",
+               f"batch.max_trajectories={cfg.batch}", f"batch.tokens={cfg.batch * TOKENS_PER_TRAJECTORY}", *cfg.learner]
     if cfg.sync:
         learner += ["--sync", f"batch.sync_batch={cfg.sync_batch}"]
-    out = [Role("metrics", ["metrics", *common]), Role("learner", learner)]
-    for i in range(cfg.agents):
+    out = [Role("metrics", ["metrics", *common], **side),
+           Role("learner", learner, env=thread_env(plan.learner_threads))]
+    for i in range(plan.agents):
         agent = ["agent", *common, "--model", str(init), "--weights-dir", weights, "--group-size",
                  str(cfg.group_size), "--status-file", str(run_dir / f"agent-{i}.json")]
-        if cfg.sync:  # each agent answers its share of a batch, then waits for the next version
-            agent += ["--set", f"tasks_per_version={max(1, cfg.sync_batch // cfg.agents)}", "--set", "versions_ahead=0"]
-        for kv in cfg.agent:
+        for kv in (f"threads={plan.agent_threads}", f"concurrency={adm.concurrency}",
+                   f"tasks_per_version={adm.tasks_per_version}", f"versions_ahead={adm.versions_ahead}", *cfg.agent):
             agent += ["--set", kv]
-        out.append(Role(f"agent-{i}", agent))
-    if cfg.eval:
+        out.append(Role(f"agent-{i}", agent, env=thread_env(plan.agent_threads), nice=AGENT_NICE))
+    if plan.eval:
         out.append(Role("eval", ["eval", *common, "--scenario", cfg.scenario, "--model", str(init), "--weights-dir",
-                                 weights, "--threads", "1", "--min-interval", str(cfg.eval_interval)], required=False))
+                                 weights, "--threads", "1", "--min-interval", str(cfg.eval_interval)], required=False,
+                        **side))
     if cfg.dashboard:
         out.append(Role("dashboard", ["dashboard", "--runs", cfg.runs_dir, "--port", str(cfg.dashboard_port),
-                                      *common], required=False))
-    simulate = ["simulate", "--scenario", cfg.scenario, *common]
+                                      *common], required=False, **side))
+    simulate = ["simulate", "--scenario", cfg.scenario, *common, "--max-lag", str(max_lag(cfg, plan, adm))]
     if cfg.limit:
         simulate += ["--limit", str(cfg.limit)]
     if cfg.realtime:
         simulate.append("--realtime")
-    out.append(Role("simulator", simulate))
+    out.append(Role("simulator", simulate, **side))
     return out
+
+
+def max_lag(cfg: UpConfig, plan: ResourcePlan, adm: Admission) -> int:
+    """Back-pressure bound: what the agents may hold in flight plus one batch (0 with --realtime unless given)."""
+    from streamer.backpressure import default_max_lag
+
+    if cfg.max_lag >= 0:
+        return cfg.max_lag
+    if cfg.realtime:
+        return 0
+    return default_max_lag(plan.agents, adm.concurrency, adm.tasks_per_version, adm.versions_ahead,
+                           math.ceil((cfg.sync_batch if cfg.sync else cfg.batch) / cfg.group_size))
 
 
 def progress_line(t0: float, tap) -> str:
@@ -165,7 +227,7 @@ def wait_for_agents(cfg: UpConfig, sup: Supervisor, run_dir: Path, timeout_s: fl
     ~20 s to load, and a stream published meanwhile would reach them as a backlog, phases mixed
     across partitions, instead of at the scenario's rate."""
     t0 = time.monotonic()
-    files = [run_dir / f"agent-{i}.json" for i in range(cfg.agents)]
+    files = [run_dir / f"agent-{i}.json" for i in range(cfg.plan().agents)]
     while not all(f.is_file() for f in files) and not sup.failed() and time.monotonic() - t0 < timeout_s:
         time.sleep(0.5)
     print(f"agents ready after {time.monotonic() - t0:.0f}s: starting the simulator", flush=True)
@@ -184,10 +246,15 @@ def run(cfg: UpConfig) -> int:
 
     run_dir = Path(cfg.runs_dir) / cfg.run
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    adm = cfg.admission()
+    print(f"{cfg.plan().describe()}\nadmission: learner batch {cfg.sync_batch if cfg.sync else cfg.batch}, staleness "
+          f"<= {0 if cfg.sync else cfg.staleness}; each agent starts {adm.tasks_per_version} task(s) per version, "
+          f"{adm.versions_ahead} version(s) ahead", flush=True)
     broker = None
+    print("[1/4] broker: " + ("starting the embedded Tansu broker" if not cfg.bootstrap else cfg.bootstrap), flush=True)
     if not cfg.bootstrap:
         broker = EmbeddedBroker(BrokerSettings(port=0, log_path=str(run_dir / "logs" / "broker.log"))).start()
-        print(f"broker: embedded Tansu at {broker.bootstrap}", flush=True)
+        print(f"      embedded Tansu at {broker.bootstrap}", flush=True)
     bootstrap = cfg.bootstrap or broker.bootstrap
     env = {"SAO_BOOTSTRAP": bootstrap, "SAO_RUN": cfg.run}
     if cfg.ray:  # agents and learner as Ray actors; broker, simulator, metrics, dashboard stay local
@@ -204,7 +271,10 @@ def run(cfg: UpConfig) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         KafkaBus(bootstrap).create_topics(partitions_by_topic(cfg.run))
+        print("[2/4] warm start of the tiny policy (supervised, cached under runs/cache)", flush=True)
         init = warm_start(cfg)
+        print("[3/4] starting the roles: metrics app, learner, agents" + (", evaluator" if cfg.plan().eval else "")
+              + (", dashboard" if cfg.dashboard else "") + ", simulator", flush=True)
         tap = open_tap(bootstrap, cfg.run, str(run_dir), config={"up": asdict(cfg), "init": str(init)})
         tap_thread = threading.Thread(target=tap.run, name="tap", daemon=True)
         tap_thread.start()
@@ -216,8 +286,8 @@ def run(cfg: UpConfig) -> int:
         sup.start(plan[-1])  # the simulator
         if cfg.dashboard:
             print(f"dashboard: http://localhost:{cfg.dashboard_port}", flush=True)
-        print(f"run {cfg.run}: {cfg.agents} agents, loss {cfg.loss}; logs in {run_dir / 'logs'}; Ctrl-C stops",
-              flush=True)
+        print(f"[4/4] run {cfg.run}: {cfg.plan().agents} agent(s), loss {cfg.loss}; progress every 5 s; logs in "
+              f"{run_dir / 'logs'}; Ctrl-C stops", flush=True)
         t0, last_print, last_new, seen = time.monotonic(), 0.0, [time.monotonic()], 0
         while True:
             time.sleep(0.5)

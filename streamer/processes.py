@@ -16,6 +16,8 @@ class Role:
     name: str
     argv: list[str]  # arguments after `sao`
     required: bool = True  # the run fails when a required role dies
+    env: dict[str, str] = field(default_factory=dict)  # added to the supervisor's environment (thread caps)
+    nice: int = 0  # CPU priority increment: roles other than the learner yield to it
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
 
@@ -31,8 +33,10 @@ class Supervisor:
     def start(self, role: Role) -> Role:
         log = open(self.log_dir / f"{role.name}.log", "ab")
         cmd = [sys.executable, "-m", "streamer.cli", *role.argv]
-        role.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True)  # Ctrl-C reaches us only; we stop children in order
+        nice = (lambda: os.nice(role.nice)) if role.nice else None
+        role.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**self.env, **role.env},
+                                     start_new_session=True,  # Ctrl-C reaches us only; we stop children in order
+                                     preexec_fn=nice)
         log.close()
         self.roles.append(role)
         return role

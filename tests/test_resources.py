@@ -1,0 +1,71 @@
+"""The resource plan of `sao up` and learner-paced admission (streamer/resources.py, streamer/launcher.py)."""
+
+from pathlib import Path
+
+import pytest
+
+from streamer.config import ConfigError
+from streamer.launcher import parse_args, roles
+from streamer.resources import (AGENT_NICE, SIDE_NICE, check_pacing, paced_admission, plan_resources, thread_env)
+
+
+@pytest.mark.parametrize("cores, learner, agents, agent_threads, ev", [
+    (1, 1, 1, 1, False),  # one core: everything shares it, the learner still gets its thread
+    (2, 1, 1, 1, False),  # the target machine: learner one core, one agent the other, no evaluator
+    (4, 2, 2, 1, True),
+    (8, 4, 4, 1, True),
+    (16, 4, 4, 3, True),  # learner capped at 4 threads, agents capped at 4, the rest as agent threads
+])
+def test_plan_gives_the_learner_its_cores_first(cores, learner, agents, agent_threads, ev):
+    p = plan_resources(cores)
+    assert (p.learner_threads, p.agents, p.agent_threads, p.eval) == (learner, agents, agent_threads, ev)
+    assert p.learner_threads + p.agents * p.agent_threads <= max(cores, 2)
+
+
+def test_plan_keeps_explicit_agents_and_eval():
+    p = plan_resources(2, agents=3, eval=True)
+    assert (p.agents, p.agent_threads, p.eval) == (3, 1, True)
+    assert "2 cores" in p.describe() and "evaluator on" in p.describe()
+    with pytest.raises(ConfigError, match="cores"):
+        plan_resources(0)
+
+
+def test_paced_admission_one_batch_per_version_within_the_staleness_bound():
+    a = paced_admission(staleness=2, batch_trajectories=64, agents=3)
+    assert (a.tasks_per_version, a.versions_ahead, a.concurrency) == (22, 1, 22)  # ceil(64 / 3)
+    check_pacing(a, agents=3, group_size=1, batch_trajectories=64, staleness=2)
+    g = paced_admission(staleness=4, batch_trajectories=64, agents=2, group_size=8)
+    assert (g.tasks_per_version, g.versions_ahead) == (4, 3)  # 2 agents x 4 tasks x 8 members = 64
+    s = paced_admission(staleness=0, batch_trajectories=64, agents=2)
+    assert (s.tasks_per_version, s.versions_ahead) == (32, 0)  # synchronous: a share, then wait
+
+
+def test_pacing_that_would_deadlock_or_go_stale_is_refused():
+    a = paced_admission(2, 64, 2)
+    with pytest.raises(ConfigError, match="wait forever"):
+        check_pacing(a, agents=1, group_size=1, batch_trajectories=64, staleness=2)
+    with pytest.raises(ConfigError, match="versions_ahead"):
+        check_pacing(paced_admission(5, 64, 1), agents=1, group_size=1, batch_trajectories=64, staleness=2)
+    with pytest.raises(ConfigError, match="staleness"):
+        paced_admission(-1, 64, 1)
+
+
+def test_up_passes_one_staleness_bound_to_learner_and_agents():
+    cfg = parse_args(["--run", "r", "--cores", "2", "--batch", "32", "--staleness", "3"])
+    by_name = {r.name: r for r in roles(cfg, "127.0.0.1:1", Path("runs/r"), Path("init"))}
+    assert set(by_name) == {"metrics", "learner", "agent-0", "dashboard", "simulator"}  # no evaluator on 2 cores
+    learner, agent = by_name["learner"].argv, by_name["agent-0"].argv
+    assert "batch.max_staleness=3" in learner and "batch.max_trajectories=32" in learner and "threads=1" in learner
+    assert all(kv in agent for kv in ("tasks_per_version=32", "versions_ahead=2", "concurrency=32", "threads=1"))
+    assert by_name["learner"].nice == 0 and by_name["agent-0"].nice == AGENT_NICE
+    assert by_name["dashboard"].nice == SIDE_NICE and by_name["learner"].env == thread_env(1)
+    sim = by_name["simulator"].argv
+    assert sim[sim.index("--max-lag") + 1] == str(32 + 32)  # in flight (32) plus one batch (32)
+
+
+def test_up_refuses_overrides_that_would_break_the_pacing(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--set", "batch.max_staleness=8"])
+    assert "--staleness" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--agent-set", "versions_ahead=3"])
