@@ -2,7 +2,8 @@
 
     runs/<run>/config.json           the run's configuration (any JSON object)
     runs/<run>/trajectories/part-00001.parquet ...   one row per trajectory (live run)
-    runs/<run>/trajectories.parquet  the same rows in one file (after `RunWriter.close`)
+    runs/<run>/trajectories.parquet  the same rows in one file (after `RunWriter.close`, which also fills each
+                                     row's learner_step/learner_version from the learner's events)
                                      (readers add `seq`, the task's stream position, from its id)
     runs/<run>/learner/part-*.parquet | learner.parquet   one row per LearnerEvent, metrics as columns
     runs/<run>/metrics/part-*.parquet | metrics.parquet   MetricPoint rows, labels as columns
@@ -64,7 +65,8 @@ def checkpoints_dir(run_dir: str | Path) -> Path:
 # ---------------------------------------------------------------- rows from messages
 
 def trajectory_row(t: Trajectory, learner_step: int | None = None, learner_version: int | None = None) -> dict[str, Any]:
-    """One row of trajectories.parquet; learner step/version are those at training time, when known."""
+    """One row of trajectories.parquet; learner step/version are those at training time, when known
+    (a live run leaves them NaN; `RunWriter.close` fills them from the learner's events)."""
     n_gen = int(sum(t.loss_mask))
     return {"traj_id": t.traj_id, "task_id": t.task_id, "family": t.family, "concept": t.concept,
             "phase": t.phase, "reward": float(t.reward), "success": bool(t.success),
@@ -220,9 +222,13 @@ class RunWriter:
 
     def close(self, compact: bool = True, summary: bool = True, window: int = ad.DEFAULT_WINDOW,
               delta: float = ad.DEFAULT_DELTA) -> None:
+        """Flush (and with `compact`, merge the parts and fill trajectories.parquet's learner columns
+        from the learner's events: `fill_learner_columns`), then write summary.json."""
         for w in self.tables.values():
             w.compact() if compact else w.flush()
         self._drift.close()
+        if compact:
+            fill_learner_columns(self.dir)
         if summary:
             write_json(self.dir / "summary.json", summarize(self.dir, window, delta))
 
@@ -395,6 +401,99 @@ def list_runs(root: str | Path) -> list[Path]:
     marks = ("config.json", "drift.jsonl", "summary.json") + tuple(TABLES) + tuple(f"{t}.parquet" for t in TABLES)
     runs = [d for d in r.iterdir() if d.is_dir() and any((d / m).exists() for m in marks)]
     return sorted(runs, key=lambda d: d.stat().st_mtime, reverse=True)
+
+
+# ---------------------------------------------------------------- which step trained each trajectory
+
+def effective_events(learner: pd.DataFrame) -> pd.DataFrame:
+    """The learner events that stand, in step order, with `version_before`: the policy version the step
+    trained at (the one it started from, against which its staleness histogram is counted; the
+    event's own `version` is the one after it). A learner restarted from its checkpoint at step s
+    emits s+1, s+2, ... again: a later event of step s' replaces every earlier event of a step >= s'.
+    The version before a step is the version after the step that stands before it; 0 before step 1;
+    NaN when the step before is missing from the table."""
+    cols = ["step", "version", "version_before", "skipped", "task_ids"]
+    if not len(learner) or "step" not in learner:
+        return pd.DataFrame(columns=cols)
+    stack: list[int] = []  # row positions of the standing events, steps increasing
+    steps = learner["step"].to_numpy()
+    for i, s in enumerate(steps):  # table order is emission order
+        while stack and steps[stack[-1]] >= s:
+            stack.pop()
+        stack.append(i)
+    ev = learner.iloc[stack].reset_index(drop=True)
+    version = pd.to_numeric(ev["version"], errors="coerce").astype(float)
+    before = version.shift(1)
+    contiguous = ev["step"].diff() == 1
+    before = before.where(contiguous, math.nan)
+    before[ev["step"] == 1] = 0.0  # the trainer starts at version 0
+    skipped = ev["skipped"].fillna(False).astype(bool) if "skipped" in ev else pd.Series(False, index=ev.index)
+    ids = ev["task_ids"] if "task_ids" in ev else pd.Series([[]] * len(ev))
+    return pd.DataFrame({"step": ev["step"].to_numpy(), "version": version.to_numpy(),
+                         "version_before": before.to_numpy(), "skipped": skipped.to_numpy(),
+                         "task_ids": [json.loads(x) if isinstance(x, str) else list(x if x is not None else [])
+                                      for x in ids]}, columns=cols)
+
+
+def trained_by(trajectories: pd.DataFrame, learner: pd.DataFrame) -> pd.DataFrame:
+    """Per trajectory row (same index): `learner_step`, the applied learner step that trained it, and
+    `learner_version`, the policy version it was trained at (`effective_events`' version_before, so
+    learner_version - policy_version is the staleness the learner counted); NaN where never trained.
+    Events name tasks, not trajectories: a task's k-th trajectory (in finish order) goes with its k-th
+    mention in the standing applied events (in step order), which pairs a group's n trajectories with
+    the n mentions of its task and a re-answered task's copies with the steps that trained them. Steps
+    whose update was skipped (non-finite) trained nothing."""
+    out = pd.DataFrame({"learner_step": math.nan, "learner_version": math.nan}, index=trajectories.index)
+    ev = effective_events(learner)
+    ev = ev[~ev["skipped"]]
+    if not len(trajectories) or not len(ev) or "task_id" not in trajectories:
+        return out
+    mentions = ev[["step", "version_before", "task_ids"]].explode("task_ids").dropna(subset=["task_ids"])
+    mentions = mentions.rename(columns={"task_ids": "task_id"}).astype({"task_id": str})
+    mentions["k"] = mentions.groupby("task_id", sort=False).cumcount()
+    order = (trajectories["finished_at"] if "finished_at" in trajectories
+             else pd.Series(range(len(trajectories)), index=trajectories.index))
+    traj = pd.DataFrame({"task_id": trajectories["task_id"].astype(str).to_numpy(), "t": order.to_numpy(),
+                         "pos": range(len(trajectories))})
+    traj = traj.sort_values(["t", "pos"], kind="stable")
+    traj["k"] = traj.groupby("task_id", sort=False).cumcount()
+    hit = traj.merge(mentions, on=["task_id", "k"], how="inner")
+    pos = hit["pos"].to_numpy()
+    out.iloc[pos, 0] = hit["step"].to_numpy(float)
+    out.iloc[pos, 1] = hit["version_before"].to_numpy(float)
+    return out
+
+
+def fill_learner_columns(run_dir: str | Path) -> int:
+    """Fill the NaN `learner_step`/`learner_version` cells of a run's compacted trajectories.parquet
+    from its learner table (`trained_by`), keeping the file's metadata; rows never trained stay NaN,
+    values already set are kept. Run once the learner has stopped (`RunWriter.close` does, after
+    compaction). Returns the number of rows filled."""
+    single, _ = table_paths(run_dir, "trajectories")
+    if not single.exists():
+        return 0
+    learner = read_learner(run_dir)
+    if not len(learner) or "task_ids" not in learner:
+        return 0
+    try:
+        table = pq.read_table(single)
+    except (OSError, pa.ArrowException) as e:
+        raise ArtifactError(f"{single}: unreadable ({e})") from None
+    df = table.to_pandas()
+    if not len(df):
+        return 0
+    found = trained_by(df, learner)
+    filled = 0
+    for col in ("learner_step", "learner_version"):
+        have = pd.to_numeric(df[col], errors="coerce").astype(float) if col in df else \
+            pd.Series(math.nan, index=df.index)
+        new = have.fillna(found[col])
+        filled = max(filled, int((have.isna() & new.notna()).sum()))
+        df[col] = new
+    if filled:
+        meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items() if k != b"pandas"}
+        _write_atomic(df, single, meta)
+    return filled
 
 
 # ---------------------------------------------------------------- summary

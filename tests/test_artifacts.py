@@ -220,3 +220,56 @@ def test_compaction_by_one_writer_keeps_another_writers_later_parts(tmp_path):
     assert sorted(art.read_learner(tmp_path)["step"].tolist()) == [0, 1, 2, 3, 4]
     # a new learner process after that continues at 5, not 1
     assert art.TableWriter(tmp_path, "learner", writer_id="learner").seq == 4
+
+
+def test_close_fills_the_step_and_version_that_trained_each_trajectory(tmp_path):
+    # (traj id, task id, behaviour version, finish time); k1 is answered twice, g is a group of two
+    rows = [("t0", "k0", 0, 1.0), ("t1", "k1", 0, 2.0), ("t2", "k2", 1, 3.0), ("t3", "k3", 1, 4.0),
+            ("t4", "k4", 1, 5.0), ("t5", "k1", 1, 6.0), ("t6", "g", 2, 7.0), ("t7", "g", 2, 7.5)]
+    tap = art.RunWriter(tmp_path, writer_id="tap", flush_seconds=1e9)
+    for i, (tid, task, v, t) in enumerate(rows):
+        tap.trajectory(msgspec.structs.replace(traj(i, "arith", 0, 1.0, t, version=v), traj_id=tid, task_id=task))
+    tap.flush()
+    learner = art.TableWriter(tmp_path, "learner", writer_id="learner", flush_seconds=1e9)
+
+    def event(step, version, tasks, hist, skipped=False):
+        learner.add(art.learner_row(LearnerEvent(step=step, version=version, time=float(step),
+                                                 n_trajectories=len(tasks), n_tokens=4 * len(tasks), staleness=hist,
+                                                 task_ids=tasks, skipped=skipped)))
+
+    event(1, 1, ["k0", "k1"], {"0": 2})  # trained at version 0, publishes 1
+    event(2, 2, ["k2"], {"0": 1})  # lost: the learner restarts from its step-1 checkpoint ...
+    event(2, 2, ["k2", "k1"], {"0": 2})  # ... and redoes step 2 at version 1 with k1's second answer
+    event(3, 3, ["k3"], {"0": 1}, skipped=True)  # non-finite: nothing trained, the version still moves on
+    event(4, 4, ["g", "g"], {"1": 2})  # at version 3
+    learner.flush()
+    tap.close()
+
+    df = art.read_trajectories(tmp_path).set_index("traj_id")
+    nan = math.nan
+    want = {"t0": (1, 0), "t1": (1, 0), "t2": (2, 1), "t3": (nan, nan), "t4": (nan, nan), "t5": (2, 1),
+            "t6": (4, 3), "t7": (4, 3)}
+    got = {t: (r.learner_step, r.learner_version) for t, r in df.iterrows()}
+    assert {t: tuple(None if math.isnan(x) else x for x in v) for t, v in got.items()} == \
+        {t: tuple(None if math.isnan(x) else x for x in v) for t, v in want.items()}
+    # learner_version - policy_version is the staleness the learner counted for each standing, applied step
+    ev = art.effective_events(art.read_learner(tmp_path))
+    assert ev["step"].tolist() == [1, 2, 3, 4] and ev["version_before"].tolist() == [0, 1, 2, 3]
+    hists = {r.step: json.loads(r.staleness) for r in art.read_learner(tmp_path).itertuples()}
+    trained = df.dropna(subset=["learner_step"])
+    for step, g in trained.groupby("learner_step"):
+        counts = (g["learner_version"] - g["policy_version"]).astype(int).astype(str).value_counts().to_dict()
+        assert counts == hists[int(step)]
+    # the file keeps its compaction record; a second fill finds nothing left to fill
+    assert art.compacted_through(tmp_path / "trajectories.parquet") == {"tap": 1}
+    assert art.fill_learner_columns(tmp_path) == 0
+    assert art.read_summary(tmp_path)["staleness"]["max"] == 1.0
+
+
+def test_effective_events_without_the_step_before_leave_the_version_unknown():
+    lr = pd.DataFrame({"step": [5, 6], "version": [5, 6], "skipped": [False, False], "task_ids": ['["a"]', '["b"]']})
+    ev = art.effective_events(lr)
+    assert math.isnan(ev["version_before"][0]) and ev["version_before"][1] == 5
+    traj_df = pd.DataFrame({"task_id": ["b", "a", "c"], "finished_at": [2.0, 1.0, 3.0]})
+    got = art.trained_by(traj_df, lr)
+    assert got["learner_step"].tolist()[:2] == [6.0, 5.0] and got.isna().values[2].all()

@@ -63,3 +63,19 @@ def test_stability_smoke(tmp_path):
     assert {"learner_steps", "staleness", "collapsed", "series", "masked"} <= set(row)
     assert row["trajectories"] > 0, row["stopped"]
     assert set(row["series"]) >= {"step", "reward"}
+
+
+def check_pipeline(r: dict) -> None:
+    assert {"figures", "goals", "goals_met", "pipeline", "isolated", "learner_threads", "machine", "command",
+            "definitions", "series"} <= set(r)
+    assert {"tokens_per_s_ratio", "trained_fraction", "learner_steps_per_1000_trajectories",
+            "learner_busy_share"} <= set(r["figures"])
+    assert set(r["goals"]) == {"tokens_per_s_ratio", "trained_fraction"}
+    assert r["isolated"]["tokens_per_s"] > 0 and r["isolated"]["threads"] >= 1
+    assert r["rc"] == 0 and r["pipeline"]["trajectories_generated"] > 0, r["stopped"]
+
+
+@pytest.mark.slow
+def test_pipeline_smoke(tmp_path):
+    # --quick: the isolated step, then sao up with a 20-step warm start for ~25 s (<= 90 s in all)
+    check_pipeline(_run("pipeline.py", tmp_path))
