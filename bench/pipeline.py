@@ -132,34 +132,15 @@ def run_up(argv: list[str], log_path: Path, timeout_s: float) -> tuple[int, floa
 _PLAN_LINE = re.compile(r"learner\b[^\n]*?(?:(\d+)\s*(?:torch\s+)?threads?\b|threads?\s*[=:]\s*(\d+))", re.I)
 
 
-def _threads_in(obj: Any, under_learner: bool = False) -> int | None:
-    """`threads` of a mapping found under a key named learner, or naming the learner as a value (a resource
-    plan), anywhere in `obj`."""
-    if isinstance(obj, dict):
-        named = any(isinstance(v, str) and v == "learner" for v in obj.values())  # {"role": "learner", ...}
-        if (under_learner or named) and isinstance(obj.get("threads"), int):
-            return obj["threads"]
-        for k, v in obj.items():
-            found = _threads_in(v, str(k).lower() == "learner")
-            if found is not None:
-                return found
-    elif isinstance(obj, list):
-        for v in obj:
-            found = _threads_in(v, False)
-            if found is not None:
-                return found
-    return None
-
-
 def pipeline_threads(run_dir: Path, up_log: str) -> tuple[int | None, str]:
     """(torch threads of the pipeline's learner, where that came from) or (None, 'unknown')."""
     cfg = art.read_config(run_dir) or {}
     sets = [s for s in (cfg.get("up") or {}).get("learner") or [] if isinstance(s, str) and s.startswith("threads=")]
     if sets:
         return int(sets[-1].split("=", 1)[1]), "config.json: up.learner threads="
-    planned = _threads_in({k: v for k, v in cfg.items() if k != "up"})
-    if planned is not None:
-        return planned, "config.json: resource plan"
+    planned = (cfg.get("plan") or {}).get("learner_threads")
+    if isinstance(planned, int):
+        return planned, "config.json: plan.learner_threads"
     for line in up_log.splitlines():
         m = _PLAN_LINE.search(line)
         if m:

@@ -275,7 +275,8 @@ def run(cfg: UpConfig) -> int:
         init = warm_start(cfg)
         print("[3/4] starting the roles: metrics app, learner, agents" + (", evaluator" if cfg.plan().eval else "")
               + (", dashboard" if cfg.dashboard else "") + ", simulator", flush=True)
-        tap = open_tap(bootstrap, cfg.run, str(run_dir), config={"up": asdict(cfg), "init": str(init)})
+        tap = open_tap(bootstrap, cfg.run, str(run_dir), config={"up": asdict(cfg), "init": str(init),
+                                                                    "plan": asdict(cfg.plan()), "admission": asdict(adm)})
         tap_thread = threading.Thread(target=tap.run, name="tap", daemon=True)
         tap_thread.start()
         plan = roles(cfg, bootstrap, run_dir, init)

@@ -61,8 +61,7 @@ def test_thread_count_of_the_pipelines_learner(tmp_path):
         return tmp_path
 
     assert bp.pipeline_threads(with_config({"up": {"learner": ["threads=3", "lr=1"]}}), "")[0] == 3
-    assert bp.pipeline_threads(with_config({"up": {}, "plan": {"learner": {"threads": 1}}}), "")[0] == 1
-    assert bp.pipeline_threads(with_config({"up": {}, "plan": [{"role": "learner", "threads": 2}]}), "")[0] == 2
-    assert bp.pipeline_threads(with_config({"up": {}}), "plan: learner 2 threads (nice 0), agents 1 thread\n") == (
-        2, "sao up output: plan: learner 2 threads (nice 0), agents 1 thread")
+    assert bp.pipeline_threads(with_config({"up": {}, "plan": {"learner_threads": 1}}), "")[0] == 1
+    line = "resource plan for 2 cores: learner 2 thread(s), 1 agent(s) x 1 thread(s)"
+    assert bp.pipeline_threads(with_config({"up": {}}), line + "\n") == (2, "sao up output: " + line)
     assert bp.pipeline_threads(with_config({"up": {}}), "run x: 2 agents, loss sao") == (None, "unknown")
