@@ -73,10 +73,14 @@ class OptimConfig:
 
 @dataclass
 class ValueConfig:
-    warmup_steps: int = 0  # critic-only steps before the first policy update
-    value_clip: float | None = 0.2  # clipped value loss; None disables the clip
+    # critic-only steps before the first policy update: the head starts at random, and advantages from it would
+    # move the policy in random directions (the first policy step's loss was -0.54 without it)
+    warmup_steps: int = 5
+    # clipped value loss. The old values come from the same critic weights in `prepare`, so the clip binds only
+    # from the second update on one batch (optim.updates_per_batch > 1); off by default, where it cannot bind
+    value_clip: float | None = None
     agg: str = "token_mean"
-    rewarm_steps: int = 0  # critic-only steps after a value-loss spike (0: never re-warm)
+    rewarm_steps: int = 2  # critic-only steps after a value-loss spike, e.g. a drift the critic has not seen
     spike_factor: float = 3.0  # a spike: value loss > spike_factor x its running mean
     spike_ema: float = 0.9  # decay of that running mean
 

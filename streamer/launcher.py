@@ -37,6 +37,7 @@ class UpConfig:
     agents: int = 0  # 0: from the resource plan (one per core the learner leaves, 1 on 2 cores)
     group_size: int = 1  # >1 for the GRPO family (set advantage.estimator too)
     loss: str = "sao"
+    seed: int = -1  # >= 0: the task stream's, the learner's and the agents' seeds (-1: the scenario's and defaults)
     batch: int = 64  # trajectories per learner batch (batch.max_trajectories); agents generate one per version
     staleness: int = 2  # versions a trajectory may lag the learner: learner max_staleness and agent admission
     sync: bool = False
@@ -98,6 +99,7 @@ def parse_args(argv: list[str]) -> UpConfig:
     p.add_argument("--agents", type=int, default=d.agents, help="agent processes (0: from the resource plan)")
     p.add_argument("--group-size", type=int, default=d.group_size)
     p.add_argument("--loss", default=d.loss, help="policy loss: sao, ppo, dual_clip, dapo, gspo, cispo, decoupled_ppo")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the task stream, learner and agents")
     p.add_argument("--batch", type=int, default=d.batch, help="trajectories per learner batch (one per version)")
     p.add_argument("--staleness", type=int, default=d.staleness,
                    help="versions a trajectory may lag the learner; agents are admitted to stay within it")
@@ -159,7 +161,7 @@ def roles(cfg: UpConfig, bootstrap: str, run_dir: Path, init: Path) -> list[Role
     learner = ["learn", *common, "--init", str(init), "--weights-dir", weights, "--run-dir", str(run_dir),
                "--checkpoint-dir", str(run_dir / "checkpoints"), "--loss", cfg.loss,
                f"threads={plan.learner_threads}", f"batch.max_staleness={cfg.staleness}",
-               f"batch.max_trajectories={cfg.batch}", f"batch.tokens={cfg.batch * TOKENS_PER_TRAJECTORY}", *cfg.learner]
+               f"batch.max_trajectories={cfg.batch}", f"batch.tokens={cfg.batch * TOKENS_PER_TRAJECTORY}", *seeded(cfg, 0), *cfg.learner]
     if cfg.sync:
         learner += ["--sync", f"batch.sync_batch={cfg.sync_batch}"]
     out = [Role("metrics", ["metrics", *common], **side),
@@ -168,7 +170,8 @@ def roles(cfg: UpConfig, bootstrap: str, run_dir: Path, init: Path) -> list[Role
         agent = ["agent", *common, "--model", str(init), "--weights-dir", weights, "--group-size",
                  str(cfg.group_size), "--status-file", str(run_dir / f"agent-{i}.json")]
         for kv in (f"threads={plan.agent_threads}", f"concurrency={adm.concurrency}",
-                   f"tasks_per_version={adm.tasks_per_version}", f"versions_ahead={adm.versions_ahead}", *cfg.agent):
+                   f"tasks_per_version={adm.tasks_per_version}", f"versions_ahead={adm.versions_ahead}",
+                   *seeded(cfg, 1 + i), *cfg.agent):
             agent += ["--set", kv]
         out.append(Role(f"agent-{i}", agent, env=thread_env(plan.agent_threads), nice=AGENT_NICE))
     if plan.eval:
@@ -179,12 +182,19 @@ def roles(cfg: UpConfig, bootstrap: str, run_dir: Path, init: Path) -> list[Role
         out.append(Role("dashboard", ["dashboard", "--runs", cfg.runs_dir, "--port", str(cfg.dashboard_port),
                                       *common], required=False, **side))
     simulate = ["simulate", "--scenario", cfg.scenario, *common, "--max-lag", str(max_lag(cfg, plan, adm))]
+    if cfg.seed >= 0:
+        simulate += ["--seed", str(cfg.seed)]
     if cfg.limit:
         simulate += ["--limit", str(cfg.limit)]
     if cfg.realtime:
         simulate.append("--realtime")
     out.append(Role("simulator", simulate, **side))
     return out
+
+
+def seeded(cfg: UpConfig, offset: int) -> list[str]:
+    """`seed=` for a role when --seed is given: each role its own stream of random numbers."""
+    return [f"seed={1000 * cfg.seed + offset}"] if cfg.seed >= 0 else []
 
 
 def max_lag(cfg: UpConfig, plan: ResourcePlan, adm: Admission) -> int:
