@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from learner.algorithms import AGGS, GROUP_ESTIMATORS, POLICY_LOSSES
+from learner.algorithms import AGGS, GROUP_ESTIMATORS, KL_TYPES, POLICY_LOSSES
 from learner.models.config import ModelConfig
 from streamer.config import ConfigError
 
@@ -30,6 +30,10 @@ class LossConfig:
     clip_c: float = 3.0  # dual_clip only
     behav_cap: float = 5.0  # decoupled_ppo only: tokens with pi_prox/mu above it are dropped
     agg: str | None = None  # token_mean, seq_mean_token_mean, seq_mean_token_sum; None: the loss's default
+    # KL penalty to the frozen initial policy (io.init), verl's use_kl_loss: loss += kl_coef · agg(kl_type per
+    # token). 0: off (no reference model is built). k1 = log pi - log ref; k3 = verl's low_var_kl
+    kl_coef: float = 0.0
+    kl_type: str = "k3"
 
     def params(self) -> dict[str, float | str]:
         """Keyword parameters for `policy_loss(name, ...)`: only those this loss takes."""
@@ -169,6 +173,13 @@ def _validate(c: LearnerConfig) -> None:
         _fail("loss.eps_low", f"{c.loss.eps_low} > 1 would allow negative ratios; use <= 1")
     if c.loss.clip_c <= 1.0:
         _fail("loss.clip_c", f"{c.loss.clip_c} must be > 1 (dual clip caps r at clip_c for A < 0)")
+    if not (c.loss.kl_coef >= 0.0 and c.loss.kl_coef != float("inf")):
+        _fail("loss.kl_coef", f"{c.loss.kl_coef} must be finite and >= 0 (0: no KL penalty)")
+    if c.loss.kl_type not in KL_TYPES:
+        _fail("loss.kl_type", f"'{c.loss.kl_type}' unknown; choose one of {', '.join(KL_TYPES)}")
+    if c.loss.kl_coef > 0 and c.backend.name == "megatron":
+        _fail("loss.kl_coef", "the KL penalty to a reference policy is not supported on the megatron backend yet; "
+                              "set loss.kl_coef=0 or backend.name=torch")
     for name, agg in (("loss.agg", c.loss.agg), ("value.agg", c.value.agg)):
         if agg is not None and agg not in AGGS:
             _fail(name, f"'{agg}' is not an aggregation; choose one of {', '.join(AGGS)}")

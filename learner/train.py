@@ -15,6 +15,7 @@ torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...: torchrun itself, the
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import logging
@@ -78,7 +79,16 @@ def build_models(cfg: LearnerConfig):
         value.train()
     if cfg.backend.name == "megatron":
         return build_megatron_models(cfg, policy, value)
-    return build_optimizers(cfg, policy, value)
+    models = build_optimizers(cfg, policy, value)
+    if cfg.loss.kl_coef > 0:  # the KL penalty's frozen reference: the initial policy (io.init), never checkpointed
+        models.reference = frozen_copy(policy)
+    return models
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    ref = copy.deepcopy(model).eval()
+    ref.requires_grad_(False)
+    return ref
 
 
 def build_megatron_models(cfg: LearnerConfig, policy, value):

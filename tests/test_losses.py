@@ -197,3 +197,36 @@ def test_value_loss_clipped():
     # no clip: 0.5·(1 + 0.36)/2 = 0.34
     loss, _ = value_loss(v, old, ret, torch.ones(1, 2), clip=None)
     assert float(loss.detach()) == pytest.approx(0.34)
+
+
+# ---------------------------------------------------------------------- KL penalty to the reference policy
+
+def test_kl_penalty_hand_numbers_gradient_and_padding():
+    from learner.algorithms import kl_penalty
+
+    # log pi - log ref = [0, 1, -1] on the trained tokens; the fourth is padding holding an inf
+    lp = torch.tensor([[0.0, -1.0, -2.0, 0.0]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[0.0, -2.0, -1.0, -math.inf]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0]])
+    assert kl_penalty(lp, ref, mask, "k1").tolist() == [[0.0, 1.0, -1.0, 0.0]]
+    # k3 = exp(ref - pi) - (ref - pi) - 1: d = 0 -> 0; d = -1 -> e^-1; d = +1 -> e - 2
+    k3 = kl_penalty(lp, ref, mask, "k3")
+    assert k3[0].tolist() == pytest.approx([0.0, math.exp(-1), math.e - 2, 0.0])
+    # d k3 / d log pi = 1 - exp(ref - pi); nothing flows into padding, no NaN from its inf
+    k3.sum().backward()
+    assert lp.grad[0].tolist() == pytest.approx([0.0, 1 - math.exp(-1), 1 - math.e, 0.0])
+    # the token-mean of k3 over the 3 trained tokens
+    assert float(aggregate(k3.detach(), mask, "token_mean")) == pytest.approx((math.exp(-1) + math.e - 2) / 3)
+
+
+def test_kl_penalty_k3_is_clamped_like_verl():
+    from learner.algorithms import kl_penalty
+
+    lp = torch.tensor([[0.0, 0.0, 0.0]], dtype=torch.float64)
+    ref = torch.tensor([[30.0, -30.0, 2.5]], dtype=torch.float64)  # d = 30, -30 (capped at +-20), 2.5
+    out = kl_penalty(lp, ref, torch.ones_like(lp), "k3")[0].tolist()
+    # exp(20) - 21 and exp(-20) + 19 both exceed 10: capped; exp(2.5) - 3.5 = 8.68 is not
+    assert out == pytest.approx([10.0, 10.0, math.exp(2.5) - 3.5])
+    assert kl_penalty(lp, ref, torch.ones_like(lp), "k1")[0].tolist() == [-30.0, 30.0, -2.5]  # k1: no clamp
+    with pytest.raises(ValueError, match="k2"):
+        kl_penalty(lp, ref, torch.ones_like(lp), "k2")

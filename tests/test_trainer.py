@@ -324,9 +324,12 @@ def test_value_warmup_is_critic_only(tmp_path, policy0):
 @pytest.mark.parametrize("override, field", [
     ("loss.name=grpo", "loss.name"), ("batch.tokens=0", "batch.tokens"), ("advantage.lam_actor=1.5", "lam_actor"),
     ("loss.agg=mean", "loss.agg"), ("advantage.estimator=rloo", "group_size"),
+    ("loss.kl_coef=-0.1", "loss.kl_coef"), ("loss.kl_coef=inf", "loss.kl_coef"), ("loss.kl_type=k2", "loss.kl_type"),
+    ("backend.name=megatron", "loss.kl_coef"),
 ])
 def test_config_errors_name_the_field(tmp_path, override, field):
     extra = ["advantage.group_size=1"] if "rloo" in override else []
+    extra += ["loss.kl_coef=0.1"] if "megatron" in override else []
     with pytest.raises(ConfigError, match=field):
         make_cfg(tmp_path, override, *extra)
 
@@ -403,3 +406,48 @@ def test_trainer_skips_a_step_whose_loss_overflows(tmp_path, policy0):
     assert not events[2].skipped
     assert all(torch.isfinite(p).all() for p in trainer.models.value.parameters())
     assert not torch.equal(trainer.models.policy.lm_head.weight, after_first[0]["lm_head.weight"])
+
+
+# ---------------------------------------------------------------------- KL penalty to the initial policy
+
+def test_kl_penalty_to_the_initial_policy(tmp_path, policy0):
+    trajs = synthetic_trajectories(policy0, 24)
+    # off by default: no reference model, no metric
+    cfg0 = make_cfg(tmp_path, "batch.max_trajectories=4", "batch.tokens=100000", "value.warmup_steps=0")
+    t0, ev0 = make_trainer(cfg0, file_source(tmp_path, trajs[:4], "off.jsonl"))
+    assert t0.models.reference is None
+    t0.run()
+    assert "learner/kl_ref" not in ev0[0].metrics
+    # on: a frozen copy of the initial policy; 0 at the first step (policy == reference), > 0 once it moved
+    cfg = make_cfg(tmp_path, "batch.max_trajectories=4", "batch.tokens=100000", "value.warmup_steps=0",
+                   "optim.lr=0.01", "loss.kl_coef=0.5", "checkpoint.every=3")
+    trainer, events = make_trainer(cfg, file_source(tmp_path, trajs))
+    ref = trainer.models.reference
+    assert ref is not None and not ref.training and not any(p.requires_grad for p in ref.parameters())
+    p0 = _params(trainer.models.policy)
+    trainer.run()
+    kl = [e.metrics["learner/kl_ref"] for e in events]
+    assert len(kl) == 6 and not any(e.skipped for e in events), kl
+    assert kl[0] == pytest.approx(0.0, abs=1e-7) and all(k > 0 for k in kl[2:]), kl
+    assert all(math.isfinite(e.metrics["learner/policy_loss"]) for e in events)
+    assert all(torch.equal(v, p0[k]) for k, v in ref.state_dict().items())  # the reference never trains
+    assert not torch.equal(trainer.models.policy.lm_head.weight, p0["lm_head.weight"])
+    # resume: the policy comes from the checkpoint, the reference is still the initial policy
+    b, _ = make_trainer(cfg, file_source(tmp_path, trajs))
+    assert b.resume() and b.step == 6
+    assert all(torch.equal(v, p0[k]) for k, v in b.models.reference.state_dict().items())
+    sa, sb = trainer.models.policy.state_dict(), b.models.policy.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("loss", ["sao", "ppo", "dual_clip", "dapo", "gspo", "cispo", "decoupled_ppo"])
+@pytest.mark.parametrize("kind", ["k1", "k3"])
+def test_every_loss_takes_the_kl_penalty(tmp_path, policy0, loss, kind):
+    cfg = make_cfg(tmp_path, f"loss.name={loss}", f"loss.kl_type={kind}", "loss.kl_coef=0.1", "value.warmup_steps=0",
+                   "optim.updates_per_batch=2", "batch.max_trajectories=6", "batch.tokens=100000")
+    trainer, events = make_trainer(cfg, file_source(tmp_path, synthetic_trajectories(policy0, 6)))
+    trainer.run()
+    m = events[0].metrics
+    assert len(events) == 1 and not events[0].skipped
+    assert math.isfinite(m["learner/policy_loss"]) and math.isfinite(m["learner/kl_ref"])
+    assert m["learner/kl_ref"] != 0.0  # the second update moved the policy away from the reference

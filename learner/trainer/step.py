@@ -13,6 +13,10 @@ Over several ranks (`shard`, see learner.trainer.ranks) the references are compu
 batch, each rank back-propagates its own rows weighted against the whole batch's token count, and
 metrics, gradients and the clip are reduced over the ranks before the finite check, so every rank
 takes the same decision.
+
+With `loss.kl_coef > 0` the policy loss also carries kl_coef · agg(kl_penalty(pi, ref)), a KL penalty to
+the frozen initial policy (`Models.reference`, verl's use_kl_loss), aggregated and micro-batch weighted
+like the policy loss; `kl_ref` reports its masked per-token mean.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from learner.algorithms import group_advantages, loss_params, place_reward, policy_loss, sao_advantages, value_loss
+from learner.algorithms import (aggregate, group_advantages, kl_penalty, loss_params, place_reward, policy_loss,
+                                sao_advantages, value_loss)
 from learner.algorithms.masked import masked_mean
 from learner.config import LearnerConfig
 from learner.models.scoring import logprobs_and_entropy, token_logprobs, values
@@ -37,6 +42,7 @@ class Models:
     value: torch.nn.Module | None = None
     value_opt: torch.optim.Optimizer | None = None
     learner: object | None = None  # the MegatronLearner behind policy/value (backend megatron), else None
+    reference: torch.nn.Module | None = None  # frozen initial policy for the KL penalty (loss.kl_coef > 0), else None
 
 
 def build_optimizers(cfg: LearnerConfig, policy: torch.nn.Module, value: torch.nn.Module | None) -> Models:
@@ -81,6 +87,11 @@ def prepare(cfg: LearnerConfig, models: Models, batch: Batch) -> dict[str, torch
     if cfg.loss.name == "decoupled_ppo":  # AReaL's proximal policy: the learner's weights before this update
         out["prox_logp"] = torch.cat([token_logprobs(models.policy, b.input_ids, b.attention_mask, b.temperature)
                                       for b in (batch.rows(i, j) for i, j in _micro(batch, cfg.batch.micro_batch))])
+    if cfg.loss.kl_coef > 0:  # the frozen reference policy, at each trajectory's sampling temperature
+        if models.reference is None:
+            raise ValueError("loss.kl_coef > 0 needs Models.reference (build the models with learner.train.build_models)")
+        out["ref_logp"] = torch.cat([token_logprobs(models.reference, b.input_ids, b.attention_mask, b.temperature)
+                                     for b in (batch.rows(i, j) for i, j in _micro(batch, cfg.batch.micro_batch))])
     return out
 
 
@@ -123,6 +134,11 @@ def policy_backward(cfg: LearnerConfig, models: Models, batch: Batch, ref: dict,
         logp, ent = logprobs_and_entropy(models.policy, mb.input_ids, mb.attention_mask, mb.temperature)
         extra = {"prox_logp": ref["prox_logp"][i:j]} if "prox_logp" in ref else {}
         loss, m = policy_loss(cfg.loss.name, logp, mb.old_logp, ref["advantages"][i:j], mask, **params, **extra)
+        if "ref_logp" in ref:
+            kl = kl_penalty(logp, ref["ref_logp"][i:j], mask, cfg.loss.kl_type)
+            loss = loss + cfg.loss.kl_coef * aggregate(kl, mask, agg)
+            m["loss"] = float(loss.detach())
+            m["kl_ref"] = float(masked_mean(kl.detach(), mask))
         (loss * w).backward()
         m["entropy"] = float(masked_mean(ent.detach(), mask))
         _accumulate(total, m, w, not mask.any())
