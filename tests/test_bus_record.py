@@ -18,7 +18,7 @@ pytestmark = pytest.mark.kafka
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
 def test_record_taps_the_stream_in_order_with_drift_events(kafka_run, bootstrap, tmp_path, suffix):
-    # 1,510 tasks of the default scenario: its first phase lasts 1,500 tasks, so one drift event is in
+    # 1,510 tasks of the default scenario: its first phase lasts 1,000 tasks, so one drift event is in
     assert simulate(["--bootstrap", bootstrap, "--run", kafka_run, "--limit", "1510", "--seed", "2"]) == 0
     out = tmp_path / f"tap{suffix}"
     assert record(["--bootstrap", bootstrap, "--run", kafka_run, "--out", str(out), "--limit", "1510",
