@@ -3,7 +3,7 @@ CPU minutes, a clear drop after each drift of the default scenario, yet 2-60% sa
 after each drift (so RL has signal to recover from). Prints all three per drift and saves
 runs/bench/pretrain.json.
 
-    python bench/pretrain.py [--steps 1500] [--n 256] [--force] [key=value ...]
+    python bench/pretrain.py [--n 256] [--force] [--policy DIR] [key=value ...]
 """
 
 from __future__ import annotations
@@ -14,10 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from learner.models import load_policy
-from learner.pretrain import PretrainConfig, evaluate, pretrain
+from learner.pretrain import PretrainConfig, Threads, evaluate, pretrain
 from simulator.generator import generate
 from simulator.scenario import load_scenario
 from streamer.config import load_config
@@ -65,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", help="evaluate this warm-start directory (made by sao pretrain) instead of training")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="PretrainConfig fields")
     args = p.parse_args(argv)
-    cfg = load_config(PretrainConfig, None, args.overrides)
-    torch.set_num_threads(cfg.threads)
+    cfg = load_config(PretrainConfig, None, args.overrides, base={"eval_every": 100})  # the curve: time to 90%
+    Threads(cfg.threads).check(0)
     t = time.perf_counter()
     path = Path(args.policy) if args.policy else pretrain(cfg, force=args.force, log=lambda s: print(s, flush=True))
     meta = json.loads((path / "pretrain.json").read_text())
