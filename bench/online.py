@@ -40,8 +40,9 @@ from streamer.settings import AgentSettings  # noqa: E402
 
 
 def online_run(init: str, scenario: str, learner_sets: list[str], agent_sets: list[str], batch: int = 64,
-               lag: int = 1, seed: int = 0, threads: int = 2, log=print) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(one row per trajectory, one row per learner step)."""
+               lag: int = 1, seed: int = 0, threads: int = 2, limit: int | None = None,
+               log=print) -> tuple[pd.DataFrame, pd.DataFrame, list[dict]]:
+    """(one row per trajectory, one row per learner step, the drift events); `limit`: the first tasks only."""
     torch.set_num_threads(threads)
     cfg = load_config(LearnerConfig, None, [f"io.init={init}", f"seed={seed}", *learner_sets])
     agent = load_config(AgentSettings, None, [f"concurrency={batch}", f"seed={seed}", *agent_sets])
@@ -50,7 +51,7 @@ def online_run(init: str, scenario: str, learner_sets: list[str], agent_sets: li
     tok = CharTokenizer()
     engine = make_engine("torch", copy.deepcopy(models.policy), tok)
     history = deque([copy.deepcopy(models.policy.state_dict())], maxlen=lag + 1)
-    stream = list(generate(load_scenario(resolve_path(scenario)), seed=seed, t0=0.0))
+    stream = list(generate(load_scenario(resolve_path(scenario)), seed=seed, t0=0.0, limit=limit))
     tasks = [t for t in stream if isinstance(t, Task)]
     rows, steps, t0 = [], [], time.monotonic()
     for i in range(0, len(tasks), batch):
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         keep = [k for k in ("step", "learner/policy_loss", "learner/value_loss", "learner/clip_frac",
-                            "learner/explained_var", "learner/entropy", "learner/kl_k3") if k in steps]
+                            "learner/explained_variance", "learner/entropy", "learner/kl_k3") if k in steps]
         Path(a.out + ".json").write_text(json.dumps({
             "args": vars(a), "wall_s": round(time.monotonic() - t0, 1), "by_phase": table.to_dict("records"),
             "recoveries": rec.to_dict("records"),

@@ -32,7 +32,10 @@ class LossConfig:
     agg: str | None = None  # token_mean, seq_mean_token_mean, seq_mean_token_sum; None: the loss's default
     # KL penalty to the frozen initial policy (io.init), verl's use_kl_loss: loss += kl_coef · agg(kl_type per
     # token). 0: off (no reference model is built). k1 = log pi - log ref; k3 = verl's low_var_kl
-    kl_coef: float = 0.0
+    # 0.1 by default: RL on a stationary stream sharpens the policy onto the concepts it is rewarded for, until a
+    # drifted concept can no longer be sampled (no signal) and negative advantages push mass into garbage (the
+    # lr-2e-4 collapse); the anchor keeps the warm start's alternatives alive (bench/online.py, docs/bench/)
+    kl_coef: float = 0.1
     kl_type: str = "k3"
 
     def params(self) -> dict[str, float | str]:
@@ -65,9 +68,10 @@ class AdvantageConfig:
 
 @dataclass
 class OptimConfig:
-    # policy AdamW. 5e-5: on the benchmark's stationary first phase at staleness <= 4, 3e-4 rose to 0.885 reward
-    # then fell to 0.415 within 70 steps; 5e-5 rose to 0.925 (bench/lr_probe.py, docs/bench/components/lr_probe.json)
-    lr: float = 5e-5
+    # policy AdamW. 2e-4 with the KL anchor (loss.kl_coef): recovers 3 of the default scenario's 4 drifts within their
+    # phase in bench/online.py where 5e-5 recovered none; without the anchor 2e-4 sharpened the policy onto the old
+    # concepts (parens 0.05 after the drift) and, with 2 updates per batch at staleness 2, collapsed (docs/bench/)
+    lr: float = 2e-4
     value_lr: float = 1e-3  # value-model AdamW
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)

@@ -26,10 +26,10 @@ from streamer.weights import WeightStore
 
 REPO = Path(__file__).resolve().parents[1]
 # megatron-core refuses top-1 routing with renormalised gates: the tiny model with 4 experts, top-2
-MODEL = TINY_OVERRIDES + ["model.num_experts=4", "model.experts_per_token=2"]
+MODEL = TINY_OVERRIDES + ["model.num_experts=4", "model.experts_per_token=2", "loss.kl_coef=0"]  # KL: torch only
 # 21 trajectories, batches of 7 (odd: rank 1 gets a padding row) in micro-batches of 2
 TRAIN = MODEL + ["threads=1", "batch.max_trajectories=7", "batch.tokens=100000", "batch.micro_batch=2",
-                 "checkpoint.every=1"]
+                 "checkpoint.every=1", "value.warmup_steps=0"]  # policy updates from the first step
 LR = LearnerConfig().optim.lr  # the policy AdamW rate
 
 
@@ -57,7 +57,7 @@ def test_backend_config_and_flags():
     with pytest.raises(ConfigError, match="need the megatron backend"):
         load_config(LearnerConfig, None, ["backend.expert_parallel=2"])
     with pytest.raises(ConfigError, match="model.experts_per_token: 1 with model.norm_topk_prob"):
-        load_config(LearnerConfig, None, TINY_OVERRIDES + ["backend.name=megatron"])
+        load_config(LearnerConfig, None, TINY_OVERRIDES + ["backend.name=megatron", "loss.kl_coef=0"])
 
 
 def test_nproc_reexecutes_under_torchrun_and_needs_megatron(capsys):
