@@ -1,7 +1,7 @@
 """Ablation of SAO's value-model designs on the default scenario's first drift (format and string rule).
 
 Runs `bench/online.py`'s in-process loop (real engine, environments, learner step; sampling one step behind)
-on the first 3,400 tasks of the default scenario (phase 0 and the rule-and-format drift) for: the defaults
+on the first 5,400 tasks of the default scenario (phase 0 and the rule-and-format drift) for: the defaults
 (5 critic-only warm-up steps, fixed λ_actor 0.95), no critic warm-up, the length-adaptive λ (α 0.05, which gives
 λ = 0 for answers of 20 tokens or fewer, most of this project's), and λ_actor 1 (Monte-Carlo advantages).
 Writes JSON (per configuration: reward of the new concepts by position, recoveries, first-step policy loss) and
@@ -28,7 +28,7 @@ CONFIGS = {
     "adaptive λ (α 0.05)": ["advantage.adaptive_alpha=0.05"],
     "λ_actor 1.0": ["advantage.lam_actor=1.0"],
 }
-TASKS = 3400  # phase 0 (1,000) and the rule-and-format phase (2,400) of the default scenario
+TASKS = 5400  # phase 0 (1,400) and the rule-and-format phase (4,000) of the default scenario
 NEW = {"format": "parens", "string": "sort"}
 
 

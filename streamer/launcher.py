@@ -214,9 +214,10 @@ def progress_line(t0: float, tap) -> str:
     learner = f"step {ev.step} v{ev.version}" if ev else "step -"
     reward = tap.mean_reward
     reward_txt = "-" if math.isnan(reward) else f"{reward:.3f}"
+    concepts = " ".join(f"{k} {v:.2f}" for k, v in tap.concept_means().items())
     return (f"[{time.monotonic() - t0:6.0f}s] tasks {tap.tasks} answered {len(tap.task_ids)} "
             f"reward(last {tap.recent_rewards.maxlen}) {reward_txt} learner {learner} drifts {tap.drifts} "
-            f"dlq {tap.consumer.dead_letters}")
+            f"dlq {tap.consumer.dead_letters} | last 64 per newest concept: {concepts}")
 
 
 def finished(cfg: UpConfig, sup: Supervisor, simulator: Role, tap, t0: float, last_new: list[float]) -> str | None:

@@ -34,6 +34,8 @@ class Tap:
         self.task_ids: set[str] = set()  # tasks answered (de-duplicated)
         self.trajectories = 0
         self.recent_rewards: deque[float] = deque(maxlen=window)
+        self.concept_rewards: dict[tuple[str, str], deque[float]] = {}  # (family, concept) -> last 64 rewards
+        self.latest_concept: dict[str, str] = {}  # family -> the concept of its newest trajectory
         self.drifts = 0
         self.learner: LearnerEvent | None = None
         self._stop = threading.Event()
@@ -44,6 +46,8 @@ class Tap:
             self.trajectories += 1
             self.task_ids.add(msg.task_id)
             self.recent_rewards.append(msg.reward)
+            self.concept_rewards.setdefault((msg.family, msg.concept), deque(maxlen=64)).append(msg.reward)
+            self.latest_concept[msg.family] = msg.concept
         elif isinstance(msg, Task):
             self.tasks += 1
         elif isinstance(msg, DriftEvent):
@@ -66,6 +70,14 @@ class Tap:
     @property
     def mean_reward(self) -> float:
         return sum(self.recent_rewards) / len(self.recent_rewards) if self.recent_rewards else float("nan")
+
+    def concept_means(self) -> dict[str, float]:
+        """'family/concept' -> mean reward of its last 64 trajectories, for each family's newest concept."""
+        out = {}
+        for fam, con in sorted(self.latest_concept.items()):
+            r = self.concept_rewards[(fam, con)]
+            out[f"{fam}/{con}"] = sum(r) / len(r)
+        return out
 
 
 def open_tap(bootstrap: str | None, run: str, run_dir: str, config: dict | None = None) -> Tap:

@@ -69,3 +69,20 @@ def test_up_refuses_overrides_that_would_break_the_pacing(capsys):
     assert "--staleness" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse_args(["--agent-set", "versions_ahead=3"])
+
+
+def test_progress_shows_the_newest_concept_of_each_family(tmp_path):
+    from streamer.artifacts import RunWriter
+    from streamer.schema import Trajectory
+    from streamer.tap import Tap
+
+    def traj(i, family, concept, reward):
+        return Trajectory(traj_id=f"t{i}", task_id=f"t{i}", family=family, concept=concept, phase=0, tokens=[1, 2],
+                          loss_mask=[0, 1], logprobs=[0.0, -0.1], reward=reward, prompt_len=1)
+
+    tap = Tap(consumer=None, writer=RunWriter(tmp_path))
+    for i, (fam, con, r) in enumerate([("format", "brackets", 1.0), ("format", "parens", 0.0),
+                                       ("format", "parens", 1.0), ("string", "sort", 0.0)]):
+        tap.handle(traj(i, fam, con, r))
+    assert tap.concept_means() == {"format/parens": 0.5, "string/sort": 0.0}  # brackets is no longer newest
+    tap.writer.close()
