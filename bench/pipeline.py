@@ -289,9 +289,10 @@ def report(result: dict[str, Any]) -> None:
           f"({p['steps_counted']} policy steps counted) vs {num(iso['tokens_per_s'], '{:,.0f}')} isolated "
           f"({iso['threads']} thread(s)): ratio {num(f['tokens_per_s_ratio'])} (goal >= {GOAL_TOKENS_RATIO}: "
           f"{'met' if g['tokens_per_s_ratio']['met'] else 'NOT met'})")
-    print(f"trained / generated: {num(f['trained_fraction'])} of {p['trajectories_generated']} trajectories "
+    print(f"trained / generated: {num(f['trained_fraction'], '{:.4f}')} ({p['trajectories_trained']} of "
+          f"{p['trajectories_generated']} trajectories) "
           f"(goal >= {GOAL_TRAINED}: {'met' if g['trained_fraction']['met'] else 'NOT met'}); rows with a "
-          f"learner_step: {num(p['trained_rows_fraction'])}")
+          f"learner_step: {num(p['trained_rows_fraction'], '{:.4f}')}")
     print(f"learner steps per 1,000 trajectories: {num(f['learner_steps_per_1000_trajectories'])} "
           f"({num(f['policy_steps_per_1000_trajectories'])} policy steps); learner busy share "
           f"{num(f['learner_busy_share'])}; {p['learner_steps']} steps; stopped: {result['stopped']}")

@@ -3,7 +3,7 @@
 Runs `bench/online.py`'s in-process loop (real engine, environments, learner step; sampling one step behind)
 on the first 5,400 tasks of the default scenario (phase 0 and the rule-and-format drift) for: the defaults
 (5 critic-only warm-up steps, fixed λ_actor 0.95), no critic warm-up, the length-adaptive λ (α 0.05, which gives
-λ = 0 for answers of 20 tokens or fewer, most of this project's), and λ_actor 1 (Monte-Carlo advantages).
+λ = 0 for answers of 20 tokens or fewer, most of this project's).
 Writes JSON (per configuration: reward of the new concepts by position, recoveries, first-step policy loss) and
 a PNG.
 
@@ -26,7 +26,6 @@ CONFIGS = {
     "default (warm-up 5, λ 0.95)": [],
     "no critic warm-up": ["value.warmup_steps=0", "value.rewarm_steps=0"],
     "adaptive λ (α 0.05)": ["advantage.adaptive_alpha=0.05"],
-    "λ_actor 1.0": ["advantage.lam_actor=1.0"],
 }
 TASKS = 5400  # phase 0 (1,400) and the rule-and-format phase (4,000) of the default scenario
 NEW = {"format": "parens", "string": "sort"}
