@@ -143,6 +143,8 @@ def learner_cfg(args):
     from learner.config import LearnerConfig
 
     cfg = LearnerConfig()
+
+    cfg.loss.kl_coef = 0.0  # the KL anchor is torch-only (LearnerConfig refuses it on megatron)
     cfg.batch.micro_batch = args.batch  # one forward per model and rank, as the policy-step rows
     return cfg
 

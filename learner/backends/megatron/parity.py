@@ -186,6 +186,7 @@ def check_value_step(ep: int, out: dict) -> None:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = LearnerConfig()
+    cfg.loss.kl_coef = 0.0  # the KL anchor is torch-only (LearnerConfig refuses it on megatron)
     policy, value = _hf_models()
     batches = with_behaviour([batch_for(r, policy.config.vocab_size) for r in range(world)], policy)
     with torch.no_grad():
@@ -237,6 +238,7 @@ def check_trainer_step(ep: int, out: dict) -> None:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = LearnerConfig()
+    cfg.loss.kl_coef = 0.0  # the KL anchor is torch-only (LearnerConfig refuses it on megatron)
     policy, value = _hf_models()
     batches = with_behaviour([batch_for(r, policy.config.vocab_size) for r in range(world)], policy)
     mm, lrn = megatron_trainer_models(cfg, policy, value, MegatronOptions(expert_parallel=ep))
