@@ -32,10 +32,10 @@ def policy0():
 
 
 def make_cfg(tmp_path, *overrides: str) -> LearnerConfig:
-    """Policy updates from the first step (no critic warm-up) unless a test asks for it."""
+    """Policy updates from the first step (no critic warm-up) and no KL anchor, unless a test asks for them."""
     return load_config(LearnerConfig, None, TINY_OVERRIDES + [f"checkpoint.dir={tmp_path / 'ck'}", "threads=1",
                                                              "checkpoint.every=1000", "value.warmup_steps=0",
-                                                             "value.rewarm_steps=0", *overrides])
+                                                             "value.rewarm_steps=0", "loss.kl_coef=0", *overrides])
 
 
 def make_trainer(cfg, source, publisher=None):
