@@ -30,12 +30,13 @@ TIMEOUT_S = 600  # generous: the machine is shared; a normal run takes a few min
 # - value.warmup_steps=2: the first ~2 batches (~phase 0) train only the critic. A policy update
 #   on brackets-only data pushed the minority concept (parens) to ~0 before the drift, after which
 #   no sample succeeds and nothing can be learned (measured: reward 0.0 for 1,200 tasks);
-# - batch.tokens=1024 (~64 format trajectories), 2 gradient steps per batch (CALIBRATION.md) and
-#   lr 1e-4: at 3e-4 the first policy steps also pushed parens to 0 after the drift (no recovery).
-UP_ARGS = ["--scenario", "smoke", "--no-dashboard", "--no-eval", "--agents", "2", "--realtime",
-           "--pretrain", "steps=120", "--pretrain", "eval_every=0",
-           "--set", "threads=1", "--set", "batch.tokens=1024", "--set", "optim.updates_per_batch=2",
-           "--set", "value.warmup_steps=2", "--set", "optim.lr=1e-4", "--max-seconds", "400"]
+# - batches of 64 trajectories (--batch, ~1,000 tokens), 2 gradient steps per batch (CALIBRATION.md) and
+#   lr 1e-4: at 3e-4 the first policy steps also pushed parens to 0 after the drift (no recovery);
+# - --cores 2: the resource plan of the 2-core machine it was tuned on (learner 1 thread), whatever runs it.
+UP_ARGS = ["--scenario", "smoke", "--no-dashboard", "--no-eval", "--agents", "2", "--realtime", "--cores", "2",
+           "--pretrain", "steps=120", "--pretrain", "eval_every=0", "--batch", "64",
+           "--set", "optim.updates_per_batch=2", "--set", "value.warmup_steps=2", "--set", "optim.lr=1e-4",
+           "--max-seconds", "400"]
 
 
 def run_up(runs_dir: Path, run: str) -> Path:
