@@ -1,6 +1,6 @@
 """`sao up`: the whole pipeline on the embedded default, in one command.
 
-    sao up                                   # default scenario, 2 agents, SAO, dashboard on :8501
+    sao up                                   # default scenario, resource plan, SAO, dashboard on :8501
     sao up --scenario benchmark --agents 3 --loss ppo
     sao up --bootstrap kafka:9092 --no-dashboard --set batch.tokens=2048
 
@@ -24,8 +24,7 @@ from pathlib import Path
 
 from streamer.processes import Role, Supervisor
 from streamer.resources import (AGENT_NICE, SIDE_NICE, Admission, ResourcePlan, available_cores, check_pacing,
-                                paced_admission,
-                                plan_resources, thread_env)
+                                paced_admission, plan_resources, thread_env)
 
 
 @dataclass
