@@ -2,7 +2,7 @@
 
     sao up                                   # default scenario, resource plan, SAO, dashboard on :8501
     sao up --scenario benchmark --agents 3 --loss ppo
-    sao up --bootstrap kafka:9092 --no-dashboard --set batch.tokens=2048
+    sao up --bootstrap kafka:9092 --no-dashboard --batch 32 --staleness 4 --set optim.lr=1e-4
 
 Starts the embedded broker (unless --bootstrap), creates the run's topics, warms up the tiny
 policy (cached under runs/cache), then runs the metrics app, the learner, the agents, the
