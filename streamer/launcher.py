@@ -277,7 +277,8 @@ def run(cfg: UpConfig) -> int:
     reason = "interrupted (Ctrl-C or SIGTERM)"
     # A shell starts `nohup sao up ... &` with SIGINT ignored, and SIGTERM kills without cleanup: both
     # would leave the children running and no summary.json. Both stop the run the Ctrl-C way.
-    signal.signal(signal.SIGINT, _interrupt)
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}  # restored at the end:
+    signal.signal(signal.SIGINT, _interrupt)  # an ignored SIGINT would be inherited by later child processes
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         KafkaBus(bootstrap).create_topics(partitions_by_topic(cfg.run))
@@ -328,6 +329,8 @@ def run(cfg: UpConfig) -> int:
             close_tap(tap, summary=False)
         if broker is not None:
             broker.stop()
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
     summary = summarize(run_dir)
     summary["stopped"] = reason
     write_json(run_dir / "summary.json", summary)
