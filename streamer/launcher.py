@@ -61,10 +61,14 @@ class UpConfig:
     def plan(self) -> ResourcePlan:
         return plan_resources(self.cores or available_cores(), self.agents, self.eval)
 
+    def pacing(self) -> tuple[int, int]:
+        """(trajectories per learner batch, staleness bound): --sync trains one batch per version, none stale."""
+        return (self.sync_batch, 0) if self.sync else (self.batch, self.staleness)
+
     def admission(self) -> Admission:
         """Agent admission: paced by the learner's batch and staleness bound (sync: one batch per version)."""
         agents = self.plan().agents
-        batch, staleness = (self.sync_batch, 0) if self.sync else (self.batch, self.staleness)
+        batch, staleness = self.pacing()
         adm = paced_admission(staleness, batch, agents, self.group_size)
         check_pacing(adm, agents, self.group_size, batch, staleness)
         return adm
@@ -160,7 +164,8 @@ def roles(cfg: UpConfig, bootstrap: str, run_dir: Path, init: Path) -> list[Role
     learner = ["learn", *common, "--init", str(init), "--weights-dir", weights, "--run-dir", str(run_dir),
                "--checkpoint-dir", str(run_dir / "checkpoints"), "--loss", cfg.loss,
                f"threads={plan.learner_threads}", f"batch.max_staleness={cfg.staleness}",
-               f"batch.max_trajectories={cfg.batch}", f"batch.tokens={cfg.batch * TOKENS_PER_TRAJECTORY}", *seeded(cfg, 0), *cfg.learner]
+               f"batch.max_trajectories={cfg.batch}", f"batch.tokens={cfg.batch * TOKENS_PER_TRAJECTORY}",
+               *seeded(cfg, 0), *cfg.learner]
     if cfg.sync:
         learner += ["--sync", f"batch.sync_batch={cfg.sync_batch}"]
     out = [Role("metrics", ["metrics", *common], **side),
@@ -205,7 +210,7 @@ def max_lag(cfg: UpConfig, plan: ResourcePlan, adm: Admission) -> int:
     if cfg.realtime:
         return 0
     return default_max_lag(plan.agents, adm.concurrency, adm.tasks_per_version, adm.versions_ahead,
-                           math.ceil((cfg.sync_batch if cfg.sync else cfg.batch) / cfg.group_size))
+                           math.ceil(cfg.pacing()[0] / cfg.group_size))
 
 
 def progress_line(t0: float, tap) -> str:
@@ -256,9 +261,9 @@ def run(cfg: UpConfig) -> int:
 
     run_dir = Path(cfg.runs_dir) / cfg.run
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    adm = cfg.admission()
-    print(f"{cfg.plan().describe()}\nadmission: learner batch {cfg.sync_batch if cfg.sync else cfg.batch}, staleness "
-          f"<= {0 if cfg.sync else cfg.staleness}; each agent starts {adm.tasks_per_version} task(s) per version, "
+    adm, (batch, staleness) = cfg.admission(), cfg.pacing()
+    print(f"{cfg.plan().describe()}\nadmission: learner batch {batch}, staleness "
+          f"<= {staleness}; each agent starts {adm.tasks_per_version} task(s) per version, "
           f"{adm.versions_ahead} version(s) ahead", flush=True)
     broker = None
     print("[1/4] broker: " + ("starting the embedded Tansu broker" if not cfg.bootstrap else cfg.bootstrap), flush=True)
