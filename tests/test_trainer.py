@@ -12,13 +12,13 @@ import torch
 from learner.config import LearnerConfig
 from learner.models.policy import build_policy
 from learner.train import build_models
-from learner.trainer.batching import Batcher, collate
+from learner.trainer.batching import Batcher, by_length, collate
 from learner.trainer.checkpoint import flatten_optimizer, latest_checkpoint, unflatten_optimizer
 from learner.trainer.loop import Trainer
 from learner.trainer.publish import DirectoryPublisher
 from learner.trainer.source import BusSource, FileSource, write_trajectories
 from learner.trainer.staleness import Admission
-from learner.trainer.step import prepare, update
+from learner.trainer.step import _micro, prepare, update
 from learner.trainer.synthetic import TINY_OVERRIDES, synthetic_trajectories, tiny_model_config
 from streamer.bus import MemoryBus
 from streamer.config import ConfigError, load_config
@@ -131,6 +131,35 @@ def test_collate_alignment(policy0):
         assert batch.input_ids[i, :n].tolist() == x.tokens and batch.attention_mask[i, n:].sum() == 0
         assert batch.loss_mask[i, :n].tolist() == [float(m) for m in x.loss_mask]
         assert batch.old_logp[i, :n].tolist() == pytest.approx(x.logprobs)
+
+
+def test_micro_batches_close_at_size_and_at_doubled_length(policy0):
+    lengths = [2, 3, 4, 5, 9, 10]
+    t = [with_(x, tokens=x.tokens[:1] * n, loss_mask=[0] + [1] * (n - 1), logprobs=[0.0] * n, prompt_len=1)
+         for x, n in zip(synthetic_trajectories(policy0, 6), lengths)]
+    batch = collate(t)
+    assert list(_micro(batch, 4)) == [(0, 3), (3, 6)]  # 5 > 2 * 2 closes the first
+    assert list(_micro(batch, 2)) == [(0, 2), (2, 4), (4, 6)]
+    assert batch.rows(0, 3).input_ids.shape == (3, 4) and batch.rows(3, 6).input_ids.shape == (3, 10)
+    assert [len(x.tokens) for x in by_length(t[::-1])] == lengths
+
+
+def test_length_sorted_micro_batches_give_the_whole_batch_update(tmp_path, policy0):
+    t = synthetic_trajectories(policy0, 8)
+    assert len({len(x.tokens) for x in t}) > 2
+    after = []
+    for micro, order in ((1000, t), (2, by_length(t))):
+        cfg = make_cfg(tmp_path, f"batch.micro_batch={micro}", "loss.kl_coef=0.1")
+        models = build_models(cfg)
+        batch = collate(order)
+        metrics, applied = update(cfg, models, batch, prepare(cfg, models, batch), train_policy=True)
+        assert applied
+        after.append((metrics, _params(models.policy), _params(models.value)))
+    (m1, p1, v1), (m2, p2, v2) = after
+    for k in ("policy_loss", "value_loss", "kl_ref", "grad_norm"):
+        assert m2[k] == pytest.approx(m1[k], rel=1e-4, abs=1e-6), k
+    assert all(torch.allclose(p2[k], p1[k], atol=1e-6) for k in p1)
+    assert all(torch.allclose(v2[k], v1[k], atol=1e-6) for k in v1)
 
 
 def test_file_source_offsets_bad_and_partial_lines(tmp_path, policy0):

@@ -117,10 +117,18 @@ class Batch:
                      None if self.temperature is None else self.temperature.to(device))
 
     def rows(self, start: int, stop: int) -> "Batch":
+        """Rows start..stop, cut to their own longest row: the columns past it are padding in every row."""
         sl = slice(start, stop)
+        width = max(int(self.attention_mask[sl].sum(-1).max()), 1) if stop > start else self.input_ids.shape[1]
+        cols = slice(0, width)
         temp = None if self.temperature is None else self.temperature[sl]
-        return Batch(self.input_ids[sl], self.attention_mask[sl], self.loss_mask[sl], self.old_logp[sl],
-                     self.rewards[sl], self.trajectories[sl], temp)
+        return Batch(self.input_ids[sl, cols], self.attention_mask[sl, cols], self.loss_mask[sl, cols],
+                     self.old_logp[sl, cols], self.rewards[sl], self.trajectories[sl], temp)
+
+
+def by_length(trajs: list[Trajectory]) -> list[Trajectory]:
+    """Shortest first, so that each micro-batch (`Batch.rows`) pads only to the rows of similar length beside it."""
+    return sorted(trajs, key=lambda t: len(t.tokens))
 
 
 def collate(trajs: list[Trajectory]) -> Batch:

@@ -24,7 +24,7 @@ import torch
 
 from learner.config import LearnerConfig
 from learner.trainer import checkpoint as ckpt
-from learner.trainer.batching import Batcher, collate, group_key
+from learner.trainer.batching import Batcher, by_length, collate, group_key
 from learner.trainer.publish import Publisher
 from learner.trainer.ranks import RankGroup
 from learner.trainer.source import Source
@@ -122,7 +122,7 @@ class Trainer:
             return None
         t0 = time.monotonic()
         hist = histogram(fresh, self.version)  # staleness against the version the update starts from
-        batch = collate(fresh).to(self.device)
+        batch = collate(by_length(fresh)).to(self.device)
         ref = prepare(self.cfg, self.models, batch)
         warm = self.models.value is not None and self.warm_left > 0
         n_applied, metrics = 0, {}

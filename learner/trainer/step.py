@@ -60,8 +60,23 @@ def state_values(value_model: torch.nn.Module, batch: Batch) -> torch.Tensor:
 
 
 def _micro(batch: Batch, size: int):
-    for i in range(0, batch.input_ids.shape[0], size):
-        yield i, min(i + size, batch.input_ids.shape[0])
+    """Row ranges of at most `size` rows; on a batch sorted by length (`by_length`), a range also closes before a
+    row more than twice as long as its first, so each micro-batch (cut to its own width) is at least half tokens."""
+    lengths = batch.attention_mask.sum(-1).tolist()
+    start = 0
+    for i, n in enumerate(lengths):
+        if i > start and (i - start >= size or n > 2 * max(lengths[start], 1)):
+            yield start, i
+            start = i
+    if lengths:
+        yield start, len(lengths)
+
+
+def _per_micro(cfg: LearnerConfig, batch: Batch, fn) -> torch.Tensor:
+    """`fn` over each micro-batch (cut to its own width), padded back with zeros to the batch's `[B, T]`."""
+    T = batch.input_ids.shape[1]
+    return torch.cat([F.pad(out, (0, T - out.shape[1])) for out in
+                      (fn(batch.rows(i, j)) for i, j in _micro(batch, cfg.batch.micro_batch))])
 
 
 def _denom(mask: torch.Tensor, agg: str) -> float:
@@ -74,7 +89,7 @@ def prepare(cfg: LearnerConfig, models: Models, batch: Batch) -> dict[str, torch
     """Advantages, critic targets and the fixed references of this batch (no gradient)."""
     a, mask, out = cfg.advantage, batch.loss_mask, {}
     if cfg.uses_value_model:
-        old_v = torch.cat([state_values(models.value, batch.rows(i, j)) for i, j in _micro(batch, cfg.batch.micro_batch)])
+        old_v = _per_micro(cfg, batch, lambda b: state_values(models.value, b))
         old_v = torch.where(mask.bool(), old_v, torch.zeros_like(old_v))
         rewards = place_reward(batch.rewards, mask)
         adv, ret = sao_advantages(rewards, old_v, mask, a.gamma, a.lam_actor, a.lam_critic, a.adaptive_alpha,
@@ -85,13 +100,13 @@ def prepare(cfg: LearnerConfig, models: Models, batch: Batch) -> dict[str, torch
         adv = group_advantages(a.estimator, batch.rewards, groups, mask, a.batch_norm)
     out["advantages"] = adv
     if cfg.loss.name == "decoupled_ppo":  # AReaL's proximal policy: the learner's weights before this update
-        out["prox_logp"] = torch.cat([token_logprobs(models.policy, b.input_ids, b.attention_mask, b.temperature)
-                                      for b in (batch.rows(i, j) for i, j in _micro(batch, cfg.batch.micro_batch))])
+        out["prox_logp"] = _per_micro(cfg, batch, lambda b: token_logprobs(models.policy, b.input_ids,
+                                                                          b.attention_mask, b.temperature))
     if cfg.loss.kl_coef > 0:  # the frozen reference policy, at each trajectory's sampling temperature
         if models.reference is None:
             raise ValueError("loss.kl_coef > 0 needs Models.reference (build the models with learner.train.build_models)")
-        out["ref_logp"] = torch.cat([token_logprobs(models.reference, b.input_ids, b.attention_mask, b.temperature)
-                                     for b in (batch.rows(i, j) for i, j in _micro(batch, cfg.batch.micro_batch))])
+        out["ref_logp"] = _per_micro(cfg, batch, lambda b: token_logprobs(models.reference, b.input_ids,
+                                                                         b.attention_mask, b.temperature))
     return out
 
 
@@ -111,10 +126,12 @@ def value_backward(cfg: LearnerConfig, models: Models, batch: Batch, ref: dict, 
     agg, total = cfg.value.agg, {}
     full = _denom(batch.loss_mask, agg) if norm is None else norm
     for i, j in _micro(batch, cfg.batch.micro_batch):
-        mb, mask = batch.rows(i, j), batch.loss_mask[i:j]
+        mb = batch.rows(i, j)
+        mask, cols = mb.loss_mask, slice(0, mb.input_ids.shape[1])
         w = scale * _denom(mask, agg) / max(full, 1.0)
         v = state_values(models.value, mb)
-        loss, m = value_loss(v, ref["old_values"][i:j], ref["returns"][i:j], mask, cfg.value.value_clip, agg)
+        loss, m = value_loss(v, ref["old_values"][i:j, cols], ref["returns"][i:j, cols], mask, cfg.value.value_clip,
+                             agg)
         (loss * w).backward()
         _accumulate(total, m, w, not mask.any())
     return total
@@ -129,13 +146,14 @@ def policy_backward(cfg: LearnerConfig, models: Models, batch: Batch, ref: dict,
     params, agg = cfg.loss.params(), policy_agg(cfg)
     total, full = {}, _denom(batch.loss_mask, agg) if norm is None else norm
     for i, j in _micro(batch, cfg.batch.micro_batch):
-        mb, mask = batch.rows(i, j), batch.loss_mask[i:j]
+        mb = batch.rows(i, j)
+        mask, cols = mb.loss_mask, slice(0, mb.input_ids.shape[1])
         w = scale * _denom(mask, agg) / max(full, 1.0)
         logp, ent = logprobs_and_entropy(models.policy, mb.input_ids, mb.attention_mask, mb.temperature)
-        extra = {"prox_logp": ref["prox_logp"][i:j]} if "prox_logp" in ref else {}
-        loss, m = policy_loss(cfg.loss.name, logp, mb.old_logp, ref["advantages"][i:j], mask, **params, **extra)
+        extra = {"prox_logp": ref["prox_logp"][i:j, cols]} if "prox_logp" in ref else {}
+        loss, m = policy_loss(cfg.loss.name, logp, mb.old_logp, ref["advantages"][i:j, cols], mask, **params, **extra)
         if "ref_logp" in ref:
-            kl = kl_penalty(logp, ref["ref_logp"][i:j], mask, cfg.loss.kl_type)
+            kl = kl_penalty(logp, ref["ref_logp"][i:j, cols], mask, cfg.loss.kl_type)
             loss = loss + cfg.loss.kl_coef * aggregate(kl, mask, agg)
             m["loss"] = float(loss.detach())
             m["kl_ref"] = float(masked_mean(kl.detach(), mask))
