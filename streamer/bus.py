@@ -170,6 +170,13 @@ class Consumer:
                             reason=reason, expected=expected, consumer=self.name, time=time.time())
         self.dlq_producer.send(self.dlq, letter, key=rec.key)
 
+    def reject(self, msg: Message, tp: TopicPartition, offset: int, reason: str) -> None:
+        """A decoded message that fails the consumer's own checks (e.g. token ids outside the model's vocabulary):
+        to the DLQ (re-encoded) and counted, like one that did not decode."""
+        self._dead_letter(RawRecord(tp, offset, None, encode(msg)), reason, type(msg).__name__)
+        if self.dlq_producer is not None:
+            self.dlq_producer.flush()
+
     def commit(self, offsets: dict[TopicPartition, int] | None = None) -> bool:
         """Commit next-offsets (offset of the last processed record + 1); None: all records seen so far.
 

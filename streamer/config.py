@@ -8,6 +8,7 @@ naming the field at fault (and the file it came from).
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,6 +31,16 @@ def _check_keys(cls: type, data: dict[str, Any], where: str) -> None:
             raise ConfigError(f"{where}: unknown field '{key}' (known: {', '.join(names)})")
         if dataclasses.is_dataclass(hints[key]) and isinstance(value, dict):
             _check_keys(hints[key], value, f"{where}.{key}")
+
+
+def _check_finite(node: Any, where: str) -> None:
+    """Every float in the tree is finite: `lr=.inf` or `nan` is a typo, never a setting."""
+    items = ((f.name, getattr(node, f.name)) for f in dataclasses.fields(node)) if dataclasses.is_dataclass(node) \
+        else node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, (list, tuple)) else ()
+    for key, value in items:
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{where}.{key}: {value} is not a finite number")
+        _check_finite(value, f"{where}.{key}")
 
 
 def _parse_scalar(text: str) -> Any:
@@ -80,6 +91,7 @@ def load_config(cls: type[C], yaml_path: str | Path | None = None, overrides: li
         cfg = msgspec.convert(data, cls, strict=False)
     except msgspec.ValidationError as e:
         raise ConfigError(f"{where}: {e}") from None
+    _check_finite(cfg, where)
     validate = getattr(cfg, "validate", None)
     if validate is not None:
         validate()

@@ -34,3 +34,18 @@ def test_unknown_field_is_named(tmp_path):
 def test_wrong_type_is_named():
     with pytest.raises(ConfigError, match=r"\$\.n"):
         load_config(Outer, overrides=["n=abc"])
+
+
+@pytest.mark.parametrize("text", [".inf", "-.inf", ".nan"])
+def test_non_finite_numbers_are_refused_with_the_field_named(text):
+    with pytest.raises(ConfigError, match=r"Outer.inner.lr: .* is not a finite number"):
+        load_config(Outer, None, [f"inner.lr={text}"])
+    with pytest.raises(ConfigError, match=r"Number out of range - at `\$.inner.lr`"):
+        load_config(Outer, None, ["inner.lr=1e400"])
+
+
+def test_learner_config_refuses_an_infinite_learning_rate():
+    from learner.config import LearnerConfig
+
+    with pytest.raises(ConfigError, match=r"LearnerConfig.optim.lr: inf is not a finite number"):
+        load_config(LearnerConfig, None, ["optim.lr=.inf"])

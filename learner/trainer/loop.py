@@ -36,6 +36,12 @@ log = logging.getLogger(__name__)
 KEEPALIVE_S = 60.0  # several ranks: the longest the leader waits for trajectories without telling the others
 
 
+def model_limits(models: Models) -> tuple[int | None, int | None]:
+    """(vocabulary size, positions) of the policy, from its HF config (megatron: the one it was built from)."""
+    hf = getattr(models.learner, "hf_config", None) or getattr(models.policy, "config", None)
+    return getattr(hf, "vocab_size", None), getattr(hf, "max_position_embeddings", None)
+
+
 class Trainer:
     def __init__(self, cfg: LearnerConfig, models: Models, source: Source | None, publisher: Publisher | None = None,
                  sinks: list[Callable[[LearnerEvent], None]] = (), group: RankGroup | None = None) -> None:
@@ -48,7 +54,8 @@ class Trainer:
         self.publishes = publisher is not None if group is None else bool(group.share_int(int(publisher is not None)))
         grouped = not cfg.uses_value_model
         b = cfg.batch
-        self.admission = Admission(b.max_staleness, grouped, b.dedup_window, b.sync)
+        vocab, positions = model_limits(models)
+        self.admission = Admission(b.max_staleness, grouped, b.dedup_window, b.sync, vocab, positions)
         self.batcher = Batcher(b.tokens, b.max_trajectories, cfg.advantage.group_size if grouped else None,
                                b.sync_batch if b.sync else None, grouped and cfg.advantage.dynamic_sampling)
         self.step = self.policy_steps = self.version = 0
@@ -107,8 +114,11 @@ class Trainer:
                 return rest or None
             for traj, off in self.source.poll(max_records=256, timeout_s=0.2):
                 self.positions[off.partition] = off.next
-                if self.admission.admit(traj, self.version) == "ok":
+                verdict = self.admission.admit(traj, self.version)
+                if verdict == "ok":
                     self.batcher.add(traj)
+                elif verdict == "invalid":
+                    self.source.reject(traj, off, self.admission.last_invalid)
             if max_wait_s is not None and time.monotonic() - t0 > max_wait_s and not self.batcher.has_batch():
                 self.idle_s += time.monotonic() - t0
                 return []

@@ -38,6 +38,10 @@ class Source(Protocol):
 
     def commit(self, positions: Positions) -> None: ...
 
+    def reject(self, traj: Trajectory, off: Offset, reason: str) -> None:
+        """A record the learner cannot train on (its admission says why): dead-lettered or counted."""
+        ...
+
     @property
     def exhausted(self) -> bool:
         """True once a finite source has handed out everything it will ever have."""
@@ -96,6 +100,10 @@ class FileSource:
     def commit(self, positions: Positions) -> None:
         pass  # the checkpoint holds the positions; a file has nothing to tell
 
+    def reject(self, traj: Trajectory, off: Offset, reason: str) -> None:
+        self.bad_lines += 1
+        log.warning("%s@byte %d: not trainable: %s", self.path, off.offset, reason)
+
     @property
     def exhausted(self) -> bool:
         return self._at_end
@@ -143,6 +151,12 @@ class BusSource:
             if isinstance(msg, Trajectory):
                 out.append((msg, Offset(self._key(tp), offset, offset + 1)))
         return out
+
+    def reject(self, traj: Trajectory, off: Offset, reason: str) -> None:
+        from kafka.structs import TopicPartition
+
+        topic, _, part = off.partition.rpartition(":")
+        self.consumer.reject(traj, TopicPartition(topic, int(part)), off.offset, reason)
 
     def commit(self, positions: Positions) -> None:
         from kafka.structs import TopicPartition

@@ -28,12 +28,20 @@ def histogram(trajs: list[Trajectory], version: int) -> dict[str, int]:
     return {str(k): v for k, v in sorted(Counter(staleness(t, version) for t in trajs).items())}
 
 
-def invalid_reason(t: Trajectory) -> str | None:
-    """Why a trajectory cannot be trained on (None when it can)."""
+def invalid_reason(t: Trajectory, vocab_size: int | None = None, max_tokens: int | None = None) -> str | None:
+    """Why a trajectory cannot be trained on (None when it can). With the model's `vocab_size` and
+    `max_tokens` (its positions), token ids and lengths the forward pass would crash on are refused here,
+    before the trajectory can enter the buffer or a checkpoint."""
     try:
         t.validate()
     except ValueError as e:
         return str(e)
+    if max_tokens is not None and len(t.tokens) > max_tokens:
+        return f"Trajectory.tokens: {len(t.tokens)} tokens > the model's {max_tokens} positions"
+    if vocab_size is not None:
+        bad = next((i for i, x in enumerate(t.tokens) if not 0 <= x < vocab_size), None)
+        if bad is not None:
+            return f"Trajectory.tokens[{bad}]: id {t.tokens[bad]} outside the vocabulary 0..{vocab_size - 1}"
     if not math.isfinite(t.reward):
         return f"Trajectory.reward: non-finite {t.reward}"
     if not any(t.loss_mask[max(1, t.prompt_len):]):
@@ -53,8 +61,10 @@ class Admission:
     id is "<task>:<member>"). The last `window` keys are remembered (and checkpointed)."""
 
     def __init__(self, max_staleness: int, grouped: bool = False, window: int = 100_000,
-                 sync: bool = False) -> None:
+                 sync: bool = False, vocab_size: int | None = None, max_tokens: int | None = None) -> None:
         self.max_staleness = 0 if sync else max_staleness
+        self.vocab_size, self.max_tokens = vocab_size, max_tokens
+        self.last_invalid = ""  # the reason of the latest 'invalid', for the dead-letter record
         self.grouped, self.window = grouped, window
         self.seen: OrderedDict[str, None] = OrderedDict()
         self.counts: Counter[str] = Counter()
@@ -69,8 +79,8 @@ class Admission:
         key = self.key(t)
         if key in self.seen:
             reason = "duplicate"
-        elif invalid_reason(t) is not None:
-            reason = "invalid"
+        elif (why := invalid_reason(t, self.vocab_size, self.max_tokens)) is not None:
+            reason, self.last_invalid = "invalid", why
         elif t.temperature <= 0:
             reason = "greedy"
         elif staleness(t, version) > self.max_staleness:

@@ -1,0 +1,86 @@
+"""Bad input never stops a consumer and never enters a checkpoint (issue 14): each test failed before its fix."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from learner.config import LearnerConfig
+from learner.models.policy import build_policy
+from learner.train import build_models
+from learner.trainer.checkpoint import latest_checkpoint
+from learner.trainer.loop import Trainer
+from learner.trainer.source import BusSource
+from learner.trainer.synthetic import TINY_OVERRIDES, synthetic_trajectories, tiny_model_config
+from streamer.bus import DeadLetter
+from streamer.config import load_config
+from streamer.schema import LearnerEvent, Trajectory
+
+
+@pytest.mark.kafka
+def test_untrainable_trajectories_are_dead_lettered_and_never_checkpointed(tmp_path, kafka_bus, kafka_run):
+    """Token ids outside the vocabulary crashed the forward pass (IndexError) on every restart, since the
+    trajectory sat in the checkpoint's buffer; too long a trajectory overflowed the positions."""
+    from streamer.topics import Topics, partitions_by_topic
+
+    kafka_bus.create_topics(partitions_by_topic(kafka_run))
+    topics = Topics(kafka_run)
+    model = tiny_model_config()
+    policy = build_policy(model, seed=0)
+    vocab, positions = policy.config.vocab_size, policy.config.max_position_embeddings
+    good = synthetic_trajectories(policy, 6, seed=1)
+    out_of_vocab = msgspec.structs.replace(good[0], task_id="oov", traj_id="oov",
+                                           tokens=good[0].tokens[:-1] + [vocab + 5])
+    n = positions + 1
+    too_long = msgspec.structs.replace(good[1], task_id="long", traj_id="long", prompt_len=1, tokens=[1] * n,
+                                       loss_mask=[0] + [1] * (n - 1), logprobs=[0.0] + [-1.0] * (n - 1))
+    prod = kafka_bus.producer()
+    for t in [good[0], out_of_vocab, good[1], too_long] + good[2:]:
+        prod.send(topics.trajectories, t, key=t.task_id)
+    prod.flush()
+
+    cfg = load_config(LearnerConfig, None, TINY_OVERRIDES + [
+        f"checkpoint.dir={tmp_path / 'ck'}", "batch.max_trajectories=4", "batch.tokens=100000",
+        "value.warmup_steps=0", "checkpoint.every=1"])
+    trained: list[str] = []
+
+    def sink(e: LearnerEvent) -> None:
+        trained.extend(e.task_ids)
+        trainer.stop = len(trained) >= 4
+
+    source = BusSource(kafka_bus.consumer({topics.trajectories: Trajectory}, group_id=None, dlq=topics.dlq))
+    trainer = Trainer(cfg, build_models(cfg), source, None, [sink])
+    try:
+        trainer.run()
+    finally:
+        source.close()
+    good_ids = {t.task_id for t in good}
+    assert len(trained) == 4 and set(trained) <= good_ids  # the topic's partitions interleave: any 4 of them
+    pending = (latest_checkpoint(tmp_path / "ck") / "pending.jsonl").read_text()
+    assert '"oov"' not in pending and '"long"' not in pending
+    assert trainer.admission.counts["invalid"] == 2
+
+    dlq = kafka_bus.consumer({topics.dlq: DeadLetter}, group_id=None)
+    letters = []
+    for _ in range(20):
+        letters += [m for m, _, _ in dlq.poll(max_records=10, timeout=0.5)]
+        if len(letters) >= 2:
+            break
+    dlq.close()
+    assert len(letters) == 2 and all(x.expected == "Trajectory" for x in letters)
+    reasons = {x.reason for x in letters}
+    assert f"Trajectory.tokens[{len(good[0].tokens) - 1}]: id {vocab + 5} outside the vocabulary 0..{vocab - 1}" \
+        in reasons
+    assert f"Trajectory.tokens: {n} tokens > the model's {positions} positions" in reasons
+
+    # a restart from that checkpoint trains the rest and does not crash
+    resumed: list[str] = []
+    source = BusSource(kafka_bus.consumer({topics.trajectories: Trajectory}, group_id=None, dlq=topics.dlq))
+    again = Trainer(cfg, build_models(cfg), source, None, [lambda e: resumed.extend(e.task_ids)])
+    again.resume()
+    again.cfg.max_steps, again.batcher.max_trajectories = again.step + 1, 2  # the 2 good ones left
+    try:
+        again.run()
+    finally:
+        source.close()
+    assert sorted(resumed + trained) == sorted(good_ids)
