@@ -8,9 +8,12 @@
         rng.safetensors                              torch CPU RNG state
         pending.jsonl                                trajectories read but not yet trained on
         state.json                                   step, version, source positions, counters
+        manifest.json                                sha256 and size of every file above
 
-Everything is written into `<root>/.tmp-step_...` and renamed into place, so a kill -9 at any
-moment leaves either the previous checkpoint or the new one, never a half-written one. Several
+Everything is written into `<root>/.tmp-step_...`, fsynced (files, then the directory), and renamed into
+place (then the root is fsynced), so a kill -9 or a power cut at any moment leaves either the previous
+checkpoint or the new one, never a half-written one. Should a file still be damaged later (a disk, a copy),
+`intact_checkpoint` finds it by the manifest and falls back to the newest checkpoint that checks out. Several
 ranks: the leader makes the temporary directory (`begin_checkpoint`), every rank writes its
 optimizers into it (`save_optimizers`), then the leader writes the rest and renames it
 (`finish_checkpoint`); the directory must be shared by the ranks (one machine, or a shared path).
@@ -18,7 +21,9 @@ optimizers into it (`save_optimizers`), then the leader writes the rest and rena
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -31,6 +36,8 @@ from safetensors.torch import load_file, load_model, save_file, save_model
 from streamer.schema import Trajectory, decode_json, encode_json
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+MANIFEST = "manifest.json"
+log = logging.getLogger(__name__)
 
 
 def flatten_optimizer(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -80,6 +87,58 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return dirs[-1] if dirs else None
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def seal(directory: Path) -> None:
+    """Write the manifest of every file in `directory` and fsync them all, the directory last."""
+    files = sorted(p for p in directory.iterdir() if p.is_file() and p.name != MANIFEST)
+    manifest = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in files}
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    for p in [*files, directory / MANIFEST, directory]:
+        _fsync(p)
+
+
+def damage(path: Path) -> str | None:
+    """Why the checkpoint at `path` cannot be trusted (None when every file matches its manifest)."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        return f"{MANIFEST} unreadable ({e})"
+    for name, want in manifest.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} missing"
+        if f.stat().st_size != want["bytes"]:
+            return f"{name} has {f.stat().st_size} bytes, the manifest says {want['bytes']}"
+        if _sha256(f) != want["sha256"]:
+            return f"{name} does not match its sha256 in the manifest"
+    return None
+
+
+def intact_checkpoint(root: str | Path) -> Path | None:
+    """The newest checkpoint whose files all match their manifest; each newer, damaged one is named in a warning."""
+    for path in reversed(step_dirs(root)):
+        why = damage(path)
+        if why is None:
+            return path
+        log.warning("checkpoint %s is damaged (%s): falling back to an older one", path, why)
+    return None
+
+
 def save_checkpoint(root: str | Path, step: int, models: dict[str, torch.nn.Module],
                     optimizers: dict[str, torch.optim.Optimizer], state: dict[str, Any],
                     pending: list[Trajectory], keep: int = 2) -> Path:
@@ -125,10 +184,12 @@ def finish_checkpoint(root: str | Path, tmp: Path, step: int, models: dict[str, 
         for t in pending:
             f.write(encode_json(t) + b"\n")
     (tmp / "state.json").write_text(json.dumps(dict(state, step=step), indent=1, sort_keys=True))
+    seal(tmp)
     trash = root / f".trash-{final.name}-{os.getpid()}"
     if final.exists():  # the same step saved again (the final save of a run): the new one wins
         os.rename(final, trash)  # a kill from here to the next rename falls back to the previous step
     os.rename(tmp, final)
+    _fsync(root)
     shutil.rmtree(trash, ignore_errors=True)
     for old in step_dirs(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)

@@ -252,8 +252,8 @@ class Trainer:
             ckpt.clean_tmp(self.cfg.checkpoint.dir)
         if self.group is not None:
             self.group.barrier()
-        path = ckpt.latest_checkpoint(self.cfg.checkpoint.dir)
-        if path is None or not self.cfg.checkpoint.resume:
+        path = ckpt.intact_checkpoint(self.cfg.checkpoint.dir) if self.cfg.checkpoint.resume else None
+        if path is None:
             return False
         self._check_layout(path)
         models, opts = self._parts()
