@@ -4,6 +4,10 @@ SAO step = value forward (its detached output gives the advantages, its graph th
 policy log-probs and entropy + `policy_loss("sao")` + `value_loss` + two backward passes + two AdamW steps.
 Bare = the same two forwards and backwards with a trivial loss, no advantages and no optimizer.
 Goal: ratio (bare tokens/s over SAO tokens/s) <= 1.25. Prints and saves runs/bench/learner_step.json.
+With `--lengths-from <run>/trajectories.parquet`, also the learner's own step (`learner.trainer.step.prepare` +
+`update` on `LearnerConfig` defaults: length-sorted micro-batches, the KL reference's forward, fused AdamW) on
+`--batch` trajectories whose prompt and response lengths are drawn from that run: the isolated figure
+bench/pipeline.py compares the pipeline's learner with (same step, same batch shape, nothing else running).
 With `--megatron`, also the learner's whole step (`learner.trainer.step.update`) on the megatron backend,
 1 process EP1, 2 processes EP1 and 2 processes EP2 under torchrun, next to the same step on the torch
 backend, all measured by bench/megatron_step.py's trainer rows (its own fixed batch: `--megatron-batch`
@@ -11,6 +15,7 @@ sequences of `--megatron-seq` tokens, so compare the megatron rows with that tor
 SAO/bare rows above); saved under the "megatron" key.
 
     .venv/bin/python bench/learner_step.py [--threads 2] [--batch 64] [--repeats 5] [--megatron]
+                                           [--lengths-from runs/<run>/trajectories.parquet]
 """
 
 from __future__ import annotations
@@ -79,6 +84,41 @@ def timed(fn, repeats: int) -> list[float]:
     return times
 
 
+def run_lengths(path: str, batch: int, seed: int = 0) -> list[tuple[int, int]]:
+    """`batch` (prompt, generated) token counts drawn from a run's trajectories.parquet."""
+    import numpy as np
+    import pandas as pd
+
+    d = pd.read_parquet(path, columns=["n_tokens", "n_gen_tokens"])
+    rows = d.iloc[np.random.default_rng(seed).integers(len(d), size=batch)]
+    return [(int(n - g), int(g)) for n, g in zip(rows["n_tokens"], rows["n_gen_tokens"])]
+
+
+def learner_row(lengths: list[tuple[int, int]], repeats: int, source: str) -> dict:
+    """The trainer's own step (prepare + update, LearnerConfig defaults) on trajectories of these lengths."""
+    from learner.config import LearnerConfig
+    from learner.train import build_models
+    from learner.trainer.batching import by_length, collate
+    from learner.trainer.step import prepare, update
+    from streamer.schema import Trajectory
+
+    cfg = LearnerConfig()
+    models = build_models(cfg)
+    g = torch.Generator().manual_seed(2)
+    V = CharTokenizer().vocab_size
+    trajs = [Trajectory(traj_id=str(i), task_id=str(i), family="f", concept="c", prompt_len=p,
+                        tokens=torch.randint(4, V, (p + r,), generator=g).tolist(), loss_mask=[0] * p + [1] * r,
+                        logprobs=[0.0] * p + [-1.0] * r, reward=float(i % 2)) for i, (p, r) in enumerate(lengths)]
+    batch = collate(by_length(trajs))
+
+    def step() -> None:
+        update(cfg, models, batch, prepare(cfg, models, batch), train_policy=True)
+
+    t = min(timed(step, repeats))
+    return {"lengths_from": source, "batch": len(lengths), "tokens": batch.n_tokens, "learner_s": t,
+            "learner_tokens_per_s": batch.n_tokens / t, "kl_coef": cfg.loss.kl_coef}
+
+
 def megatron_rows(threads: int, steps: int, batch: int, seq: int) -> list[dict]:
     """bench/megatron_step.py --trainer rows: torch learner step, then megatron 1x EP1, 2x EP1, 2x EP2."""
     import sys
@@ -109,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--megatron", action="store_true", help="add the megatron backend rows (EP=1, EP=2; torchrun)")
     ap.add_argument("--megatron-batch", type=int, default=16, help="sequences per megatron-row step")
     ap.add_argument("--megatron-seq", type=int, default=64, help="tokens per sequence in the megatron rows")
+    ap.add_argument("--lengths-from", default="", help="a run's trajectories.parquet: add the learner's own step "
+                                                       "on a batch of that run's lengths")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     policy = build_policy(seed=0).train()
@@ -138,6 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"tokens/step {tokens}  bare fwd+bwd {tokens / t_bare:,.0f} tok/s ({t_bare:.3f} s)  "
           f"SAO step {tokens / t_sao:,.0f} tok/s ({t_sao:.3f} s)  ratio {t_sao / t_bare:.3f} (goal <= 1.25)", flush=True)
+    if args.lengths_from:
+        row = learner_row(run_lengths(args.lengths_from, args.batch), args.repeats, args.lengths_from)
+        result["learner"] = row
+        print(f"learner's own step on {row['batch']} trajectories of {args.lengths_from}'s lengths: "
+              f"{row['tokens']} tokens, {row['learner_tokens_per_s']:,.0f} tok/s ({row['learner_s']:.3f} s)", flush=True)
     if args.megatron:
         print(f"learner step, torch vs megatron backends ({args.megatron_batch} x {args.megatron_seq} tokens, "
               f"median of {args.repeats} steps):", flush=True)

@@ -1,17 +1,20 @@
 """The whole pipeline on its defaults: how much of the learner's own speed `sao up` keeps, and how much of what the
 agents generate gets trained.
 
-One invocation, in this order: (1) the isolated learner step (`bench/learner_step.py`, the same SAO step on a fixed
-batch, nothing else running) with the thread count the pipeline's learner uses; (2) `sao up` on its defaults for a
-fixed time (`--max-seconds`, counted by the launcher from the start of the roles, after the warm start), as a
-subprocess, with any extra arguments passed through; (3) the figures, from the run's artifacts:
+One invocation, in this order: (1) `sao up` on its defaults for a fixed time (`--max-seconds`, counted by the
+launcher from the start of the roles, after the warm start), as a subprocess, with any extra arguments passed
+through; (2) the isolated learner step, nothing else running, with the thread count the pipeline's learner used:
+`bench/learner_step.py --lengths-from <run>/trajectories.parquet`, i.e. the learner's own step (same config, KL
+reference included) on a batch of the run's own trajectory lengths; (3) the figures, from the run's artifacts:
 
-- learner tokens/s inside the pipeline ÷ the isolated figure (goal >= 0.5). Inside: Σ n_tokens × updates ÷
-  Σ perf/step_s over the learner's policy steps (critic-only warm-up steps left out: they skip the policy's forward
-  and backward, so they are faster than the step measured alone; skipped steps left out), the run's first step and
-  the first policy step left out too (allocator and first-call warm-ups, which learner_step.py also leaves out).
-  `updates` is learner/updates_applied (1 on defaults), since the isolated figure is one update. Both count every
-  token of the batch (prompt and response).
+- learner tokens/s inside the pipeline ÷ that isolated figure (goal >= 0.5): what the pipeline leaves of the
+  learner's speed. Inside: Σ n_tokens × updates ÷ Σ perf/step_s over the learner's policy steps (critic-only
+  warm-up steps left out: they skip the policy's forward and backward, so they are faster than the step measured
+  alone; skipped steps left out), the run's first step and the first policy step left out too (allocator and
+  first-call warm-ups, which learner_step.py also leaves out). `updates` is learner/updates_applied (1 on
+  defaults), since the isolated figure is one update. Both count every token of the batch (prompt and response).
+  For context, the same pipeline figure ÷ learner_step.py's fixed synthetic batch (64 rows of 32-80 tokens, a
+  bare SAO step without KL): longer rows run faster per token, so that ratio is lower and is not the goal's.
 - trained ÷ generated trajectories (goal >= 0.9): `streamer.adaptation.trained_fraction` (the learner's
   n_trajectories over its applied steps ÷ rows of trajectories.parquet); as a check, the share of rows whose
   `learner_step` is filled (`streamer.artifacts.trained_by`). A run stopped by time leaves the last, unfinished
@@ -22,8 +25,7 @@ subprocess, with any extra arguments passed through; (3) the figures, from the r
 Writes <out>/pipeline.json and <out>/pipeline.png (the run itself stays in <runs-dir>/<run>/, `sao up`'s output in
 <out>/up.log). The thread count of the pipeline's learner: the run's config.json (an explicit `--set threads=N`, or a
 learner entry with `threads` in a resource plan), else the launcher's printed plan, else `--learner-threads`
-(default 1). The isolated step is measured before the run with `--learner-threads`; if the run shows its learner used
-another count, it is measured again after the run with that one, and that figure is the one compared.
+(default 1).
 
     .venv/bin/python bench/pipeline.py                              # 600 s of sao up (+ warm start, ~1 min more)
     .venv/bin/python bench/pipeline.py --seconds 300 --learner-threads 2 -- --agents 1   # after --: to sao up
@@ -80,20 +82,25 @@ MODES = {
 
 # ------------------------------------------------------------------ the isolated step
 
-def isolated_step(threads: int, batch: int, repeats: int, out: Path) -> dict[str, Any]:
+def isolated_step(threads: int, batch: int, repeats: int, out: Path, lengths_from: Path) -> dict[str, Any]:
     """bench/learner_step.py in its own process (its own torch thread setting); its JSON, plus `wall_s`."""
     cmd = [sys.executable, str(ROOT / "bench" / "learner_step.py"), "--threads", str(threads), "--batch", str(batch),
-           "--repeats", str(repeats), "--out", str(out)]
+           "--repeats", str(repeats), "--out", str(out), "--lengths-from", str(lengths_from)]
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"learner_step.py exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
     res = json.loads(out.read_text())
-    print(f"isolated learner step ({threads} thread{'s' * (threads != 1)}, batch {batch}): "
-          f"{res['sao_tokens_per_s']:,.0f} tokens/s ({res['sao_s']:.3f} s a step)", flush=True)
-    return {"threads": threads, "batch": batch, "repeats": repeats, "tokens": res["tokens"],
-            "tokens_per_s": res["sao_tokens_per_s"], "step_s": res["sao_s"], "load_avg_1m": res["load_avg_1m"],
-            "wall_s": time.monotonic() - t0, "json": str(out)}
+    own = res["learner"]
+    print(f"isolated learner step ({threads} thread{'s' * (threads != 1)}, {own['batch']} trajectories of the "
+          f"run's lengths, {own['tokens']} tokens): {own['learner_tokens_per_s']:,.0f} tokens/s "
+          f"({own['learner_s']:.3f} s a step); fixed synthetic batch ({res['tokens']} tokens): "
+          f"{res['sao_tokens_per_s']:,.0f} tokens/s", flush=True)
+    return {"threads": threads, "batch": batch, "repeats": repeats, "tokens": own["tokens"],
+            "tokens_per_s": own["learner_tokens_per_s"], "step_s": own["learner_s"], "lengths_from": str(lengths_from),
+            "fixed_batch": {"tokens": res["tokens"], "tokens_per_s": res["sao_tokens_per_s"], "step_s": res["sao_s"]},
+            "load_avg_1m": res["load_avg_1m"], "wall_s": time.monotonic() - t0, "json": str(out),
+            "measured": "after the run, nothing else running"}
 
 
 # ------------------------------------------------------------------ the pipeline
@@ -193,7 +200,7 @@ def trained_count(learner: pd.DataFrame) -> int:
     return int(pd.to_numeric(learner["n_trajectories"], errors="coerce")[applied].sum())
 
 
-def run_figures(run_dir: Path, isolated_tps: float) -> dict[str, Any]:
+def run_figures(run_dir: Path, isolated_tps: float, fixed_batch_tps: float) -> dict[str, Any]:
     traj, learner = art.read_trajectories(run_dir), art.read_learner(run_dir)
     generated = int(len(traj))
     tps = pipeline_tokens_per_s(learner)
@@ -202,6 +209,7 @@ def run_figures(run_dir: Path, isolated_tps: float) -> dict[str, Any]:
     per_k = (lambda n: 1000.0 * n / generated) if generated else (lambda n: math.nan)
     figures = {
         "tokens_per_s_ratio": tps["tokens_per_s"] / isolated_tps if isolated_tps else math.nan,
+        "tokens_per_s_ratio_fixed_batch": tps["tokens_per_s"] / fixed_batch_tps if fixed_batch_tps else math.nan,
         "trained_fraction": ad.trained_fraction(learner, generated),
         "learner_steps_per_1000_trajectories": per_k(n_steps),
         "policy_steps_per_1000_trajectories": per_k(n_policy),
@@ -287,8 +295,10 @@ def report(result: dict[str, Any]) -> None:
 
     print(f"learner tokens/s: {num(p['learner_tokens_per_s'], '{:,.0f}')} in the pipeline "
           f"({p['steps_counted']} policy steps counted) vs {num(iso['tokens_per_s'], '{:,.0f}')} isolated "
-          f"({iso['threads']} thread(s)): ratio {num(f['tokens_per_s_ratio'])} (goal >= {GOAL_TOKENS_RATIO}: "
-          f"{'met' if g['tokens_per_s_ratio']['met'] else 'NOT met'})")
+          f"({iso['threads']} thread(s), the run's lengths): ratio {num(f['tokens_per_s_ratio'])} (goal >= "
+          f"{GOAL_TOKENS_RATIO}: {'met' if g['tokens_per_s_ratio']['met'] else 'NOT met'}); against the fixed "
+          f"synthetic batch ({num(iso['fixed_batch']['tokens_per_s'], '{:,.0f}')} tokens/s): "
+          f"{num(f['tokens_per_s_ratio_fixed_batch'])}")
     print(f"trained / generated: {num(f['trained_fraction'], '{:.4f}')} ({p['trajectories_trained']} of "
           f"{p['trajectories_generated']} trajectories) "
           f"(goal >= {GOAL_TRAINED}: {'met' if g['trained_fraction']['met'] else 'NOT met'}); rows with a "
@@ -332,9 +342,6 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(run_dir)
     machine = c.machine()
     batch = args.batch or mode.batch
-    isolated = isolated_step(args.learner_threads, batch, mode.repeats, out / "learner_step.json")
-    isolated["measured"] = "before the run"
-
     argv = [*sao_command(), "up", "--max-seconds", str(seconds), "--run", args.run, "--runs-dir", str(runs_dir)]
     if args.no_dashboard or not mode.dashboard:
         argv.append("--no-dashboard")
@@ -343,28 +350,26 @@ def main(argv: list[str] | None = None) -> int:
     rc, wall = run_up(argv, out / "up.log", args.timeout or seconds + 1200)
 
     threads, source = pipeline_threads(run_dir, (out / "up.log").read_text())
-    before = isolated
-    if threads is not None and threads != args.learner_threads:
-        print(f"the pipeline's learner ran {threads} thread(s) ({source}): measuring the isolated step again",
-              flush=True)
-        isolated = isolated_step(threads, batch, mode.repeats, out / "learner_step.json")
-        isolated["measured"] = "after the run (the learner's thread count was known only then)"
+    isolated = isolated_step(threads or args.learner_threads, batch, mode.repeats, out / "learner_step.json",
+                             run_dir / "trajectories.parquet")
     summary = art.read_summary(run_dir) or {}
     result: dict[str, Any] = {
         "bench": "pipeline", "mode": name, "png": str(out / "pipeline.png"), "seconds": seconds,
         "command": argv, "rc": rc, "wall_s": wall, "stopped": summary.get("stopped"), "run_dir": str(run_dir),
         "machine": machine, "machine_after": c.machine(),
         "learner_threads": {"pipeline": threads, "source": source, "option": args.learner_threads},
-        "isolated": isolated, **({"isolated_before": before} if before is not isolated else {}),
+        "isolated": isolated,
     }
-    result.update(run_figures(run_dir, isolated["tokens_per_s"]))
+    result.update(run_figures(run_dir, isolated["tokens_per_s"], isolated["fixed_batch"]["tokens_per_s"]))
     result["goals"] = goals(result["figures"])
     result["goals_met"] = all(g["met"] for g in result["goals"].values())
     result["definitions"] = {
         "tokens_per_s_ratio": "Σ n_tokens × learner/updates_applied ÷ Σ perf/step_s over policy steps (no "
                               "critic-only warm-up, no skipped step) less the run's first step and the first "
-                              "policy step, ÷ learner_step.py's SAO step tokens/s (min over rounds) at the "
-                              "pipeline learner's thread count",
+                              "policy step, ÷ the learner's own step isolated (learner_step.py --lengths-from the "
+                              "run's trajectories.parquet, min over rounds) at the pipeline learner's thread count",
+        "tokens_per_s_ratio_fixed_batch": "the same numerator ÷ learner_step.py's SAO step on its fixed synthetic "
+                                          "batch (context, not the goal)",
         "trained_fraction": "streamer.adaptation.trained_fraction: Σ n_trajectories of applied steps ÷ rows of "
                             "trajectories.parquet (a time-stopped run's last batch is not trained)",
         "learner_busy_share": "streamer.adaptation.learner_busy_share: 1 − Σ perf/idle_s ÷ learner wall time",

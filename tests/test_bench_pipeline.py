@@ -35,12 +35,12 @@ def make_run(run):
 
 def test_figures_of_a_hand_made_run(tmp_path):
     make_run(tmp_path)
-    r = bp.run_figures(tmp_path, isolated_tps=2000.0)
+    r = bp.run_figures(tmp_path, isolated_tps=2000.0, fixed_batch_tps=3000.0)
     f, p = r["figures"], r["pipeline"]
     # counted: steps 3 (2 updates) and 5; not 1 (critic-only, first), 2 (first policy step), 4 (skipped):
     # (1000 x 2 + 1000) tokens / (1 + 1) s = 1500 tokens/s, 0.75 of 2000
     assert p["learner_tokens_per_s"] == pytest.approx(1500.0) and p["steps_counted"] == 2
-    assert f["tokens_per_s_ratio"] == pytest.approx(0.75)
+    assert f["tokens_per_s_ratio"] == pytest.approx(0.75) and f["tokens_per_s_ratio_fixed_batch"] == pytest.approx(0.5)
     # trained: 2 + 2 + 2 + 1 of applied steps (step 4 skipped) = 7 of 10; the filled rows agree
     assert f["trained_fraction"] == pytest.approx(0.7) and p["trajectories_trained"] == 7
     assert p["trained_rows_fraction"] == pytest.approx(0.7)
