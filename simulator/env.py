@@ -38,9 +38,9 @@ class Env:
         self.family = get_family(task.family)
         try:
             self.family.check_spec(task.spec)
-        except ValueError as e:
+            self.latency = latency or latency_from_dict(task.spec.get("latency")) or LatencyConfig()
+        except (ValueError, TypeError) as e:
             raise ValueError(f"task {task.task_id} ({task.family}): {e}") from None
-        self.latency = latency or latency_from_dict(task.spec.get("latency")) or LatencyConfig()
         self.stop: list[str] = [CALL_CLOSE] if self.family.multi_turn else []
         self.done = False
         self.n_calls = 0

@@ -18,6 +18,9 @@ class LatencyConfig:
     sleep: bool = True  # False: report the latency without sleeping (tests, offline scoring)
 
     def validate(self) -> None:
+        for name in ("mean_s", "sigma", "alpha", "max_s"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"latency.{name}: {getattr(self, name)} is not a finite number")
         if self.mean_s < 0 or self.max_s < 0:
             raise ValueError("latency.mean_s and latency.max_s must be >= 0")
         if self.kind == "pareto" and self.alpha <= 1:
@@ -26,11 +29,22 @@ class LatencyConfig:
             raise ValueError("latency.sigma: must be > 0")
 
 
-def latency_from_dict(d: dict[str, Any] | None) -> LatencyConfig | None:
+TASK_MAX_S = 30.0  # the longest one tool call may take when a task message sets its own latency
+
+
+def latency_from_dict(d: dict[str, Any] | None, cap_s: float = TASK_MAX_S) -> LatencyConfig | None:
+    """A task's own latency spec (from its message), its cap no higher than `cap_s`: a task never decides how long
+    an agent sleeps (a replayed row with mean_s=1e6 and max_s=1e9 would pin its partition's commit)."""
     if not d:
         return None
+    if not isinstance(d, dict):
+        raise ValueError(f"latency: expected a mapping, got {type(d).__name__}")
+    unknown = sorted(set(d) - set(LatencyConfig.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"latency: unknown field(s) {unknown}")
     cfg = LatencyConfig(**d)
     cfg.validate()
+    cfg.max_s = min(cfg.max_s, cap_s)
     return cfg
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from simulator.env import make_env
 from simulator.families import FAMILIES
-from simulator.latency import LatencyConfig, sample_latency
+from simulator.latency import TASK_MAX_S, LatencyConfig, sample_latency
 from streamer.schema import Task, decode, encode
 
 NO_SLEEP = LatencyConfig(mean_s=0.0)
@@ -103,6 +103,21 @@ def test_latency_from_the_task_spec_and_rebuilt_after_a_round_trip():
     task.spec["latency"] = {"kind": "const", "mean_s": 0.0, "sleep": False}
     env = make_env(decode(encode(task), Task))
     assert env.latency.mean_s == 0.0 and env.step(f"<call>find(k={task.spec['name']})</call>").latency_s == 0.0
+
+
+def test_a_task_never_sets_a_latency_above_the_cap_nor_a_non_finite_one():
+    """A replayed row with latency mean_s=1e6 made the environment sleep 1e6 s per call (issue 14, finding 6)."""
+    task = _tool_task()
+    task.spec["latency"] = {"kind": "const", "mean_s": 1e6, "max_s": 1e9, "sleep": False}
+    env = make_env(decode(encode(task), Task))
+    assert env.step(f"<call>find(k={task.spec['name']})</call>").latency_s == TASK_MAX_S == 30.0
+    for bad, why in (({"mean_s": float("nan")}, r"latency.mean_s: nan is not a finite number"),
+                     ({"max_s": float("inf")}, r"latency.max_s: inf is not a finite number"),
+                     ({"mean_s": 1.0, "hours": 2}, r"latency: unknown field\(s\) \['hours'\]"),
+                     ({"mean_s": "slow"}, r"task tool-1 \(tool\): ")):
+        task.spec["latency"] = bad
+        with pytest.raises(ValueError, match=why):
+            make_env(task)
 
 
 @pytest.mark.parametrize("kind", ["exp", "lognormal", "pareto"])
