@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import os
 import sys
 import time
@@ -48,12 +49,15 @@ class MetricsSettings:
     tick_s: float = 0.5  # how often the idle check runs
     app_id: str = ""  # faust app id = consumer group; "" -> "<run>.metrics-app"
     max_message_bytes: int = 4 * 1024 * 1024  # larger values go to the DLQ
+    max_clock_skew_s: float = 300.0  # a trajectory that finished further ahead of this clock goes to the DLQ
     web_port: int = 0  # faust's web server; 0: off (several workers may share a machine)
     loglevel: str = "WARNING"
 
     def validate(self) -> None:
         if not self.window_s > 0:
             raise ConfigError("MetricsSettings.window_s: must be > 0 seconds")
+        if self.max_clock_skew_s < 0:
+            raise ConfigError("MetricsSettings.max_clock_skew_s: must be >= 0 seconds")
         if self.lateness_s < 0 or self.idle_flush_s <= 0 or self.tick_s <= 0:
             raise ConfigError("MetricsSettings.lateness_s >= 0, idle_flush_s > 0 and tick_s > 0 are required")
         try:
@@ -124,13 +128,29 @@ class MetricsState:
         """
         self.last_arrival = time.monotonic()
         traj, reason = self._decode(value, Trajectory)
+        if reason is None:
+            reason = self._bad_times(traj, time.time())
         if reason is not None:
             return self._reject(reason)
         self.windows.add(observe(traj, self.learner_version, timestamp))
         return self._points(self.windows.close_due()), None
 
+    def _bad_times(self, traj: Trajectory, now: float) -> str | None:
+        """Event time drives the windows: one trajectory from the far future would make every later one late."""
+        for name in ("created_at", "started_at", "finished_at", "reward"):
+            v = getattr(traj, name)
+            if not math.isfinite(v):
+                return f"Trajectory.{name}: non-finite {v}"
+        ahead = traj.finished_at - now
+        if ahead > self.settings.max_clock_skew_s:
+            return (f"Trajectory.finished_at: {traj.finished_at} is {ahead:.0f} s ahead of this clock "
+                    f"(max_clock_skew_s {self.settings.max_clock_skew_s:g})")
+        return None
+
     def on_learner(self, value: bytes | None) -> tuple[list[MetricPoint], str | None]:
         ev, reason = self._decode(value, LearnerEvent)
+        if reason is None and not math.isfinite(ev.time):
+            reason = f"LearnerEvent.time: non-finite {ev.time}"
         if reason is not None:
             return self._reject(reason)
         # Events may be redelivered or reordered across restarts: versions only move forward.

@@ -142,6 +142,22 @@ def test_bad_messages_are_rejected_with_reasons_and_counted():
     assert s.dlq == 4 and s.windows.open == {}
 
 
+def test_non_finite_and_far_future_times_are_dead_lettered_and_move_no_clock():
+    """finished_at=inf raised in the handler; one trajectory 1e9 s ahead made the next 49 of 50 late (issue 14)."""
+    s = state(window_s=5.0, lateness_s=1.0)
+    now = time.time()
+    _, reason = s.on_trajectory(encode(traj(0, t=math.inf)), 0.0)
+    assert reason == "Trajectory.finished_at: non-finite inf"
+    _, reason = s.on_trajectory(encode(traj(1, t=now + 1e9)), 0.0)
+    assert reason.startswith(f"Trajectory.finished_at: {now + 1e9} is 1000000000 s ahead of this clock") \
+        and "max_clock_skew_s 300" in reason
+    _, reason = s.on_learner(encode(LearnerEvent(step=1, version=1, time=math.nan, n_trajectories=0, n_tokens=0)))
+    assert reason == "LearnerEvent.time: non-finite nan"
+    for i in range(50):
+        assert s.on_trajectory(encode(traj(10 + i, t=now - 10 + 0.1 * i)), 0.0)[1] is None
+    assert s.windows.late == 0 and s.dlq == 3
+
+
 def test_idle_tick_closes_only_windows_the_wall_clock_has_passed():
     s = state(window_s=5.0, lateness_s=1.0, idle_flush_s=0.01)
     s.on_trajectory(encode(traj(0, t=100.0)), 0.0)  # window [100, 105)
