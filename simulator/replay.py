@@ -1,7 +1,8 @@
 """`sao replay FILE`: publish a recorded task stream with its inter-arrival times scaled by `--speed`.
 
-Reads JSONL line by line, CSV through pandas in chunks and Parquet in record batches, so memory
-stays bounded whatever the file's size. Every row is validated (schema, family, spec, prompt);
+Reads JSONL and CSV line by line and Parquet in record batches, so memory stays bounded whatever the
+file's size. Every row is validated (schema, family, spec, prompt, a time no more than `--max-gap`
+recorded seconds after the previous row's, so one bad stamp cannot put the replay to sleep for months);
 a bad row stops the replay with its row number and field, or with `--skip-bad` goes to a side
 file (`FILE.rejects.jsonl`) and is counted. Row numbers are 1-based: JSONL lines, data rows of
 a CSV (header excluded) or of a Parquet file.
@@ -10,6 +11,7 @@ a CSV (header excluded) or of a Parquet file.
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
 import json
 import resource
@@ -24,6 +26,8 @@ from simulator.records import RowError, message_from_row, parse_json_line
 from simulator.sinks import TaskSink, file_sink
 
 INT_COLUMNS = ("v", "phase", "seq")
+MAX_GAP_S = 3600.0  # default bound on the recorded time between two consecutive rows
+_MISSING = object()  # a CSV row with fewer cells than the header
 
 
 class ReplayError(ValueError):
@@ -44,6 +48,11 @@ class ReplayStats:
 
 
 def _coerce_csv(row: dict[str, Any]) -> dict[str, Any]:
+    if None in row:  # csv.DictReader's key for cells past the header's
+        raise RowError("<row>", f"{len(row[None])} more cell(s) than the header's columns")
+    short = [k for k, v in row.items() if v is _MISSING]
+    if short:
+        raise RowError("<row>", f"fewer cells than the header's columns (no {', '.join(short)})")
     out = {k: (None if v == "" else v) for k, v in row.items()}
     for k in INT_COLUMNS:
         if out.get(k) is not None:
@@ -68,11 +77,16 @@ def read_rows(path: Path, chunk_rows: int = 10_000) -> Iterator[tuple[int, Any, 
                 if line.strip():
                     yield n, line, "jsonl"
     elif suffix == ".csv":
-        import pandas as pd
-
-        n = 0
-        for chunk in pd.read_csv(path, chunksize=chunk_rows, dtype=str, keep_default_na=False):
-            for row in chunk.to_dict("records"):
+        with open(path, newline="", encoding="utf-8", errors="replace") as f:
+            reader = csv.DictReader(f, restval=_MISSING)
+            n = 0
+            while True:
+                try:
+                    row = next(reader)
+                except StopIteration:
+                    break
+                except csv.Error as e:  # e.g. a cell over csv.field_size_limit(): that row alone is bad
+                    row = {None: [f"unreadable: {e}"]}
                 n += 1
                 yield n, row, "csv"
     elif suffix in (".parquet", ".pq"):
@@ -102,8 +116,18 @@ def _raw_text(raw: Any) -> str:
 class _Pacer:
     """Waits so that message i leaves at start + (t_i - t_0) / speed; records the worst lag."""
 
-    def __init__(self, speed: float) -> None:
+    def __init__(self, speed: float, max_gap_s: float = MAX_GAP_S) -> None:
         self.speed, self.first, self.start, self.max_lag = speed, None, 0.0, 0.0
+        self.max_gap_s, self.last = max_gap_s, None
+
+    def check(self, stamp: float, field: str) -> None:
+        """A time the replay can wait for: finite, >= 0, at most max_gap_s after the previous row's."""
+        if not (stamp >= 0 and stamp != float("inf")):
+            raise RowError(field, f"not a finite time >= 0: {stamp}")
+        if self.last is not None and stamp - self.last > self.max_gap_s:
+            raise RowError(field, f"{stamp} is {stamp - self.last:.0f} s after the previous row's time "
+                                  f"(more than --max-gap {self.max_gap_s:g} s)")
+        self.last = stamp if self.last is None else max(self.last, stamp)
 
     def wait(self, stamp: float) -> None:
         if self.speed <= 0:
@@ -120,10 +144,10 @@ class _Pacer:
 
 def replay(path: str | Path, sink: TaskSink, speed: float = 1.0, skip_bad: bool = False,
            rejects: str | Path | None = None, restamp: bool = False, limit: int | None = None,
-           chunk_rows: int = 10_000) -> ReplayStats:
+           chunk_rows: int = 10_000, max_gap_s: float = MAX_GAP_S) -> ReplayStats:
     """Publish the file's messages to `sink` in order (closing it). `restamp`: created_at = send time."""
     path = Path(path)
-    stats, pacer, t = ReplayStats(), _Pacer(speed), time.perf_counter()
+    stats, pacer, t = ReplayStats(), _Pacer(speed, max_gap_s), time.perf_counter()
     rej_path = Path(rejects) if rejects else path.with_name(path.name + ".rejects.jsonl")
     rej = None
     try:
@@ -133,6 +157,7 @@ def replay(path: str | Path, sink: TaskSink, speed: float = 1.0, skip_bad: bool 
             stats.rows += 1
             try:
                 msg = decode_row(raw, fmt)
+                pacer.check(*((msg.time, "time") if isinstance(msg, DriftEvent) else (msg.created_at, "created_at")))
             except RowError as e:
                 if not skip_bad:
                     raise ReplayError(f"{path}: row {n}: {e}") from None
@@ -177,12 +202,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rejects", help="side file for bad rows (default: FILE.rejects.jsonl)")
     p.add_argument("--restamp", action="store_true", help="set created_at to the time each task is sent")
     p.add_argument("--limit", type=int, default=None, help="stop after this many tasks")
-    p.add_argument("--chunk-rows", type=int, default=10_000, help="rows read at a time (CSV, Parquet)")
+    p.add_argument("--chunk-rows", type=int, default=10_000, help="rows read at a time (Parquet)")
+    p.add_argument("--max-gap", type=float, default=MAX_GAP_S,
+                   help="recorded seconds a row's time may lie after the previous row's (a larger jump is a bad row)")
     args = p.parse_args(argv)
     if bool(args.out) == bool(args.bootstrap):
         p.error("give exactly one of --out FILE, --bootstrap SERVERS")
-    if args.speed < 0:
-        p.error("--speed must be >= 0")
+    if not 0 <= args.speed < float("inf"):
+        p.error("--speed must be a finite number >= 0")
+    if not 0 < args.max_gap < float("inf"):
+        p.error("--max-gap must be a finite number > 0")
     return args
 
 
@@ -199,7 +228,7 @@ def main(argv: list[str]) -> int:
         sink = file_sink(args.out)
     try:
         stats = replay(args.file, sink, args.speed, args.skip_bad, args.rejects, args.restamp, args.limit,
-                       args.chunk_rows)
+                       args.chunk_rows, args.max_gap)
     except ReplayError as e:
         print(f"sao replay: {e}", file=sys.stderr)
         return 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 
 import pytest
 
@@ -112,6 +113,43 @@ def test_csv_bad_cell_names_row_and_column(tmp_path):
     src.write_text("\n".join(lines) + "\n")
     with pytest.raises(ReplayError, match=r"row 3: field 'phase'"):
         replay(src, QueueSink(), speed=0)
+
+
+def test_bad_times_and_a_malformed_csv_row_are_rejected_not_slept_on(tmp_path):
+    """A row 1e9 s ahead slept ~116 days at --speed 100, 1e300 raised OverflowError, a drift row at a negative
+    time was accepted, a CSV row with an extra cell raised a pandas traceback even with --skip-bad (issue 14)."""
+    src = tmp_path / "rec.jsonl"
+    _record(src, 20)
+    lines = src.read_text().splitlines()
+    rows = [json.loads(x) for x in lines]
+    drift = next(i for i, r in enumerate(rows) if r["kind"] == "drift")
+    tasks = [i for i, r in enumerate(rows) if r["kind"] == "task"]
+    rows[tasks[3]]["created_at"] += 1e9
+    rows[tasks[5]]["created_at"] = 1e300
+    rows[drift]["time"] = -5.0
+    src.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    rej = tmp_path / "rej.jsonl"
+    t0 = time.monotonic()
+    stats = replay(src, QueueSink(), speed=100.0, skip_bad=True, rejects=rej)
+    assert time.monotonic() - t0 < 5.0 and (stats.tasks, stats.bad, stats.drift_events) == (18, 3, 0)
+    got = {r["row"]: (r["field"], r["error"]) for r in map(json.loads, rej.read_text().splitlines())}
+    assert got[tasks[3] + 1][0] == "created_at" and "s after the previous row's time (more than --max-gap 3600 s)" \
+        in got[tasks[3] + 1][1]
+    assert got[tasks[5] + 1][0] == "created_at" and got[drift + 1] == ("time", "field 'time': not a finite time >= 0: -5.0")
+    with pytest.raises(ReplayError, match=rf"row {tasks[3] + 1}: field 'created_at'"):
+        replay(src, QueueSink(), speed=100.0)
+
+    csv_src = tmp_path / "rec.csv"
+    _record(csv_src, 10)
+    lines = csv_src.read_text().splitlines()
+    lines[4] += ",surplus"
+    lines[6] = lines[6].split(",", 1)[0]
+    csv_src.write_text("\n".join(lines) + "\n")
+    stats = replay(csv_src, QueueSink(), speed=0, skip_bad=True, rejects=rej)
+    assert stats.bad_rows == [4, 6] and stats.tasks + stats.drift_events == 9
+    got = [json.loads(x) for x in rej.read_text().splitlines()]
+    assert [r["field"] for r in got] == ["<row>", "<row>"]
+    assert "1 more cell(s) than the header's columns" in got[0]["error"] and "fewer cells" in got[1]["error"]
 
 
 def test_simulate_command_writes_the_file(tmp_path, capsys):
