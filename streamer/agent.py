@@ -27,7 +27,7 @@ from typing import Any
 
 from kafka.errors import KafkaError
 
-from streamer.bus import Consumer, DeadLetter, KafkaBus, MemoryBus, Producer
+from streamer.bus import Consumer, DeadLetter, KafkaBus, MemoryBus, Producer, SendError
 from streamer.config import ConfigError, load_config
 from streamer.rollouts import ROLLOUT_ERRORS, Finished, Rollouts
 from streamer.schema import PolicyVersion, Task, Trajectory, encode
@@ -315,6 +315,9 @@ def main(argv: list[str]) -> int:
              engine.version, s.group_size)
     try:
         stats = agent.run()
+    except SendError as e:  # raised before the commit: the tasks in question are redelivered
+        print(f"sao agent: Kafka at {bus.bootstrap}: {e}; stopping without committing those tasks", file=sys.stderr)
+        return 1
     finally:
         agent.tasks.close()
         agent.follower.consumer.close()

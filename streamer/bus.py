@@ -69,8 +69,14 @@ def _key_bytes(key: str | bytes | None) -> bytes | None:
     return key.encode() if isinstance(key, str) else key
 
 
+class SendError(Exception):
+    """Records the broker did not confirm after the producer's retries: the caller must not commit what they
+    answer (not a RuntimeError, so no task-level handler takes it for a bad task)."""
+
+
 class Producer:
-    """Encodes schema structs (msgpack) and hands bytes to a transport."""
+    """Encodes schema structs (msgpack) and hands bytes to a transport. `flush()` returns only once every record
+    sent since the last flush is confirmed by the broker, and raises `SendError` otherwise."""
 
     def send(self, topic: str, msg: Message, key: str | bytes | None = None) -> Any:
         """Returns the transport's delivery future (Kafka: record metadata), or None."""
@@ -217,18 +223,34 @@ class KafkaProducerClient(Producer):
         from kafka import KafkaProducer
 
         cfg = dict(bootstrap_servers=bootstrap.split(","), client_id=settings.client_id, acks="all",
-                   enable_idempotence=False,  # Tansu: keep the producer simple; downstream de-duplicates
+                   enable_idempotence=settings.idempotence, retries=float("inf"),  # bounded by delivery_timeout_ms
                    compression_type=compression_type(settings.compression), linger_ms=settings.linger_ms,
                    batch_size=settings.batch_size, request_timeout_ms=settings.request_timeout_ms,
+                   delivery_timeout_ms=max(settings.delivery_timeout_ms, settings.request_timeout_ms + settings.linger_ms),
                    max_request_size=max(DLQ_MAX_VALUE_BYTES, settings.max_message_bytes) + 64 * 1024)
         cfg.update(overrides)
         self._p = KafkaProducer(**cfg)
+        self._unconfirmed: list[tuple[str, Any]] = []
 
     def send_raw(self, topic: str, value: bytes, key: bytes | None = None) -> Any:
-        return self._p.send(topic, value=value, key=key)  # FutureRecordMetadata
+        future = self._p.send(topic, value=value, key=key)  # FutureRecordMetadata
+        self._unconfirmed.append((topic, future))
+        return future
 
     def flush(self, timeout: float | None = None) -> None:
-        self._p.flush(timeout=timeout)
+        """kafka-python's flush() returns even when records failed: check every future since the last flush."""
+        from kafka.errors import KafkaTimeoutError
+
+        sent, self._unconfirmed = self._unconfirmed, []
+        try:
+            self._p.flush(timeout=timeout)
+        except KafkaTimeoutError as e:
+            raise SendError(f"{len(sent)} record(s) not confirmed by the broker within {timeout} s: {e}") from e
+        failed = [(topic, f.exception) for topic, f in sent if not f.is_done or f.failed()]
+        if failed:
+            topics = sorted({t for t, _ in failed})
+            raise SendError(f"{len(failed)} of {len(sent)} record(s) to {', '.join(topics)} failed after the "
+                            f"producer's retries: {type(failed[0][1]).__name__}: {failed[0][1]}")
 
     def close(self) -> None:
         self._p.close(timeout=5)

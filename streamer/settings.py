@@ -43,6 +43,8 @@ class ClientSettings:
     batch_size: int = 256 * 1024
     max_message_bytes: int = 4 * 1024 * 1024  # bigger messages go to the DLQ on the consumer side
     request_timeout_ms: int = 30_000
+    idempotence: bool = True  # idempotent producers: a retried send is written once (Apache Kafka and Tansu)
+    delivery_timeout_ms: int = 120_000  # a record unconfirmed after this long (retries included) fails its flush()
     client_id: str = "sao"
 
     def resolved_bootstrap(self) -> str:

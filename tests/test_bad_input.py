@@ -84,3 +84,29 @@ def test_untrainable_trajectories_are_dead_lettered_and_never_checkpointed(tmp_p
     finally:
         source.close()
     assert sorted(resumed + trained) == sorted(good_ids)
+
+
+@pytest.mark.kafka
+def test_a_send_the_broker_never_confirms_raises_instead_of_returning(tmp_path):
+    """kafka-python's flush() returned although the records failed, and the agent then committed its task offsets
+    (issue 14, finding 3). Here the broker dies between send and flush."""
+    from streamer.broker import EmbeddedBroker
+    from streamer.bus import KafkaBus, SendError
+    from streamer.settings import BrokerSettings, ClientSettings
+
+    broker = EmbeddedBroker(BrokerSettings(port=0, log_path=str(tmp_path / "tansu.log"))).start()
+    try:
+        bus = KafkaBus(broker.bootstrap, ClientSettings(client_id="sao-test", request_timeout_ms=1000,
+                                                        delivery_timeout_ms=3000))
+        bus.create_topics({"lost.trajectories": 1})
+        prod = bus.producer()
+        policy = build_policy(tiny_model_config(), seed=0)
+        t = synthetic_trajectories(policy, 2)
+        prod.send("lost.trajectories", t[0], key=t[0].task_id)
+        prod.flush()  # confirmed: returns
+    finally:
+        broker.stop()
+    prod.send("lost.trajectories", t[1], key=t[1].task_id)
+    with pytest.raises(SendError, match=r"record\(s\) (to lost.trajectories failed|not confirmed)"):
+        prod.flush(timeout=10)
+    prod.close()
