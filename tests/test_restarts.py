@@ -46,3 +46,38 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(tmp_pat
     assert f"checkpoint {dirs[-2]} is damaged (value.safetensors does not match its sha256" in warned[1]
     assert again.run() == 2  # the two batches after step 1, trained again
 
+
+
+def test_a_restart_neither_makes_trajectories_stale_nor_publishes_while_it_redoes_lost_steps(tmp_path):
+    """The learner resumed at its checkpoint's step but published `latest + 1`, so the trajectories it read again
+    (and its buffered ones) looked older than they were and were dropped as stale (issue 14, finding 1); the steps
+    it redid published their versions a second time (finding 8)."""
+    from learner.trainer.publish import DirectoryPublisher
+
+    policy = build_policy(tiny_model_config(), seed=0)
+    # two trajectories per version, as paced agents generate them: version v's pair trains at step v + 1
+    trajs = [t for v in range(6) for t in synthetic_trajectories(policy, 2, seed=v, version=v, prefix=f"v{v}-")]
+    path = write_trajectories(tmp_path / "t.jsonl", trajs, append=False)
+    cfg = _cfg(tmp_path, "batch.max_staleness=2", "checkpoint.every=1000")
+    store = tmp_path / "weights"
+
+    crashed = Trainer(cfg, build_models(cfg), FileSource(path), DirectoryPublisher(store))
+    crashed.start()
+    trained = []
+    for _ in range(5):
+        crashed.step_once()
+        if crashed.step == 3:
+            crashed.checkpoint()  # the last checkpoint before the crash: step 3, version 3
+    assert DirectoryPublisher(store).versions() == [0, 1, 2, 3, 4, 5]
+    del crashed  # SIGKILL: steps 4 and 5 are lost
+
+    events = []
+    again = Trainer(cfg, build_models(cfg), FileSource(path), DirectoryPublisher(store), [events.append])
+    assert again.resume() and (again.step, again.version) == (3, 3)
+    assert again.run() == 3
+    trained = [tid for e in events for tid in e.task_ids]
+    assert trained == [t.task_id for t in trajs[6:]]  # steps 4, 5 redone, then step 6
+    assert again.admission.counts["stale"] == 0 and [e.staleness for e in events] == [{"0": 2}] * 3
+    # nothing while redoing steps 4 and 5 (versions 4 and 5 exist: the agents hold them), then 6 after step 6
+    assert DirectoryPublisher(store).versions() == [0, 1, 2, 3, 4, 5, 6]
+    assert again.counters["redone_versions"] == 2 and again.version == 6 and again.admission.lineage.anchors == []

@@ -59,6 +59,9 @@ class Trainer:
         self.batcher = Batcher(b.tokens, b.max_trajectories, cfg.advantage.group_size if grouped else None,
                                b.sync_batch if b.sync else None, grouped and cfg.advantage.dynamic_sampling)
         self.step = self.policy_steps = self.version = 0
+        self.vindex = 0  # the lineage index of `version` (staleness counts it; see staleness.Lineage)
+        self.redo_until = -1  # after a restart: publication points up to this index were published before the crash
+        self.resumed = False
         self.unpublished = 0  # steps since the last published version
         self.positions: dict[str, int] = {}
         self.counters: Counter[str] = Counter()
@@ -107,14 +110,14 @@ class Trainer:
         t0 = time.monotonic()
         if self.cfg.batch.sync:  # sync mode trains only on the current version
             self.counters["stale"] += len(self.batcher.drop_where(
-                lambda unit: any(staleness(t, self.version) > 0 for t in unit)))
+                lambda unit: any(staleness(t, self.vindex, self.admission.lineage) > 0 for t in unit)))
         while not self.batcher.has_batch() and not self.stop:
             if self.source.exhausted:
                 rest = self.batcher.take(flush=True) if self.cfg.batch.flush_at_end else []
                 return rest or None
             for traj, off in self.source.poll(max_records=256, timeout_s=0.2):
                 self.positions[off.partition] = off.next
-                verdict = self.admission.admit(traj, self.version)
+                verdict = self.admission.admit(traj, self.vindex)
                 if verdict == "ok":
                     self.batcher.add(traj)
                 elif verdict == "invalid":
@@ -127,11 +130,11 @@ class Trainer:
 
     def train_on(self, trajs: list[Trajectory]) -> LearnerEvent | None:
         grouped = not self.cfg.uses_value_model
-        fresh, _ = self.admission.split_stale(trajs, self.version, group_key if grouped else None)
+        fresh, _ = self.admission.split_stale(trajs, self.vindex, group_key if grouped else None)
         if not fresh:
             return None
         t0 = time.monotonic()
-        hist = histogram(fresh, self.version)  # staleness against the version the update starts from
+        hist = histogram(fresh, self.vindex, self.admission.lineage)  # against the version the update starts from
         batch = collate(by_length(fresh)).to(self.device)
         ref = prepare(self.cfg, self.models, batch)
         warm = self.models.value is not None and self.warm_left > 0
@@ -162,7 +165,7 @@ class Trainer:
         # critic-only or skipped step publishes one too (the same policy weights), or they would wait forever.
         self.unpublished += 1
         if self.cfg.batch.sync or self.unpublished >= self.cfg.batch.sync_every:
-            self._publish(self.version + 1)
+            self._advance()
             self.unpublished = 0
         if applied:
             self._watch_value_loss(metrics.get("value_loss"), warm)
@@ -179,14 +182,26 @@ class Trainer:
                      vc.spike_factor, self.value_ema, vc.rewarm_steps)
         self.value_ema = v if self.value_ema is None else vc.spike_ema * self.value_ema + (1 - vc.spike_ema) * v
 
-    def _publish(self, version: int) -> None:
-        """A version exists only once published: without a publisher (replaying a recording with
-        no agents listening) the version stays put and staleness is the recording's own."""
-        if self.publishes:
-            model = self._hf("policy")  # collective under megatron
-            if self.publisher is not None:
-                self.publisher.publish(model, version, self.step)
-            self.version = version
+    def _advance(self) -> None:
+        """A publication point. A version exists only once published: without a publisher (replaying a recording
+        with no agents listening) the version stays put and staleness is the recording's own. Redoing the steps a
+        crash lost, the learner publishes nothing until it is past what it had published before the crash: the
+        agents generated for those versions already, and new versions would let them generate again."""
+        if not self.publishes:
+            return
+        self.vindex += 1
+        if self.vindex <= self.redo_until:  # the lost step's version exists: same index, same number
+            self.version += 1
+            self.counters["redone_versions"] += 1
+            return
+        self._publish(self.version + 1, self.vindex)
+
+    def _publish(self, number: int, index: int) -> None:
+        model = self._hf("policy")  # collective under megatron
+        if self.publisher is not None:
+            self.publisher.publish(model, number, self.step)
+        self.version = number
+        self.admission.lineage.anchor(number, index)
 
     def _hf(self, name: str) -> torch.nn.Module:
         """The HF-format model to save or publish (megatron: exported, a collective over the ranks)."""
@@ -225,7 +240,8 @@ class Trainer:
                 "expert_parallel": self.cfg.backend.expert_parallel}
 
     def checkpoint(self) -> None:
-        state = {"version": self.version, "policy_steps": self.policy_steps, "positions": self.positions,
+        state = {"version": self.version, "version_index": self.vindex, "redo_until": self.redo_until,
+                 "policy_steps": self.policy_steps, "positions": self.positions,
                  "admission": self.admission.state(), "counters": dict(self.counters),
                  "value_ema": self.value_ema, "warm_left": self.warm_left, "layout": self._layout()}
         models, opts = self._parts()
@@ -268,6 +284,8 @@ class Trainer:
             if "value" in models:
                 lrn.load_hf_value(models["value"])
         self.step, self.version, self.policy_steps = state["step"], state["version"], state["policy_steps"]
+        self.vindex, self.redo_until = state.get("version_index", self.version), state.get("redo_until", -1)
+        self.resumed = True
         self.positions = {k: int(v) for k, v in state["positions"].items()}
         self.admission.load_state(state["admission"])
         self.counters = Counter(state["counters"])
@@ -295,9 +313,15 @@ class Trainer:
         if self.group is not None:  # the leader's store decides
             latest = self.group.share_int(-1 if latest is None else latest)
             latest = None if latest < 0 else latest
-        if latest is None or latest >= self.version:
-            # the store may hold versions from after our checkpoint: never reuse a version number
-            self._publish(self.version if latest is None else latest + 1)
+        if latest is None:
+            self._publish(self.version, self.vindex)
+        elif self.resumed and latest >= self.version:
+            # The versions after our checkpoint were published by the steps the crash lost. This run redoes those
+            # steps from the same records and RNG state (the same weights), publishing nothing until it is past
+            # them: agents keep the versions they hold, and what they generated keeps its staleness.
+            self.redo_until = max(self.redo_until, self.admission.lineage.index(latest))
+        elif latest >= self.version:  # a new lineage over an old store: never reuse a number
+            self._publish(latest + 1, self.vindex)
 
     def install_signal_handlers(self) -> None:
         """SIGTERM/SIGINT finish the current step, checkpoint and return."""

@@ -1,7 +1,9 @@
 """Which trajectories the learner accepts: de-duplication, validity and the staleness bound.
 
 staleness = learner version at training time - the trajectory's `policy_version` (the oldest
-version that generated any of its tokens). A trajectory more than `max_staleness` versions behind
+version that generated any of its tokens), both counted on the learner's lineage (`Lineage`): a
+restart from a checkpoint publishes under a new number the weights of an older index, so version
+numbers alone would make every trajectory read again after a restart look older than it is. A trajectory more than `max_staleness` versions behind
 is dropped and counted; it is checked on arrival and again when its batch is trained, since it may
 wait in the buffer while versions advance. A GRPO-family group goes stale as a whole (its oldest
 member decides).
@@ -19,13 +21,36 @@ from collections import Counter, OrderedDict
 from streamer.schema import Trajectory
 
 
-def staleness(t: Trajectory, version: int) -> int:
-    return version - t.policy_version
+class Lineage:
+    """Published version numbers -> lineage index (how many publication points of the surviving history lie
+    behind that version's weights). Numbers only grow, so agents always move forward; the index is what
+    staleness counts. Without restarts index == number. A restart from a checkpoint at index i, with numbers up to
+    L already published (L - n_ckpt of them by steps the crash lost), publishes the checkpoint's weights as L + 1
+    with index i: an anchor (L + 1, i). The lost versions keep the indices of the steps that redo them."""
+
+    def __init__(self, anchors: list[list[int]] | None = None) -> None:
+        self.anchors: list[tuple[int, int]] = [(int(n), int(i)) for n, i in anchors or []]  # (number, index)
+
+    def index(self, number: int) -> int:
+        for n, i in reversed(self.anchors):
+            if number >= n:
+                return i + (number - n)
+        return number
+
+    def anchor(self, number: int, index: int) -> None:
+        """Version `number` holds the weights of lineage `index` (recorded only where it breaks the pattern)."""
+        if self.index(number) != index:
+            self.anchors.append((number, index))
 
 
-def histogram(trajs: list[Trajectory], version: int) -> dict[str, int]:
+def staleness(t: Trajectory, version_index: int, lineage: Lineage | None = None) -> int:
+    """`version_index`: the learner's lineage index (its version number when it never restarted)."""
+    return version_index - (t.policy_version if lineage is None else lineage.index(t.policy_version))
+
+
+def histogram(trajs: list[Trajectory], version_index: int, lineage: Lineage | None = None) -> dict[str, int]:
     """Staleness (as a string, the LearnerEvent format) -> count."""
-    return {str(k): v for k, v in sorted(Counter(staleness(t, version) for t in trajs).items())}
+    return {str(k): v for k, v in sorted(Counter(staleness(t, version_index, lineage) for t in trajs).items())}
 
 
 def invalid_reason(t: Trajectory, vocab_size: int | None = None, max_tokens: int | None = None) -> str | None:
@@ -64,6 +89,7 @@ class Admission:
                  sync: bool = False, vocab_size: int | None = None, max_tokens: int | None = None) -> None:
         self.max_staleness = 0 if sync else max_staleness
         self.vocab_size, self.max_tokens = vocab_size, max_tokens
+        self.lineage = Lineage()
         self.last_invalid = ""  # the reason of the latest 'invalid', for the dead-letter record
         self.grouped, self.window = grouped, window
         self.seen: OrderedDict[str, None] = OrderedDict()
@@ -83,7 +109,7 @@ class Admission:
             reason, self.last_invalid = "invalid", why
         elif t.temperature <= 0:
             reason = "greedy"
-        elif staleness(t, version) > self.max_staleness:
+        elif staleness(t, version, self.lineage) > self.max_staleness:
             reason = "stale"
         else:
             reason = "ok"
@@ -97,9 +123,9 @@ class Admission:
     def split_stale(self, trajs: list[Trajectory], version: int, group_key=None) -> tuple[list, list]:
         """(fresh, stale) at training time; with `group_key`, a group is stale if any member is."""
         if group_key is None:
-            stale_ids = {id(t) for t in trajs if staleness(t, version) > self.max_staleness}
+            stale_ids = {id(t) for t in trajs if staleness(t, version, self.lineage) > self.max_staleness}
         else:
-            bad = {group_key(t) for t in trajs if staleness(t, version) > self.max_staleness}
+            bad = {group_key(t) for t in trajs if staleness(t, version, self.lineage) > self.max_staleness}
             stale_ids = {id(t) for t in trajs if group_key(t) in bad}
         fresh = [t for t in trajs if id(t) not in stale_ids]
         stale = [t for t in trajs if id(t) in stale_ids]
@@ -107,8 +133,9 @@ class Admission:
         return fresh, stale
 
     def state(self) -> dict:
-        return {"seen": list(self.seen), "counts": dict(self.counts)}
+        return {"seen": list(self.seen), "counts": dict(self.counts), "lineage": self.lineage.anchors}
 
     def load_state(self, state: dict) -> None:
         self.seen = OrderedDict((k, None) for k in state.get("seen", []))
         self.counts = Counter(state.get("counts", {}))
+        self.lineage = Lineage(state.get("lineage"))
