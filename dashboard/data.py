@@ -73,7 +73,7 @@ def load_run(run_dir: str | Path, read_part: Callable[..., pd.DataFrame] = art.r
         if col in traj and not isinstance(traj[col].dtype, pd.CategoricalDtype):
             traj[col] = traj[col].astype("category")  # parts with different categories concatenate to str
     return RunData(name=d.name, trajectories=ad.sort_by(traj, "finished_at") if len(traj) else traj,
-                   learner=art.read_table(d, "learner", lambda p: read_part(p, None, ())),
+                   learner=art.standing(art.read_table(d, "learner", lambda p: read_part(p, None, ()))),
                    metrics=art.read_table(d, "metrics", lambda p: read_part(p, None, ())),
                    drift=[msgspec.to_builtins(e) for e in art.read_drift(d)], config=art.read_config(d),
                    summary=art.read_summary(d))

@@ -349,7 +349,22 @@ def read_trajectories(run_dir: str | Path) -> pd.DataFrame:
 
 
 def read_learner(run_dir: str | Path) -> pd.DataFrame:
-    return read_table(run_dir, "learner")
+    """The learner events that stand (`standing`): a step a restart redid counts once, as redone."""
+    return standing(read_table(run_dir, "learner"))
+
+
+def standing(learner: pd.DataFrame) -> pd.DataFrame:
+    """The events that stand, in emission order: a learner restarted from its checkpoint at step s emits s+1,
+    s+2, ... again, so a later event of step s' replaces every earlier event of a step >= s'."""
+    if not len(learner) or "step" not in learner:
+        return learner
+    stack: list[int] = []  # row positions of the standing events, steps increasing
+    steps = learner["step"].to_numpy()
+    for i, s in enumerate(steps):  # table order is emission order
+        while stack and steps[stack[-1]] >= s:
+            stack.pop()
+        stack.append(i)
+    return learner.iloc[stack].reset_index(drop=True)
 
 
 def read_metrics(run_dir: str | Path) -> pd.DataFrame:
@@ -415,13 +430,7 @@ def effective_events(learner: pd.DataFrame) -> pd.DataFrame:
     cols = ["step", "version", "version_before", "skipped", "task_ids"]
     if not len(learner) or "step" not in learner:
         return pd.DataFrame(columns=cols)
-    stack: list[int] = []  # row positions of the standing events, steps increasing
-    steps = learner["step"].to_numpy()
-    for i, s in enumerate(steps):  # table order is emission order
-        while stack and steps[stack[-1]] >= s:
-            stack.pop()
-        stack.append(i)
-    ev = learner.iloc[stack].reset_index(drop=True)
+    ev = standing(learner)
     version = pd.to_numeric(ev["version"], errors="coerce").astype(float)
     before = version.shift(1)
     contiguous = ev["step"].diff() == 1

@@ -217,7 +217,7 @@ def test_compaction_by_one_writer_keeps_another_writers_later_parts(tmp_path):
     assert art.compacted_through(tmp_path / "learner.parquet") == {"learner": 3, "tap": 1}
     lrn.add({"step": 4})
     assert lrn.flush().name == "part-00004-learner.parquet"
-    assert sorted(art.read_learner(tmp_path)["step"].tolist()) == [0, 1, 2, 3, 4]
+    assert sorted(art.read_table(tmp_path, "learner")["step"].tolist()) == [0, 1, 2, 3, 4]
     # a new learner process after that continues at 5, not 1
     assert art.TableWriter(tmp_path, "learner", writer_id="learner").seq == 4
 

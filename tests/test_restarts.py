@@ -81,3 +81,17 @@ def test_a_restart_neither_makes_trajectories_stale_nor_publishes_while_it_redoe
     # nothing while redoing steps 4 and 5 (versions 4 and 5 exist: the agents hold them), then 6 after step 6
     assert DirectoryPublisher(store).versions() == [0, 1, 2, 3, 4, 5, 6]
     assert again.counters["redone_versions"] == 2 and again.version == 6 and again.admission.lineage.anchors == []
+
+
+def test_redone_steps_replace_their_events_in_the_run_tables(tmp_path):
+    """A redone step's event replaced nothing: learner.parquet counted it twice (issue 14, finding 8)."""
+    from streamer import artifacts as art
+    from streamer.schema import LearnerEvent
+
+    w = art.RunWriter(tmp_path, config={}, flush_seconds=1e9, writer_id="tap")
+    for step, version in ((1, 1), (2, 2), (3, 3), (4, 4), (3, 3), (4, 4), (5, 5)):  # crash after 4, resume at 2
+        w.learner_event(LearnerEvent(step=step, version=version, time=float(step), n_trajectories=2, n_tokens=10,
+                                     task_ids=[f"k{step}a", f"k{step}b"]))
+    w.close()
+    learner = art.read_learner(tmp_path)
+    assert learner["step"].tolist() == [1, 2, 3, 4, 5] and int(learner["n_trajectories"].sum()) == 10
