@@ -109,6 +109,7 @@ class Consumer:
         self.name = name
         self.dead_letters = 0
         self.dead_by_reason: Counter[str] = Counter()
+        self.in_dlq: set[tuple[str, int, int]] = set()  # (topic, partition, offset) already dead-lettered by `name`
         self._high: dict[TopicPartition, int] = {}
         self._pending: dict[TopicPartition, set[int]] = {}
         self.tracks_commits = True  # False for group-less taps: nothing to commit, nothing to remember
@@ -171,6 +172,9 @@ class Consumer:
         log.warning("%s: %s[%d]@%d -> DLQ: %s", self.name, rec.tp.topic, rec.tp.partition, rec.offset, reason)
         if self.dlq is None or self.dlq_producer is None:
             return
+        if (rec.tp.topic, rec.tp.partition, rec.offset) in self.in_dlq:  # read again after a restart: sent already
+            return
+        self.in_dlq.add((rec.tp.topic, rec.tp.partition, rec.offset))
         letter = DeadLetter(topic=rec.tp.topic, partition=rec.tp.partition, offset=rec.offset, key=rec.key,
                             value=bytes(rec.value[:DLQ_MAX_VALUE_BYTES]), value_len=len(rec.value),
                             reason=reason, expected=expected, consumer=self.name, time=time.time())
@@ -271,6 +275,8 @@ class KafkaConsumerClient(Consumer):
         cfg.update(overrides)
         self._c = KafkaConsumer(**cfg)
         self._seek_on_assign: dict[TopicPartition, int] = {}
+        if dlq is not None and producer is not None:
+            self.in_dlq = letters_in(bootstrap, settings, dlq, self.name)
         outer = self
 
         class _Listener(ConsumerRebalanceListener):
@@ -335,6 +341,40 @@ class KafkaConsumerClient(Consumer):
 
     def close(self) -> None:
         self._c.close(autocommit=False)
+
+
+def letters_in(bootstrap: str, settings: ClientSettings, dlq: str, name: str,
+               timeout_s: float = 15.0) -> set[tuple[str, int, int]]:
+    """(topic, partition, offset) of every dead letter consumer `name` has sent to `dlq`: a consumer restarted from
+    older offsets reads those records again and must not send their letters twice. The DLQ is small (bad input
+    only); it is read from the start to its end offsets at the consumer's creation."""
+    from kafka import KafkaConsumer
+
+    c = KafkaConsumer(bootstrap_servers=bootstrap.split(","), client_id=settings.client_id, group_id=None,
+                      enable_auto_commit=False, request_timeout_ms=settings.request_timeout_ms)
+    found: set[tuple[str, int, int]] = set()
+    try:
+        tps = [TopicPartition(dlq, p) for p in sorted(c.partitions_for_topic(dlq) or ())]
+        if not tps:
+            return found
+        c.assign(tps)
+        c.seek_to_beginning(*tps)
+        end = c.end_offsets(tps)
+        deadline = time.monotonic() + timeout_s
+        while any(c.position(tp) < end[tp] for tp in tps):
+            if time.monotonic() > deadline:
+                raise SendError(f"{dlq}: could not read the dead letters already sent within {timeout_s} s")
+            for records in c.poll(timeout_ms=500).values():
+                for r in records:
+                    try:
+                        letter = decode(r.value, DeadLetter)
+                    except SchemaError:
+                        continue
+                    if letter.consumer == name:
+                        found.add((letter.topic, letter.partition, letter.offset))
+    finally:
+        c.close(autocommit=False)
+    return found
 
 
 class KafkaBus:

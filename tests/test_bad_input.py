@@ -110,3 +110,39 @@ def test_a_send_the_broker_never_confirms_raises_instead_of_returning(tmp_path):
     with pytest.raises(SendError, match=r"record\(s\) (to lost.trajectories failed|not confirmed)"):
         prod.flush(timeout=10)
     prod.close()
+
+
+@pytest.mark.kafka
+def test_dead_letters_are_not_sent_again_when_a_restarted_consumer_reads_them_again(kafka_bus, kafka_run):
+    """Records after the last checkpointed offset are read again after a restart: their dead letters were re-sent
+    to the DLQ every time (issue 14, finding 8)."""
+    from streamer.topics import Topics, partitions_by_topic
+
+    kafka_bus.create_topics(partitions_by_topic(kafka_run))
+    topics = Topics(kafka_run)
+    t = synthetic_trajectories(build_policy(tiny_model_config(), seed=0), 2)
+    prod = kafka_bus.producer()
+    prod.send(topics.trajectories, t[0], key="a")
+    prod.send_raw(topics.trajectories, b"\x00not msgpack", key=b"a")
+    prod.send(topics.trajectories, t[1], key="a")
+    prod.flush()
+
+    def read_all() -> int:
+        c = kafka_bus.consumer({topics.trajectories: Trajectory}, group_id=None, dlq=topics.dlq)
+        got = []
+        for _ in range(20):
+            got += c.poll(max_records=10, timeout=0.5)
+            if len(got) >= 2:
+                break
+        c.close()
+        assert len(got) == 2 and c.dead_letters == 1
+        return c.dead_letters
+
+    read_all()
+    read_all()  # a restart from the first offset
+    dlq = kafka_bus.consumer({topics.dlq: DeadLetter}, group_id=None)
+    letters = []
+    for _ in range(6):
+        letters += dlq.poll(max_records=10, timeout=0.5)
+    dlq.close()
+    assert len(letters) == 1 and letters[0].msg.expected == "Trajectory"
