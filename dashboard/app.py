@@ -210,7 +210,7 @@ def recovery_table(rec: pd.DataFrame, summaries: dict[str, dict], window: int, d
 def header(values: list[dict], window: int) -> None:
     for h in values:
         st.markdown(f"**{h['name']}** ({h['state']})")
-        cols = st.columns(7)
+        cols = st.columns(8)
         cols[0].metric("trajectories", f"{h['trajectories']:,}")
         cols[1].metric("learner steps", f"{h['learner_steps']:,}")
         cols[2].metric(f"AUC (W={window})", _fmt(h["auc"], "{:.3f}"))
@@ -220,6 +220,9 @@ def header(values: list[dict], window: int) -> None:
                        help="trajectories the learner trained on ÷ trajectories generated")
         cols[6].metric("learner busy share", _fmt(h["busy_share"], "{:.0%}"),
                        help="1 − the learner's idle time (waiting for a batch) ÷ its wall time")
+        learner, metrics = h["dead_letters"]
+        cols[7].metric("dead letters", " · ".join("–" if v is None else f"{v:,}" for v in (learner, metrics)),
+                       help="messages sent to <run>.dlq with the reason: by the learner · by the metrics app")
 
 
 def _fmt(v: float | None, spec: str) -> str:

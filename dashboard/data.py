@@ -270,7 +270,22 @@ def header_values(run: RunData, window: int, staleness: pd.DataFrame) -> dict[st
     return {"name": run.name, "state": state, "trajectories": n_traj, "learner_steps": len(run.learner),
             "auc": auc, "drift_events": len(run.drift), "mean_staleness": mean,
             "trained_fraction": _finite_or_none(ad.trained_fraction(run.learner, n_traj)),
-            "busy_share": _finite_or_none(ad.learner_busy_share(run.learner))}
+            "busy_share": _finite_or_none(ad.learner_busy_share(run.learner)),
+            "dead_letters": (_last(run.learner, "learner/dead_letters"), _last_point(run.metrics, "metrics/dlq"))}
+
+
+def _last(df: pd.DataFrame, column: str) -> int | None:
+    """The last finite value of a cumulative column (None when the run has none)."""
+    if column not in df:
+        return None
+    v = pd.to_numeric(df[column], errors="coerce").dropna()
+    return int(v.iloc[-1]) if len(v) else None
+
+
+def _last_point(metrics: pd.DataFrame, name: str) -> int | None:
+    if not len(metrics) or "name" not in metrics:
+        return None
+    return _last(metrics[metrics["name"] == name], "value")
 
 
 def _finite_or_none(v: float) -> float | None:

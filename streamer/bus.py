@@ -167,14 +167,15 @@ class Consumer:
         return None
 
     def _dead_letter(self, rec: RawRecord, reason: str, expected: str) -> None:
+        key = (rec.tp.topic, rec.tp.partition, rec.offset)
+        if key in self.in_dlq:  # read again after a restart: sent and counted already
+            return
+        self.in_dlq.add(key)
         self.dead_letters += 1
         self.dead_by_reason[reason_kind(reason)] += 1
         log.warning("%s: %s[%d]@%d -> DLQ: %s", self.name, rec.tp.topic, rec.tp.partition, rec.offset, reason)
         if self.dlq is None or self.dlq_producer is None:
             return
-        if (rec.tp.topic, rec.tp.partition, rec.offset) in self.in_dlq:  # read again after a restart: sent already
-            return
-        self.in_dlq.add((rec.tp.topic, rec.tp.partition, rec.offset))
         letter = DeadLetter(topic=rec.tp.topic, partition=rec.tp.partition, offset=rec.offset, key=rec.key,
                             value=bytes(rec.value[:DLQ_MAX_VALUE_BYTES]), value_len=len(rec.value),
                             reason=reason, expected=expected, consumer=self.name, time=time.time())

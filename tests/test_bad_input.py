@@ -43,8 +43,10 @@ def test_untrainable_trajectories_are_dead_lettered_and_never_checkpointed(tmp_p
         f"checkpoint.dir={tmp_path / 'ck'}", "batch.max_trajectories=4", "batch.tokens=100000",
         "value.warmup_steps=0", "checkpoint.every=1"])
     trained: list[str] = []
+    events: list[LearnerEvent] = []
 
     def sink(e: LearnerEvent) -> None:
+        events.append(e)
         trained.extend(e.task_ids)
         trainer.stop = len(trained) >= 4
 
@@ -58,7 +60,7 @@ def test_untrainable_trajectories_are_dead_lettered_and_never_checkpointed(tmp_p
     assert len(trained) == 4 and set(trained) <= good_ids  # the topic's partitions interleave: any 4 of them
     pending = (latest_checkpoint(tmp_path / "ck") / "pending.jsonl").read_text()
     assert '"oov"' not in pending and '"long"' not in pending
-    assert trainer.admission.counts["invalid"] == 2
+    assert trainer.admission.counts["invalid"] == 2 and events[-1].metrics["learner/dead_letters"] == 2.0
 
     dlq = kafka_bus.consumer({topics.dlq: DeadLetter}, group_id=None)
     letters = []

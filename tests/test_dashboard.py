@@ -45,9 +45,11 @@ def write_run(root: Path, name: str = "r1", reward_shift: float = 0.0) -> Path:
                                      metrics={"learner/clip_frac_low": 0.01 * (s + 1), "learner/clip_frac_high": 0.1,
                                               "learner/value_loss": 2.0 - s, "learner/explained_variance": 0.25 * s,
                                               "learner/kl": 0.003, "learner/entropy": 1.5 - 0.5 * s,
-                                              "perf/idle_s": 0.5 * s, "perf/step_s": 0.5}))
+                                              "perf/idle_s": 0.5 * s, "perf/step_s": 0.5,
+                                              "learner/dead_letters": float(s)}))
     for t, c, v in [(T0 + 1, "c0", 0.9), (T0 + 3, "c1", 0.2), (T0 + 5, "c1", 0.7)]:
         w.metric(MetricPoint(name="eval/reward", value=v, time=t, labels={"family": "a", "concept": c}))
+    w.metric(MetricPoint(name="metrics/dlq", value=3.0, time=T0 + 4))
     w.close(window=2)
     return run
 
@@ -89,7 +91,7 @@ def test_header_metrics(runs_root):
     # 3 steps of 1 trajectory of 6 generated; idle 0 + .5 + 1 s of the 2.5 s from 102 - .5 to 104
     assert shown == {"trajectories": "6", "learner steps": "3", "AUC (W=2)": "0.667",
                      "drift events": "1", "mean staleness": "0.83", "trained fraction": "50%",
-                     "learner busy share": "40%"}
+                     "learner busy share": "40%", "dead letters": "2 · 3"}
     assert "**r1** (finished)" in [m.value for m in at.markdown]
 
 

@@ -217,12 +217,16 @@ class Trainer:
                   "perf/idle_s": self.idle_s})
         for k, v in (self.admission.counts + self.counters).items():
             m[f"learner/count_{k}"] = float(v)
+        m["learner/dead_letters"] = float(self._dead_letters())
         if self.batcher.drop_uniform_groups:
             m["learner/count_uniform_group"] = float(self.batcher.dropped_uniform)
         self.idle_s = 0.0
         return LearnerEvent(step=self.step, version=self.version, time=time.time(), n_trajectories=len(trajs),
                             n_tokens=n_tokens, metrics=m, staleness=hist,
                             task_ids=[t.task_id for t in trajs], skipped=not applied)
+
+    def _dead_letters(self) -> int:
+        return getattr(self.source, "dead_letters", 0) if self.source is not None else 0
 
     # ------------------------------------------------------------------ checkpoints
     def _parts(self):

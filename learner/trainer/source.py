@@ -43,6 +43,12 @@ class Source(Protocol):
         ...
 
     @property
+    def dead_letters(self) -> int:
+        """Records dead-lettered over the run (a topic: every letter of this consumer in the DLQ, restarts
+        included), or, a file, lines skipped since it was opened."""
+        ...
+
+    @property
     def exhausted(self) -> bool:
         """True once a finite source has handed out everything it will ever have."""
         ...
@@ -100,6 +106,10 @@ class FileSource:
     def commit(self, positions: Positions) -> None:
         pass  # the checkpoint holds the positions; a file has nothing to tell
 
+    @property
+    def dead_letters(self) -> int:
+        return self.bad_lines
+
     def reject(self, traj: Trajectory, off: Offset, reason: str) -> None:
         self.bad_lines += 1
         log.warning("%s@byte %d: not trainable: %s", self.path, off.offset, reason)
@@ -151,6 +161,11 @@ class BusSource:
             if isinstance(msg, Trajectory):
                 out.append((msg, Offset(self._key(tp), offset, offset + 1)))
         return out
+
+    @property
+    def dead_letters(self) -> int:
+        c = self.consumer
+        return len(c.in_dlq) if c.dlq is not None else c.dead_letters
 
     def reject(self, traj: Trajectory, off: Offset, reason: str) -> None:
         from kafka.structs import TopicPartition
