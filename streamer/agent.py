@@ -29,7 +29,7 @@ from kafka.errors import KafkaError
 
 from streamer.bus import Consumer, DeadLetter, KafkaBus, MemoryBus, Producer, SendError
 from streamer.config import ConfigError, load_config
-from streamer.rollouts import ROLLOUT_ERRORS, Finished, Rollouts
+from streamer.rollouts import ROLLOUT_ERRORS, EngineError, Finished, Rollouts
 from streamer.schema import PolicyVersion, Task, Trajectory, encode
 from streamer.settings import AgentSettings
 from streamer.topics import Topics, partitions_by_topic
@@ -85,9 +85,11 @@ class Agent:
         ahead of the newest one loaded (AReaL's staleness-bounded rollout; 0 ahead: synchronous)."""
         if not self.s.tasks_per_version:
             return 1 << 30
+        current = int(self.engine.version) if self.follower is None else self.follower.pace_version(
+            int(self.engine.version))
         if self._first_version is None:
-            self._first_version = int(self.engine.version)
-        versions = int(self.engine.version) - self._first_version + 1 + self.s.versions_ahead
+            self._first_version = current
+        versions = current - self._first_version + 1 + self.s.versions_ahead
         return versions * self.s.tasks_per_version - self._started
 
     def _waiting_for_version(self) -> bool:
@@ -317,6 +319,9 @@ def main(argv: list[str]) -> int:
         stats = agent.run()
     except SendError as e:  # raised before the commit: the tasks in question are redelivered
         print(f"sao agent: Kafka at {bus.bootstrap}: {e}; stopping without committing those tasks", file=sys.stderr)
+        return 1
+    except EngineError as e:  # the tasks in flight are not committed: another agent (or a restart) runs them
+        print(f"sao agent: {e}; stopping without committing the tasks in flight", file=sys.stderr)
         return 1
     finally:
         agent.tasks.close()

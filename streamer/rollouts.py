@@ -14,6 +14,7 @@ carries (the learner scores at that temperature; a greedy one, temperature 0, is
 
 from __future__ import annotations
 
+import logging
 import time
 import zlib
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -23,8 +24,23 @@ from typing import Any
 from streamer.schema import Task, Trajectory
 from streamer.settings import AgentSettings
 
+log = logging.getLogger(__name__)
 
-ROLLOUT_ERRORS = (ValueError, KeyError, TypeError, IndexError, RuntimeError)  # a task we cannot run
+
+ROLLOUT_ERRORS = (ValueError, KeyError, TypeError, IndexError)  # the task's own fault: dead-lettered
+# The machine's fault, not the task's (torch.OutOfMemoryError is a RuntimeError): the batch is retried after a
+# backoff, and after ENGINE_RETRIES failures in a row the agent stops with EngineError, committing nothing.
+INFRA_ERRORS = (RuntimeError, MemoryError, OSError)
+ENGINE_RETRIES = 5
+ENGINE_BACKOFF_S = 0.5  # first wait after a failure; doubles each time, at most 10 s
+
+
+class EngineError(Exception):
+    """Generation failed ENGINE_RETRIES times in a row: the engine (or the machine) is broken, not the task."""
+
+
+class TaskError(ValueError):
+    """The environment raised on this task's action (a task fault, dead-lettered with the original error named)."""
 
 
 def rollout_seed(task_id: str, seed: int) -> int:
@@ -90,6 +106,7 @@ class Rollouts:
         self.limit = context_limit(engine)
         self.flights: list[InFlight] = []
         self._pool: ThreadPoolExecutor | None = None
+        self.engine_failures = 0  # generation failures in a row (INFRA_ERRORS)
 
     def __len__(self) -> int:
         return len(self.flights)
@@ -116,6 +133,9 @@ class Rollouts:
         for batch in self._batches(ready):
             try:
                 self._generate(batch)
+                self.engine_failures = 0
+            except INFRA_ERRORS as e:
+                self._engine_failed(e)  # the batch's episodes stay as they were: retried at the next advance
             except ROLLOUT_ERRORS as e:
                 for f, _ in batch:
                     f.error = e
@@ -129,6 +149,16 @@ class Rollouts:
         ended = [f for f in self.flights if f.idle and (f.error is not None or f.done)]
         self.flights = [f for f in self.flights if f not in ended]  # eq=False: identity
         return [Finished(f.task, f.key, [] if f.error else self._trajectories(f), f.error) for f in ended]
+
+    def _engine_failed(self, e: Exception) -> None:
+        self.engine_failures += 1
+        if self.engine_failures >= ENGINE_RETRIES:
+            raise EngineError(f"generation failed {self.engine_failures} times in a row, last: "
+                              f"{type(e).__name__}: {e}") from e
+        backoff = min(ENGINE_BACKOFF_S * 2 ** (self.engine_failures - 1), 10.0)
+        log.warning("generation failed (%s: %s): retrying in %.1f s (%d/%d)", type(e).__name__, e, backoff,
+                    self.engine_failures, ENGINE_RETRIES)
+        time.sleep(backoff)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -182,8 +212,10 @@ class Rollouts:
     def _observe(self, f: InFlight, e: Episode) -> None:
         fut, e.pending = e.pending, None
         err = fut.exception()
-        if err is not None:
-            f.error = err
+        if err is not None:  # the machine's fault (no memory, a file or socket): not the task's
+            infra = isinstance(err, (MemoryError, OSError))
+            f.error = err if infra or isinstance(err, ROLLOUT_ERRORS) else TaskError(
+                f"environment raised {type(err).__name__}: {err}")
             return
         step = fut.result()
         if step.done:

@@ -3,8 +3,10 @@
 Layout: `<root>/v000003/{model.safetensors, policy.json, config.json, sao_tokenizer.json}`. The learner
 calls `WeightStore.publish(...)` then `announce(producer, run, pv)`; each agent's `PolicyFollower`
 reads `<run>.policy` (every agent reads every announcement: no consumer group) and, between
-rollouts, loads the newest version after checking its sha256. A missing or corrupt checkpoint is
-refused with a log line naming it, and the agent keeps its weights.
+rollouts, loads the newest version after checking its sha256. A corrupt checkpoint is refused with a log
+line naming it, and the agent keeps its weights; an unreadable one (a transient file-system error) is retried
+with a backoff, `READ_RETRIES` times, before it is refused. Announced URIs are confined to the agent's own
+store: a checkpoint is read only from `<root>/<the uri's last part>` whatever directory the message names.
 """
 
 from __future__ import annotations
@@ -29,8 +31,16 @@ WEIGHTS_FILE = "model.safetensors"
 SIDE_FILES = ("config.json", "generation_config.json", "sao_tokenizer.json")
 
 
+READ_RETRIES = 5  # an unreadable version is tried this many times (backoff 1, 2, 4, 8 s) before it is refused
+
+
 class CheckpointError(RuntimeError):
-    """A checkpoint that must not be loaded (missing, or its bytes do not match the announced sha256)."""
+    """A checkpoint that must not be loaded (its bytes do not match the announced sha256, or it cannot be read:
+    `transient`, worth trying again)."""
+
+    def __init__(self, message: str, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -115,16 +125,16 @@ class WeightStore:
         return max(found, key=lambda pv: pv.version) if found else None
 
     def resolve(self, pv: PolicyVersion) -> Path:
-        """The checkpoint directory: the announced uri, else the same version name in this store."""
-        uri = Path(pv.uri.removeprefix("file://"))
-        return uri if (uri / WEIGHTS_FILE).is_file() else self.root / uri.name
+        """The checkpoint directory: the announced uri's last part inside this store (the learner may see the
+        store under another path; a uri elsewhere on disk is never read)."""
+        return self.root / Path(pv.uri.removeprefix("file://")).name
 
     def read_verified(self, pv: PolicyVersion) -> bytes:
         file = self.resolve(pv) / WEIGHTS_FILE
         try:
             data = file.read_bytes()
         except OSError as e:
-            raise CheckpointError(f"policy v{pv.version}: checkpoint {file} unreadable: {e}") from None
+            raise CheckpointError(f"policy v{pv.version}: checkpoint {file} unreadable: {e}", transient=True) from None
         digest = sha256_bytes(data)
         if digest != pv.sha256:
             raise CheckpointError(f"policy v{pv.version}: {file} has sha256 {digest[:12]}..., "
@@ -155,7 +165,8 @@ class PolicyFollower:
         self.consumer, self.store = consumer, store
         self.version = version  # the version the engine runs
         self.newest: PolicyVersion | None = None  # the newest announcement seen
-        self.refused: dict[int, str] = {}  # version -> why
+        self.refused: dict[int, str] = {}  # version -> why (for good)
+        self.failed: dict[int, tuple[int, float, str]] = {}  # version -> (attempts, retry at, why): transient
         self.swaps = 0
         self.swapped_at = 0.0  # wall-clock time of the last swap
 
@@ -167,7 +178,14 @@ class PolicyFollower:
         pv = self.newest
         if pv is None or pv.version <= self.version or pv.version in self.refused:
             return None
+        if pv.version in self.failed and time.monotonic() < self.failed[pv.version][1]:
+            return None
         return pv
+
+    def pace_version(self, engine_version: int) -> int:
+        """The version an agent paces its admission on: the engine's, or a newer one refused for good (waiting
+        for it would stall the agent and, with it, a learner that waits for trajectories)."""
+        return max([engine_version, *self.refused])
 
     def maybe_swap(self, engine: Any, timeout: float = 0.0) -> bool:
         """Load the newest announced version into `engine` (`load_state_dict(sd, version)`); False if none."""
@@ -178,6 +196,12 @@ class PolicyFollower:
             state = self.store.load(pv)
             engine.load_state_dict(state, pv.version)
         except (CheckpointError, ValueError) as e:
+            attempts = self.failed.get(pv.version, (0, 0.0, ""))[0] + 1
+            if getattr(e, "transient", False) and attempts < READ_RETRIES:
+                self.failed[pv.version] = (attempts, time.monotonic() + 2 ** (attempts - 1), str(e))
+                log.warning("policy v%d unreadable (attempt %d of %d), keeping v%d: %s", pv.version, attempts,
+                            READ_RETRIES, self.version, e)
+                return False
             self.refused[pv.version] = str(e)
             log.error("policy v%d REFUSED, keeping v%d: %s", pv.version, self.version, e)
             return False

@@ -109,6 +109,51 @@ def test_commits_stop_at_the_oldest_task_in_flight():
     assert agent.status()["in_flight"] == 0
 
 
+class FailingEngine(ToolDemoEngine):
+    """Raises torch.OutOfMemoryError (a RuntimeError) on the first `failures` generate calls."""
+
+    def __init__(self, tasks, failures: int) -> None:
+        super().__init__(tasks)
+        self.failures = failures
+
+    def generate(self, *a, **k):
+        import torch
+
+        if self.failures:
+            self.failures -= 1
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return super().generate(*a, **k)
+
+
+def _agent_on(run: str, tasks, engine):
+    bus = MemoryBus()
+    bus.create_topics(partitions_by_topic(run, TopicSettings(tasks_partitions=1)))
+    sink = KafkaTaskSink(None, run, producer=bus.producer())
+    for t in tasks:
+        sink.write(t)
+    s = AgentSettings(run=run, max_new_tokens=16, concurrency=3, idle_exit_s=0.01,
+                      topics=TopicSettings(tasks_partitions=1))
+    return bus, build_agent(s, bus, engine, CharTokenizer())
+
+
+def test_an_engine_failure_is_retried_and_never_dead_letters_the_task(monkeypatch):
+    """torch.OutOfMemoryError is a RuntimeError, which marked the task unrunnable: a broken engine dead-lettered
+    and committed every task in turn (issue 14, finding 7)."""
+    import streamer.rollouts as ro
+
+    monkeypatch.setattr(ro, "ENGINE_BACKOFF_S", 0.0)
+    tasks = tool_tasks(3, [0.0, 0.0, 0.0])
+    bus, agent = _agent_on("oom", tasks, FailingEngine(tasks, failures=ro.ENGINE_RETRIES - 1))
+    agent.run()
+    assert agent.stats.tasks == 3 and agent.stats.failed == 0 and not bus.logs.get(Topics("oom").dlq, [[]])[0]
+    assert list(bus.committed["oom.agents"].values()) == [3]
+
+    bus, agent = _agent_on("broken", tasks, FailingEngine(tasks, failures=10**6))
+    with pytest.raises(ro.EngineError, match=r"generation failed 5 times in a row, last: OutOfMemoryError"):
+        agent.run()
+    assert agent.stats.failed == 0 and bus.committed.get("broken.agents", {}) == {}  # nothing committed
+
+
 def test_a_weight_swap_between_turns_is_recorded_in_the_trajectory():
     [task] = tool_tasks(1, [0.0])
     engine = ToolDemoEngine([task])

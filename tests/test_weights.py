@@ -77,12 +77,47 @@ def test_follower_swaps_to_new_versions_and_refuses_bad_checkpoints(tmp_path, ti
     announce(prod, run, pv3)
     assert not follower.maybe_swap(engine) and "has sha256" in follower.refused[3]  # corrupt bytes
     announce(prod, run, PolicyVersion(version=4, uri=str(tmp_path / "gone"), sha256="ab" * 32, step=40))
-    assert not follower.maybe_swap(engine)  # v4: missing
-    assert "v000004" not in str(follower.refused) and "unreadable" in follower.refused[4]
+    assert not follower.maybe_swap(engine)  # v4: missing, which may pass: tried again later, not refused yet
+    assert 4 not in follower.refused and "unreadable" in follower.failed[4][2] and follower.failed[4][0] == 1
     assert engine.version == 1
 
     announce(prod, run, store.publish(_perturbed(tiny_policy_dir, 0.05), version=5, step=50))
     assert follower.maybe_swap(engine) and engine.version == 5
+
+
+def test_an_unreadable_version_is_retried_and_a_uri_outside_the_store_is_never_read(tmp_path, tiny_policy_dir):
+    """A refused version was never retried, so a transient read failure could stall paced agents; an announced
+    uri could point anywhere on disk (issue 14, findings 7 and 9)."""
+    import streamer.weights as w
+
+    store, bus, run = WeightStore(tmp_path / "store"), MemoryBus(), "r"
+    engine = make_engine("torch", tiny_policy_dir)
+    follower = PolicyFollower(bus.consumer({Topics(run).policy: PolicyVersion}), store)
+    pv = store.publish(_perturbed(tiny_policy_dir, 0.01), version=1, step=1)
+    weights = store.path_of(1) / "model.safetensors"
+    weights.rename(weights.with_suffix(".away"))  # a file system that hiccups
+    announce(bus.producer(), run, pv)
+    assert not follower.maybe_swap(engine) and follower.failed[1][0] == 1 and not follower.refused
+    assert not follower.maybe_swap(engine) and follower.failed[1][0] == 1  # waiting for its backoff (1 s)
+    weights.with_suffix(".away").rename(weights)
+    follower.failed[1] = (1, 0.0, follower.failed[1][2])  # the backoff has passed
+    assert follower.maybe_swap(engine) and engine.version == 1
+
+    pv2 = store.publish(_perturbed(tiny_policy_dir, 0.02), version=2, step=2)
+    (store.path_of(2) / "model.safetensors").unlink()  # gone for good
+    announce(bus.producer(), run, pv2)
+    for _ in range(w.READ_RETRIES):  # refused after READ_RETRIES attempts
+        if 2 in follower.failed:
+            follower.failed[2] = (follower.failed[2][0], 0.0, "")  # the backoff has passed
+        assert not follower.maybe_swap(engine)
+    assert "unreadable" in follower.refused[2] and follower.pace_version(engine.version) == 2
+
+    elsewhere = tmp_path / "elsewhere" / "v000003"
+    elsewhere.mkdir(parents=True)
+    pv3 = store.publish(_perturbed(tiny_policy_dir, 0.03), version=3, step=3)
+    (elsewhere / "model.safetensors").write_bytes((store.path_of(3) / "model.safetensors").read_bytes())
+    (store.path_of(3) / "model.safetensors").unlink()
+    assert store.resolve(msgspec.structs.replace(pv3, uri=str(elsewhere))) == store.path_of(3)
 
 
 def test_read_verified_names_the_file_and_both_hashes(tmp_path, tiny_policy_dir):
