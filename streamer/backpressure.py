@@ -56,8 +56,11 @@ class CommittedOffsets:
         from kafka import KafkaConsumer
 
         self.group = group
+        from streamer.settings import KafkaSecurity
+
         self._c = KafkaConsumer(bootstrap_servers=bootstrap.split(","), group_id=group, client_id=client_id,
-                                enable_auto_commit=False)  # never subscribes: no member, no rebalance
+                                enable_auto_commit=False,  # never subscribes: no member, no rebalance
+                                **KafkaSecurity().kafka_python())
 
     def __call__(self, tps: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
         """Next offset the group will consume per partition (0 where it never committed)."""

@@ -232,7 +232,8 @@ class KafkaProducerClient(Producer):
                    compression_type=compression_type(settings.compression), linger_ms=settings.linger_ms,
                    batch_size=settings.batch_size, request_timeout_ms=settings.request_timeout_ms,
                    delivery_timeout_ms=max(settings.delivery_timeout_ms, settings.request_timeout_ms + settings.linger_ms),
-                   max_request_size=max(DLQ_MAX_VALUE_BYTES, settings.max_message_bytes) + 64 * 1024)
+                   max_request_size=max(DLQ_MAX_VALUE_BYTES, settings.max_message_bytes) + 64 * 1024,
+                   **settings.security.kafka_python())
         cfg.update(overrides)
         self._p = KafkaProducer(**cfg)
         self._unconfirmed: list[tuple[str, Any]] = []
@@ -272,7 +273,8 @@ class KafkaConsumerClient(Consumer):
                    session_timeout_ms=settings.session_timeout_ms,
                    heartbeat_interval_ms=settings.heartbeat_interval_ms,
                    max_poll_interval_ms=settings.max_poll_interval_ms, check_crcs=True,
-                   request_timeout_ms=max(settings.request_timeout_ms, settings.session_timeout_ms + 5000))
+                   request_timeout_ms=max(settings.request_timeout_ms, settings.session_timeout_ms + 5000),
+                   **settings.security.kafka_python())
         cfg.update(overrides)
         self._c = KafkaConsumer(**cfg)
         self._seek_on_assign: dict[TopicPartition, int] = {}
@@ -352,7 +354,8 @@ def letters_in(bootstrap: str, settings: ClientSettings, dlq: str, name: str,
     from kafka import KafkaConsumer
 
     c = KafkaConsumer(bootstrap_servers=bootstrap.split(","), client_id=settings.client_id, group_id=None,
-                      enable_auto_commit=False, request_timeout_ms=settings.request_timeout_ms)
+                      enable_auto_commit=False, request_timeout_ms=settings.request_timeout_ms,
+                      **settings.security.kafka_python())
     found: set[tuple[str, int, int]] = set()
     try:
         tps = [TopicPartition(dlq, p) for p in sorted(c.partitions_for_topic(dlq) or ())]
@@ -401,7 +404,8 @@ class KafkaBus:
         from kafka.admin import NewTopic
         from kafka.errors import TopicAlreadyExistsError
 
-        admin = KafkaAdminClient(bootstrap_servers=self.bootstrap.split(","), client_id=self.settings.client_id)
+        admin = KafkaAdminClient(bootstrap_servers=self.bootstrap.split(","), client_id=self.settings.client_id,
+                                 **self.settings.security.kafka_python())
         try:
             existing = set(admin.list_topics())
             new = [NewTopic(t, n, 1) for t, n in partitions.items() if t not in existing]

@@ -51,6 +51,7 @@ class MetricsSettings:
     max_message_bytes: int = 4 * 1024 * 1024  # larger values go to the DLQ
     max_clock_skew_s: float = 300.0  # a trajectory that finished further ahead of this clock goes to the DLQ
     web_port: int = 0  # faust's web server; 0: off (several workers may share a machine)
+    web_host: str = "127.0.0.1"  # where faust's web server binds when on (faust's own default: every interface)
     loglevel: str = "WARNING"
 
     def validate(self) -> None:
@@ -175,6 +176,8 @@ def build_app(settings: MetricsSettings, bootstrap: str):
     """The faust app (imported here: faust is slow to import and `sao --help` must stay fast)."""
     import faust
 
+    from streamer.settings import KafkaSecurity
+
     names = Topics(settings.run)
     app = faust.App(
         settings.app_id or f"{settings.run}.metrics-app",
@@ -185,6 +188,9 @@ def build_app(settings: MetricsSettings, bootstrap: str):
         store="memory://",
         web_enabled=settings.web_port > 0,
         web_port=settings.web_port or 6066,
+        web_bind=settings.web_host,
+        web_host=settings.web_host,
+        broker_credentials=KafkaSecurity().faust_credentials(),
         consumer_auto_offset_reset="earliest",  # Tansu reports end offsets wrongly: never rely on "latest"
         broker_session_timeout=6.0,  # Tansu: group joins take ~session_timeout/2
         broker_heartbeat_interval=1.0,

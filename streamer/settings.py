@@ -30,6 +30,82 @@ class BrokerSettings:
     stop_timeout_s: float = 5.0  # after SIGINT, then SIGKILL
 
 
+SECURITY_ENV = {  # the environment fills each setting left empty (compose and secrets stores set these)
+    "security_protocol": "SAO_KAFKA_SECURITY_PROTOCOL", "sasl_mechanism": "SAO_KAFKA_SASL_MECHANISM",
+    "sasl_username": "SAO_KAFKA_SASL_USERNAME", "sasl_password": "SAO_KAFKA_SASL_PASSWORD",
+    "ssl_cafile": "SAO_KAFKA_SSL_CAFILE", "ssl_certfile": "SAO_KAFKA_SSL_CERTFILE", "ssl_keyfile": "SAO_KAFKA_SSL_KEYFILE",
+}
+PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+
+
+@dataclass
+class KafkaSecurity:
+    """How every client (kafka-python producers, consumers, admin; the faust metrics app) authenticates and
+    encrypts. Empty fields come from $SAO_KAFKA_* (SECURITY_ENV); all empty: PLAINTEXT, as the embedded broker."""
+
+    security_protocol: str = ""  # PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL
+    sasl_mechanism: str = ""  # PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512 (SASL_* protocols)
+    sasl_username: str = ""
+    sasl_password: str = ""
+    ssl_cafile: str = ""  # CA bundle that signed the brokers' certificates (SSL, SASL_SSL)
+    ssl_certfile: str = ""  # client certificate (mutual TLS)
+    ssl_keyfile: str = ""
+
+    def resolved(self) -> "KafkaSecurity":
+        out = KafkaSecurity(**{k: getattr(self, k) or os.environ.get(env, "") for k, env in SECURITY_ENV.items()})
+        out.security_protocol = out.security_protocol or "PLAINTEXT"
+        out.check()
+        return out
+
+    def check(self) -> None:
+        where = "ClientSettings.security"
+        if self.security_protocol not in PROTOCOLS:
+            raise ConfigError(f"{where}.security_protocol: {self.security_protocol!r} not in {list(PROTOCOLS)}")
+        sasl = self.security_protocol.startswith("SASL")
+        if sasl and self.sasl_mechanism not in MECHANISMS:
+            raise ConfigError(f"{where}.sasl_mechanism: {self.sasl_mechanism!r} not in {list(MECHANISMS)} "
+                              f"(needed by {self.security_protocol})")
+        if sasl and not (self.sasl_username and self.sasl_password):
+            raise ConfigError(f"{where}: {self.security_protocol} needs sasl_username and sasl_password "
+                              f"(or ${SECURITY_ENV['sasl_username']} and ${SECURITY_ENV['sasl_password']})")
+        for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
+            path = getattr(self, name)
+            if path and not os.path.isfile(path):
+                raise ConfigError(f"{where}.{name}: {path}: no such file")
+
+    def kafka_python(self) -> dict[str, str]:
+        """Keyword arguments for KafkaProducer / KafkaConsumer / KafkaAdminClient."""
+        r = self.resolved()
+        kw = {"security_protocol": r.security_protocol}
+        if r.security_protocol.startswith("SASL"):
+            kw.update(sasl_mechanism=r.sasl_mechanism, sasl_plain_username=r.sasl_username,
+                      sasl_plain_password=r.sasl_password)
+        for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile"):
+            if getattr(r, name):
+                kw[name] = getattr(r, name)
+        return kw
+
+    def faust_credentials(self):
+        """faust's `broker_credentials` (None for PLAINTEXT)."""
+        r = self.resolved()
+        if r.security_protocol == "PLAINTEXT":
+            return None
+        import faust
+
+        import ssl
+
+        ssl_context = None
+        if r.security_protocol.endswith("SSL"):
+            ssl_context = ssl.create_default_context(cafile=r.ssl_cafile or None)
+            if r.ssl_certfile:
+                ssl_context.load_cert_chain(r.ssl_certfile, r.ssl_keyfile or None)
+        if not r.security_protocol.startswith("SASL"):
+            return faust.SSLCredentials(ssl_context)
+        return faust.SASLCredentials(username=r.sasl_username, password=r.sasl_password,
+                                     mechanism=r.sasl_mechanism, ssl_context=ssl_context)
+
+
 @dataclass
 class ClientSettings:
     """kafka-python defaults. Tansu needs the short session: group joins take ~session_timeout/2."""
@@ -46,6 +122,7 @@ class ClientSettings:
     idempotence: bool = True  # idempotent producers: a retried send is written once (Apache Kafka and Tansu)
     delivery_timeout_ms: int = 120_000  # a record unconfirmed after this long (retries included) fails its flush()
     client_id: str = "sao"
+    security: KafkaSecurity = field(default_factory=KafkaSecurity)
 
     def resolved_bootstrap(self) -> str:
         return self.bootstrap or default_bootstrap()

@@ -147,3 +147,35 @@ def test_dead_letters_are_not_sent_again_when_a_restarted_consumer_reads_them_ag
         letters += dlq.poll(max_records=10, timeout=0.5)
     dlq.close()
     assert len(letters) == 1 and letters[0].msg.expected == "Trajectory"
+
+
+def test_kafka_security_settings_reach_every_client_from_config_or_environment(monkeypatch, tmp_path):
+    """Only an open PLAINTEXT Kafka worked: no SASL/TLS for any client; faust's web server bound 0.0.0.0
+    (issue 14, finding 9)."""
+    from streamer.config import ConfigError
+    from streamer.metrics_app import MetricsSettings, build_app
+    from streamer.settings import KafkaSecurity
+
+    for env in ("SAO_KAFKA_SECURITY_PROTOCOL", "SAO_KAFKA_SASL_MECHANISM", "SAO_KAFKA_SASL_USERNAME",
+                "SAO_KAFKA_SASL_PASSWORD", "SAO_KAFKA_SSL_CAFILE"):
+        monkeypatch.delenv(env, raising=False)
+    assert KafkaSecurity().kafka_python() == {"security_protocol": "PLAINTEXT"}
+    ca = tmp_path / "ca.pem"
+    ca.write_text("not read here")
+    monkeypatch.setenv("SAO_KAFKA_SECURITY_PROTOCOL", "SASL_SSL")
+    monkeypatch.setenv("SAO_KAFKA_SASL_MECHANISM", "SCRAM-SHA-512")
+    monkeypatch.setenv("SAO_KAFKA_SASL_USERNAME", "sao")
+    with pytest.raises(ConfigError, match=r"SASL_SSL needs sasl_username and sasl_password"):
+        KafkaSecurity().kafka_python()
+    monkeypatch.setenv("SAO_KAFKA_SASL_PASSWORD", "s3cret")
+    assert KafkaSecurity(ssl_cafile=str(ca)).kafka_python() == {
+        "security_protocol": "SASL_SSL", "sasl_mechanism": "SCRAM-SHA-512", "sasl_plain_username": "sao",
+        "sasl_plain_password": "s3cret", "ssl_cafile": str(ca)}
+    assert KafkaSecurity(sasl_username="other").kafka_python()["sasl_plain_username"] == "other"  # config wins
+    with pytest.raises(ConfigError, match=r"security.ssl_certfile: /nowhere.pem: no such file"):
+        KafkaSecurity(ssl_certfile="/nowhere.pem").kafka_python()
+    monkeypatch.setenv("SAO_KAFKA_SECURITY_PROTOCOL", "SASL_PLAINTEXT")
+    app = build_app(MetricsSettings(run="sec", web_port=6099), "127.0.0.1:1")
+    creds = app.conf.broker_credentials
+    assert (creds.username, creds.password, creds.mechanism.value) == ("sao", "s3cret", "SCRAM-SHA-512")
+    assert app.conf.web_bind == "127.0.0.1"
