@@ -51,6 +51,7 @@ class UpConfig:
     dashboard_port: int = 8501
     max_seconds: float = 0.0  # stop after this long (0: at the scenario's end)
     drain_seconds: float = 5.0  # after the last trajectory, let the learner finish its batch
+    restarts: int = 3  # times each crashed role (learner, agent, metrics app, dashboard) is started again
     pretrain: list[str] = field(default_factory=list)  # PretrainConfig overrides
     learner: list[str] = field(default_factory=list)  # LearnerConfig overrides
     agent: list[str] = field(default_factory=list)  # AgentSettings overrides, e.g. concurrency=8
@@ -121,6 +122,8 @@ def parse_args(argv: list[str]) -> UpConfig:
     p.add_argument("--dashboard-port", type=int, default=d.dashboard_port)
     p.add_argument("--max-seconds", type=float, default=d.max_seconds)
     p.add_argument("--drain-seconds", type=float, default=d.drain_seconds)
+    p.add_argument("--restarts", type=int, default=d.restarts,
+                   help="restarts of each crashed role (it resumes from its checkpoint or committed offsets)")
     p.add_argument("--pretrain", action="append", default=[], metavar="KEY=VALUE", help="warm-start override")
     p.add_argument("--set", dest="learner", action="append", default=[], metavar="KEY=VALUE",
                    help="learner override, e.g. batch.tokens=2048")
@@ -192,7 +195,7 @@ def roles(cfg: UpConfig, bootstrap: str, run_dir: Path, init: Path) -> list[Role
         simulate += ["--limit", str(cfg.limit)]
     if cfg.realtime:
         simulate.append("--realtime")
-    out.append(Role("simulator", simulate, **side))
+    out.append(Role("simulator", simulate, restartable=False, **side))  # a restart would publish the stream again
     return out
 
 
@@ -277,7 +280,7 @@ def run(cfg: UpConfig) -> int:
 
         sup = RaySupervisor(run_dir / "logs", env, ray_config(cfg.ray_address, cfg.ray_set))
     else:
-        sup = Supervisor(run_dir / "logs", env=env)
+        sup = Supervisor(run_dir / "logs", env=env, restarts=cfg.restarts)
     tap, tap_thread = None, None
     reason = "interrupted (Ctrl-C or SIGTERM)"
     # A shell starts `nohup sao up ... &` with SIGINT ignored, and SIGTERM kills without cleanup: both
@@ -308,6 +311,8 @@ def run(cfg: UpConfig) -> int:
         t0, last_print, last_new, seen = time.monotonic(), 0.0, [time.monotonic()], 0
         while True:
             time.sleep(0.5)
+            for role, code in sup.restart_dead():
+                print(f"{role.name} exited {code}: restarted ({role.restarts} of {cfg.restarts})", flush=True)
             if len(tap.task_ids) != seen:
                 seen, last_new[0] = len(tap.task_ids), time.monotonic()
             if time.monotonic() - last_print >= 5:

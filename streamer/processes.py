@@ -1,4 +1,10 @@
-"""Run the pipeline's roles as child processes: start, watch, stop (SIGINT, then SIGKILL)."""
+"""Run the pipeline's roles as child processes: start, watch, restart a crashed one, stop (SIGINT, then SIGKILL).
+
+A role that dies (a non-zero exit, or a signal such as SIGKILL) is started again with the same arguments, up to
+`restarts` times per role; each restart resumes from what the role persisted (the learner from its checkpoint, an
+agent from its consumer group's committed offsets). A role marked `restartable=False` (the simulator, which would
+publish its stream again) fails the run instead.
+"""
 
 from __future__ import annotations
 
@@ -18,19 +24,27 @@ class Role:
     required: bool = True  # the run fails when a required role dies
     env: dict[str, str] = field(default_factory=dict)  # added to the supervisor's environment (thread caps)
     nice: int = 0  # CPU priority increment: roles other than the learner yield to it
+    restartable: bool = True
+    restarts: int = 0  # times this role has been started again after dying
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
 
 class Supervisor:
     """Starts `sao <argv>` for each role with its output in `<log_dir>/<name>.log`."""
 
-    def __init__(self, log_dir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, log_dir: Path, env: dict[str, str] | None = None, restarts: int = 0) -> None:
+        self.restarts = restarts  # per role
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.env = {**os.environ, **(env or {})}
         self.roles: list[Role] = []
 
     def start(self, role: Role) -> Role:
+        self._spawn(role)
+        self.roles.append(role)
+        return role
+
+    def _spawn(self, role: Role) -> None:
         log = open(self.log_dir / f"{role.name}.log", "ab")
         cmd = [sys.executable, "-m", "streamer.cli", *role.argv]
         nice = (lambda: os.nice(role.nice)) if role.nice else None
@@ -38,12 +52,24 @@ class Supervisor:
                                      start_new_session=True,  # Ctrl-C reaches us only; we stop children in order
                                      preexec_fn=nice)
         log.close()
-        self.roles.append(role)
-        return role
+
+    def restart_dead(self) -> list[tuple[Role, int]]:
+        """Start again every restartable role that died and has restarts left; returns (role, its exit code)."""
+        out = []
+        for r in self.roles:
+            code = r.proc.poll()
+            if code not in (None, 0) and r.restartable and r.restarts < self.restarts:
+                r.restarts += 1
+                with open(self.log_dir / f"{r.name}.log", "ab") as log:
+                    log.write(f"\n--- exited {code}: restart {r.restarts} of {self.restarts} ---\n".encode())
+                self._spawn(r)
+                out.append((r, code))
+        return out
 
     def failed(self) -> list[Role]:
-        """Required roles that exited with an error."""
-        return [r for r in self.roles if r.required and r.proc.poll() not in (None, 0)]
+        """Required roles that exited with an error and will not be started again."""
+        return [r for r in self.roles if r.required and r.proc.poll() not in (None, 0)
+                and not (r.restartable and r.restarts < self.restarts)]
 
     def tail(self, role: Role, lines: int = 20) -> str:
         text = (self.log_dir / f"{role.name}.log").read_text(errors="replace").splitlines()

@@ -320,6 +320,10 @@ class RaySupervisor:
         self.placement_groups.append(pg)
         return pg
 
+    def restart_dead(self) -> list[tuple[Role, int]]:
+        """Ray restarts its actors itself (RayConfig max_restarts); the local roles are not restarted here."""
+        return []
+
     def failed(self) -> list[Role]:
         """Required roles that exited with an error (a role Ray is restarting has not failed)."""
         return [r for r in self.roles if r.required and r.proc.poll() not in (None, 0)]

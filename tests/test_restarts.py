@@ -95,3 +95,25 @@ def test_redone_steps_replace_their_events_in_the_run_tables(tmp_path):
     w.close()
     learner = art.read_learner(tmp_path)
     assert learner["step"].tolist() == [1, 2, 3, 4, 5] and int(learner["n_trajectories"].sum()) == 10
+
+
+def test_the_supervisor_restarts_a_crashed_role_a_bounded_number_of_times(tmp_path):
+    """`sao up` failed the whole run when a role crashed; now it starts the role again (`--restarts`), and a role
+    that cannot be restarted (the simulator would publish its stream twice) fails the run as before."""
+    import time
+
+    from streamer.processes import Role, Supervisor
+
+    sup = Supervisor(tmp_path, restarts=2)
+    crashing = sup.start(Role("crashing", ["replay", str(tmp_path / "missing.jsonl"), "--out", "o.jsonl"]))
+    once = sup.start(Role("once", ["replay", str(tmp_path / "missing.jsonl"), "--out", "o.jsonl"], restartable=False))
+    codes = []
+    for _ in range(3):
+        sup.wait(crashing, timeout=60)
+        sup.wait(once, timeout=60)
+        assert once in sup.failed()
+        codes += [code for role, code in sup.restart_dead() if role is crashing]
+        time.sleep(0.1)
+    assert codes == [2, 2] and crashing.restarts == 2 and sup.failed() == [crashing, once]
+    log = (tmp_path / "crashing.log").read_text()
+    assert log.count("no such file") == 3 and "--- exited 2: restart 2 of 2 ---" in log
