@@ -26,6 +26,7 @@ from streamer.settings import ClientSettings
 log = logging.getLogger(__name__)
 
 DLQ_MAX_VALUE_BYTES = 8 * 1024 * 1024  # original bytes above this are cut (value_len keeps the size)
+STALL_S = 5.0  # a Kafka consumer that got nothing this long checks for partitions it stopped fetching
 
 
 class DeadLetter(Message, kw_only=True):
@@ -277,6 +278,7 @@ class KafkaConsumerClient(Consumer):
                    **settings.security.kafka_python())
         cfg.update(overrides)
         self._c = KafkaConsumer(**cfg)
+        self._last_records = time.monotonic()
         self._seek_on_assign: dict[TopicPartition, int] = {}
         if dlq is not None and producer is not None:
             self.in_dlq = letters_in(bootstrap, settings, dlq, self.name)
@@ -312,7 +314,28 @@ class KafkaConsumerClient(Consumer):
 
     def _raw_poll(self, max_records: int, timeout: float) -> list[RawRecord]:
         batches = self._c.poll(timeout_ms=int(timeout * 1000), max_records=max_records)
-        return [RawRecord(tp, r.offset, r.key, r.value) for tp, recs in batches.items() for r in recs]
+        out = [RawRecord(tp, r.offset, r.key, r.value) for tp, recs in batches.items() for r in recs]
+        now = time.monotonic()
+        if out:
+            self._last_records = now
+        elif now - self._last_records > STALL_S:
+            self._unstall()
+            self._last_records = now
+        return out
+
+    def _unstall(self) -> None:
+        """Seen on the embedded broker after a consumer restart: polls return nothing while a partition still has
+        records after the consumer's position. Seeking to the position itself restarts that partition's fetch."""
+        tps = sorted(self._c.assignment())
+        if not tps:
+            return
+        end = self._c.end_offsets(tps)
+        for tp in tps:
+            pos = self._c.position(tp)
+            if pos is not None and end.get(tp, 0) > pos:
+                log.warning("%s: %s[%d] at %d of %d but no records for %.0f s: fetching it again", self.name,
+                            tp.topic, tp.partition, pos, end[tp], STALL_S)
+                self._c.seek(tp, pos)
 
     def _raw_commit(self, offsets: dict[TopicPartition, int]) -> bool:
         from kafka.errors import CommitFailedError, IllegalStateError

@@ -137,7 +137,9 @@ class ClientSettings:
 @dataclass
 class TopicSettings:
     tasks_partitions: int = 4  # upper bound on agents that share the task stream
-    trajectories_partitions: int = 2
+    # One: the learner (a single reader) gets them in the order they were produced, also when it reads a backlog
+    # after a restart; with two, it read one partition's backlog first and the other's older records went stale.
+    trajectories_partitions: int = 1
     other_partitions: int = 1  # policy, learner, metrics, drift, dlq: ordered, low rate
 
 

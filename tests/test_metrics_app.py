@@ -268,7 +268,7 @@ def test_faust_app_aggregates_equal_pandas(kafka_bus, kafka_run, tmp_path):
             (tmp_path / "metrics.log").read_text()[-3000:]
         trajs = make_stream()
         for t in trajs:
-            prod.send(names.trajectories, t, key=t.task_id)  # keyed: both partitions get work
+            prod.send(names.trajectories, t, key=t.task_id)
         bad = {"Trajectory: Expected `object`": b"\x00 not a trajectory",  # (reason fragment, value)
                "schema version 2": encode(trajs[0]).replace(b"\xa1v\x01", b"\xa1v\x02", 1),
                "oversized": b"\x00" * 100_001}

@@ -74,6 +74,8 @@ class Trainer:
     def run(self) -> int:
         """Train until max_steps or the end of a finite source; returns the number of steps run."""
         self.start()
+        if not self.resumed and self.step == 0:  # a crash before the first periodic checkpoint resumes too,
+            self.checkpoint()                     # so its redo publishes nothing twice (see `start`)
         started, last_ckpt = self.step, self.step
         while self._keep_going():
             if not self.step_once():
