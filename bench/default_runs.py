@@ -60,14 +60,14 @@ def plot(runs: list[Path], path: Path) -> Path:
             f = t[t["family"] == fam]
             for con, g in f.groupby("concept"):
                 r = g["reward"].rolling(WINDOW, min_periods=WINDOW // 4).mean()
-                ax.plot(g["i"], r, lw=1, label=f"{con} ({run.name[-5:]})")
+                ax.plot(g["i"], r, lw=1, label=f"{con} (seed {run.name.removeprefix('default-seed')})")
             for b in bounds:
                 ax.axvline(b, color="grey", ls="--", lw=0.7)
             ax.set_ylabel(fam)
             ax.set_ylim(0, 1.05)
     for ax in axes:
         handles, labels = ax.get_legend_handles_labels()
-        ax.legend(handles[:6], labels[:6], fontsize=6, loc="lower left", ncol=3)
+        ax.legend(handles[:8], labels[:8], fontsize=6, loc="lower left", ncol=4)
     axes[-1].set_xlabel("task stream position (trajectories); dashed: phase starts")
     return save_figure(fig, path, f"reward by concept ({WINDOW}-trajectory window of each family), {len(runs)} seeds")
 
