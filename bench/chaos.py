@@ -2,7 +2,8 @@
 
 One invocation: (1) an embedded broker of its own (so the run's topics outlive the run); (2) a few malformed
 messages on the task topic, which must end in the DLQ; (3) `sao up --bootstrap <it> --restarts 100 --limit N`
-(weights published, checkpoints every 10 learner steps, the dashboard off) while a killer thread sends SIGKILL to
+(weights published, checkpoints every 10 learner steps, the dashboard off, 120 s for the learner to train its
+backlog after the last trajectory) while a killer thread sends SIGKILL to
 a random one of the learner, agent-0 and the metrics app every `--every` seconds (uniform 0.5x-1.5x) until
 `--kills` kills (the launcher restarts each); (4) the accounting, from the broker and the run directory:
 
@@ -110,8 +111,8 @@ def read_topic(bootstrap: str, topic: str) -> list[tuple[int, int, bytes]]:
 
 def account(bootstrap: str, run: str, run_dir: Path, malformed: int) -> dict[str, Any]:
     topics = Topics(run)
-    tasks, bad_records = {}, set()
-    for part, off, value in read_topic(bootstrap, topics.tasks):
+    tasks, bad_records, records = {}, set(), read_topic(bootstrap, topics.tasks)
+    for part, off, value in records:
         try:
             tasks[decode(value, Task).task_id] = (part, off)
         except SchemaError:
@@ -129,7 +130,7 @@ def account(bootstrap: str, run: str, run_dir: Path, malformed: int) -> dict[str
     lost = sorted(t for t in tasks if trained[t] == 0 and t not in pending and t not in dead_tasks)
     bad_dead = {(p, o) for (_, topic, p, o) in letter_keys if topic == topics.tasks} & bad_records
     return {
-        "tasks_published": len(tasks), "malformed_published": len(bad_records), "malformed_sent": malformed,
+        "task_records": len(records), "tasks_published": len(tasks), "malformed_published": len(bad_records), "malformed_sent": malformed,
         "trained_once": sum(1 for t in tasks if trained[t] == 1), "trained_twice": sorted(t for t in tasks
                                                                                            if trained[t] > 1),
         "buffered_in_last_checkpoint": len(pending & set(tasks)), "dead_lettered_tasks": len(dead_tasks & set(tasks)),
@@ -166,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
             prod.send_raw(Topics(run).tasks, value, key=f"malformed-{i}".encode())
         prod.flush()
         cmd = [sys.executable, "-m", "streamer.cli", "up", "--bootstrap", broker.bootstrap, "--run", run,
-               "--runs-dir", str(runs_dir), "--no-dashboard", "--restarts", "100", "--limit", str(a.tasks)]
+               "--runs-dir", str(runs_dir), "--no-dashboard", "--restarts", "100", "--limit", str(a.tasks),
+               "--drain-seconds", "120"]  # a learner restarted often has a backlog left when the last task is answered
         print("running: " + " ".join(cmd), flush=True)
         stop, kills, t0 = threading.Event(), [], time.monotonic()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
