@@ -80,6 +80,20 @@ class Agent:
             value_len=len(raw), reason=reason, expected="Task", consumer=self.agent_id, time=time.time()))
         self.stats.failed += 1
 
+    def resume_admission(self) -> None:
+        """A restarted agent continues its predecessor's admission (from the status file it left): starting from
+        scratch at the newest version, it would take `versions_ahead + 1` batches more than the learner asked for,
+        which go stale. The tasks that were in flight were not committed: they come back and count again."""
+        try:
+            old = json.loads(Path(self.status_path).read_text()) if self.status_path else {}
+        except (OSError, ValueError):
+            return
+        if old.get("first_version") is not None:
+            self._first_version = int(old["first_version"])
+            self._started = max(0, int(old.get("started", 0)) - int(old.get("in_flight", 0)))
+            log.info("agent %s: admission resumed: %d tasks started since v%d", self.agent_id, self._started,
+                     self._first_version)
+
     def _admissible(self) -> int:
         """Tasks this agent may still start: `tasks_per_version` per version, up to `versions_ahead` versions
         ahead of the newest one loaded (AReaL's staleness-bounded rollout; 0 ahead: synchronous)."""
@@ -182,6 +196,7 @@ class Agent:
                 "refused": {str(k): v for k, v in (f.refused if f else {}).items()},
                 "swapped_at": f.swapped_at if f else 0.0,
                 "waiting_for_version": self._waiting_for_version(), "in_flight": len(self.rollouts),
+                "first_version": self._first_version, "started": self._started,
                 "busy_seconds": round(self.stats.busy_seconds, 4), "time": time.time()}
 
     def write_status(self, force: bool = False) -> None:
@@ -224,7 +239,9 @@ def build_agent(s: AgentSettings, bus: KafkaBus | MemoryBus, engine: Any, tokeni
     policy = bus.consumer({t.policy: PolicyVersion}, group_id=None, dlq=t.dlq, producer=producer,
                           **({"fetch_max_wait_ms": 50} if isinstance(bus, KafkaBus) else {}))
     follower = PolicyFollower(policy, WeightStore(s.weights_dir), version=int(engine.version))
-    return Agent(s, engine, tokenizer, tasks, producer, follower, status_path)
+    agent = Agent(s, engine, tokenizer, tasks, producer, follower, status_path)
+    agent.resume_admission()
+    return agent
 
 
 def run_offline(s: AgentSettings, engine: Any, tokenizer: Any, tasks_file: str, out: str) -> AgentStats:

@@ -264,6 +264,8 @@ def run(cfg: UpConfig) -> int:
 
     run_dir = Path(cfg.runs_dir) / cfg.run
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    for stale in run_dir.glob("agent-*.json"):  # a restarted agent resumes from its status: not an older run's
+        stale.unlink()
     adm, (batch, staleness) = cfg.admission(), cfg.pacing()
     print(f"{cfg.plan().describe()}\nadmission: learner batch {batch}, staleness "
           f"<= {staleness}; each agent starts {adm.tasks_per_version} task(s) per version, "

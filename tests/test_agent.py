@@ -187,6 +187,21 @@ def test_versions_ahead_bounds_the_tasks_started_before_the_learner_catches_up(t
     assert until_blocked() == 2 and engine.version == 1  # one more version: two more tasks
 
 
+def test_a_restarted_agent_continues_its_admission_instead_of_starting_over(tmp_path, tiny_policy_dir):
+    """Started again at version 5 with its budget counted from there, an agent took (5 + 2) x 64 tasks the learner
+    had not asked for, which went stale (bench/chaos.py: 428 stale drops after 2 agent kills)."""
+    import json
+
+    status = tmp_path / "agent-0.json"
+    status.write_text(json.dumps({"first_version": 0, "started": 11, "in_flight": 3, "version": 5}))
+    bus, s = _setup(scenario_tasks(20), tasks_per_version=2, versions_ahead=1, weights_dir=str(tmp_path / "w"))
+    engine = make_engine("torch", tiny_policy_dir)
+    engine._bump(5)  # the newest version, loaded at start
+    agent = build_agent(s, bus, engine, engine.tokenizer, str(status))
+    # v5 allows (5 - 0 + 1 + 1) x 2 = 14 tasks since v0; 11 were started, 3 of them were in flight (redelivered)
+    assert agent._admissible() == 14 - 8
+
+
 def test_a_task_the_environment_cannot_run_goes_to_the_dlq_and_the_agent_goes_on(tiny_policy_dir):
     from streamer.bus import DeadLetter
 
