@@ -7,7 +7,8 @@ backlog after the last trajectory) while a killer thread sends SIGKILL to
 a random one of the learner, agent-0 and the metrics app every `--every` seconds (uniform 0.5x-1.5x) until
 `--kills` kills (the launcher restarts each); (4) the accounting, from the broker and the run directory:
 
-- every task the simulator published (`<run>.tasks`) is trained exactly once (the learner's standing events:
+- every task the simulator published (read back from `<run>.tasks`, plus any the agents answered) is trained
+  exactly once (the learner's standing events:
   `streamer.artifacts.read_learner`), or buffered in the learner's last checkpoint (`pending.jsonl`: a run that
   stops mid-batch), or dead-lettered (`<run>.dlq`, with its reason);
 - every malformed record is dead-lettered exactly once;
@@ -88,8 +89,9 @@ def killer(run: str, kills: int, every_s: float, stop: threading.Event, log: lis
         stop.wait(every_s * rng.uniform(0.5, 1.5))
 
 
-def read_topic(bootstrap: str, topic: str) -> list[tuple[int, int, bytes]]:
-    """(partition, offset, value) of every record, from the start to the end offsets."""
+def read_topic(bootstrap: str, topic: str, idle_s: float = 3.0) -> list[tuple[int, int, bytes]]:
+    """(partition, offset, value) of every record: read from the start until nothing came for `idle_s` (the
+    embedded broker's end offsets can be short, so they do not decide when the topic is read)."""
     from kafka import KafkaConsumer, TopicPartition
 
     c = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False)
@@ -99,27 +101,20 @@ def read_topic(bootstrap: str, topic: str) -> list[tuple[int, int, bytes]]:
             return []
         c.assign(tps)
         c.seek_to_beginning(*tps)
-        end, out = c.end_offsets(tps), []
-        deadline = time.monotonic() + 60
-        while any(c.position(tp) < end[tp] for tp in tps) and time.monotonic() < deadline:
+        out, last = [], time.monotonic()
+        while time.monotonic() - last < idle_s:
             for records in c.poll(timeout_ms=500).values():
                 out += [(r.partition, r.offset, r.value) for r in records]
+                last = time.monotonic()
         return out
     finally:
         c.close(autocommit=False)
 
 
-def account(bootstrap: str, run: str, run_dir: Path, malformed: int) -> dict[str, Any]:
-    topics = Topics(run)
-    tasks, bad_records, records = {}, set(), read_topic(bootstrap, topics.tasks)
-    for part, off, value in records:
-        try:
-            tasks[decode(value, Task).task_id] = (part, off)
-        except SchemaError:
-            bad_records.add((part, off))
-    letters = [decode(v, DeadLetter) for _, _, v in read_topic(bootstrap, topics.dlq)]
-    letter_keys = Counter((x.consumer, x.topic, x.partition, x.offset) for x in letters)  # once per consumer
-    dead_tasks = {x.key.decode() for x in letters if x.key and x.expected == "Task"}
+def account_run(run_dir: Path, task_ids: set[str], dead_tasks: set[str]) -> dict[str, Any]:
+    """Every task (those read from the topic, and those the agents answered) trained once, buffered in the last
+    checkpoint, or dead-lettered; the learner's drop counts."""
+    tasks = task_ids | set(art.read_trajectories(run_dir)["task_id"].astype(str))
     learner = art.read_learner(run_dir)
     trained = Counter(t for ids in learner["task_ids"] for t in (json.loads(ids) if isinstance(ids, str) else ids)
                       ) if len(learner) else Counter()
@@ -127,18 +122,32 @@ def account(bootstrap: str, run: str, run_dir: Path, malformed: int) -> dict[str
     pending = ({decode_json(line, Trajectory).task_id for line in (ckpt / "pending.jsonl").read_bytes().splitlines()
                 if line} if ckpt is not None else set())
     last = learner.iloc[-1].dropna().to_dict() if len(learner) else {}
-    lost = sorted(t for t in tasks if trained[t] == 0 and t not in pending and t not in dead_tasks)
-    bad_dead = {(p, o) for (_, topic, p, o) in letter_keys if topic == topics.tasks} & bad_records
     return {
-        "task_records": len(records), "tasks_published": len(tasks), "malformed_published": len(bad_records), "malformed_sent": malformed,
-        "trained_once": sum(1 for t in tasks if trained[t] == 1), "trained_twice": sorted(t for t in tasks
-                                                                                           if trained[t] > 1),
-        "buffered_in_last_checkpoint": len(pending & set(tasks)), "dead_lettered_tasks": len(dead_tasks & set(tasks)),
-        "malformed_dead_lettered": len(bad_dead), "letters_sent_twice": sum(1 for n in letter_keys.values() if n > 1),
-        "lost": lost, "stale_drops": float(last.get("learner/count_stale", 0.0)),
-        "duplicate_drops": float(last.get("learner/count_duplicate", 0.0)),
-        "learner_steps": int(len(learner)), "dlq_reasons": sorted({x.reason[:120] for x in letters}),
+        "tasks": len(tasks), "trained_once": sum(1 for t in tasks if trained[t] == 1),
+        "trained_twice": sorted(t for t in tasks if trained[t] > 1),
+        "buffered_in_last_checkpoint": len(pending & tasks), "dead_lettered_tasks": len(dead_tasks & tasks),
+        "lost": sorted(t for t in tasks if trained[t] == 0 and t not in pending and t not in dead_tasks),
+        "stale_drops": float(last.get("learner/count_stale", 0.0)),
+        "duplicate_drops": float(last.get("learner/count_duplicate", 0.0)), "learner_steps": int(len(learner)),
     }
+
+
+def account(bootstrap: str, run: str, run_dir: Path, malformed: int) -> dict[str, Any]:
+    topics = Topics(run)
+    tasks, bad_records, records = set(), set(), read_topic(bootstrap, topics.tasks)
+    for part, off, value in records:
+        try:
+            tasks.add(decode(value, Task).task_id)
+        except SchemaError:
+            bad_records.add((part, off))
+    letters = [decode(v, DeadLetter) for _, _, v in read_topic(bootstrap, topics.dlq)]
+    letter_keys = Counter((x.consumer, x.topic, x.partition, x.offset) for x in letters)  # once per consumer
+    dead_tasks = {x.key.decode() for x in letters if x.key and x.expected == "Task"}
+    bad_dead = {(p, o) for (_, topic, p, o) in letter_keys if topic == topics.tasks} & bad_records
+    return {"task_records": len(records), "tasks_in_topic": len(tasks), "malformed_published": len(bad_records),
+            "malformed_sent": malformed, "malformed_dead_lettered": len(bad_dead),
+            "letters_sent_twice": sum(1 for n in letter_keys.values() if n > 1),
+            "dlq_reasons": sorted({x.reason[:120] for x in letters}), **account_run(run_dir, tasks, dead_tasks)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                   "malformed_dead_lettered": r["malformed_dead_lettered"] == r["malformed_published"]}
     r["goals_met"] = all(r["goals"].values())
     save_json(r, out / "chaos.json")
-    print(json.dumps({k: r[k] for k in ("kills_by_role", "tasks_published", "trained_once", "trained_twice",
+    print(json.dumps({k: r[k] for k in ("kills_by_role", "tasks", "trained_once", "trained_twice",
                                          "buffered_in_last_checkpoint", "dead_lettered_tasks", "malformed_dead_lettered",
                                          "letters_sent_twice", "stale_drops", "lost", "goals_met")}, default=str))
     print(f"saved {out / 'chaos.json'}")
