@@ -201,14 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         broker.stop()
     r = result
-    r["goals"] = {"lost": len(r["lost"]) == 0, "trained_twice": not r["trained_twice"], "stale_drops": r["stale_drops"] == 0,
-                  "letters_sent_twice": r["letters_sent_twice"] == 0, "kills": len(kills) >= a.kills,
+    r["goals"] = {"lost": len(r["lost"]) == 0, "trained_twice": not r["trained_twice"],
+                  "stale_drops": r["stale_drops"] == 0, "letters_sent_twice": r["letters_sent_twice"] == 0, "kills": len(kills) >= a.kills,
                   "malformed_dead_lettered": r["malformed_dead_lettered"] == r["malformed_published"]}
     r["goals_met"] = all(r["goals"].values())
     save_json(r, out / "chaos.json")
-    print(json.dumps({k: r[k] for k in ("kills_by_role", "tasks", "trained_once", "trained_twice",
-                                         "buffered_in_last_checkpoint", "dead_lettered_tasks", "malformed_dead_lettered",
-                                         "letters_sent_twice", "stale_drops", "lost", "goals_met")}, default=str))
+    shown = ("kills_by_role", "tasks", "trained_once", "trained_twice", "buffered_in_last_checkpoint",
+             "dead_lettered_tasks", "malformed_dead_lettered", "letters_sent_twice", "stale_drops", "lost", "goals_met")
+    print(json.dumps({k: r[k] for k in shown}, default=str))
     print(f"saved {out / 'chaos.json'}")
     return 0 if rc == 0 else rc
 

@@ -184,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         row = learner_row(run_lengths(args.lengths_from, args.batch), args.repeats, args.lengths_from)
         result["learner"] = row
         print(f"learner's own step on {row['batch']} trajectories of {args.lengths_from}'s lengths: "
-              f"{row['tokens']} tokens, {row['learner_tokens_per_s']:,.0f} tok/s ({row['learner_s']:.3f} s)", flush=True)
+              f"{row['tokens']} tokens, {row['learner_tokens_per_s']:,.0f} tok/s ({row['learner_s']:.3f} s)",
+              flush=True)
     if args.megatron:
         print(f"learner step, torch vs megatron backends ({args.megatron_batch} x {args.megatron_seq} tokens, "
               f"median of {args.repeats} steps):", flush=True)

@@ -232,7 +232,8 @@ class KafkaProducerClient(Producer):
                    enable_idempotence=settings.idempotence, retries=float("inf"),  # bounded by delivery_timeout_ms
                    compression_type=compression_type(settings.compression), linger_ms=settings.linger_ms,
                    batch_size=settings.batch_size, request_timeout_ms=settings.request_timeout_ms,
-                   delivery_timeout_ms=max(settings.delivery_timeout_ms, settings.request_timeout_ms + settings.linger_ms),
+                   delivery_timeout_ms=max(settings.delivery_timeout_ms,
+                                           settings.request_timeout_ms + settings.linger_ms),
                    max_request_size=max(DLQ_MAX_VALUE_BYTES, settings.max_message_bytes) + 64 * 1024,
                    **settings.security.kafka_python())
         cfg.update(overrides)

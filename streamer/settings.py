@@ -33,7 +33,8 @@ class BrokerSettings:
 SECURITY_ENV = {  # the environment fills each setting left empty (compose and secrets stores set these)
     "security_protocol": "SAO_KAFKA_SECURITY_PROTOCOL", "sasl_mechanism": "SAO_KAFKA_SASL_MECHANISM",
     "sasl_username": "SAO_KAFKA_SASL_USERNAME", "sasl_password": "SAO_KAFKA_SASL_PASSWORD",
-    "ssl_cafile": "SAO_KAFKA_SSL_CAFILE", "ssl_certfile": "SAO_KAFKA_SSL_CERTFILE", "ssl_keyfile": "SAO_KAFKA_SSL_KEYFILE",
+    "ssl_cafile": "SAO_KAFKA_SSL_CAFILE", "ssl_certfile": "SAO_KAFKA_SSL_CERTFILE",
+    "ssl_keyfile": "SAO_KAFKA_SSL_KEYFILE",
 }
 PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")

@@ -2,10 +2,10 @@
 
 staleness = learner version at training time - the trajectory's `policy_version` (the oldest
 version that generated any of its tokens), both counted on the learner's lineage (`Lineage`): a
-restart from a checkpoint publishes under a new number the weights of an older index, so version
-numbers alone would make every trajectory read again after a restart look older than it is. A trajectory more than `max_staleness` versions behind
-is dropped and counted; it is checked on arrival and again when its batch is trained, since it may
-wait in the buffer while versions advance. A GRPO-family group goes stale as a whole (its oldest
+learner started over an older store publishes the weights of an early index under a new number, so
+version numbers alone would make the trajectories it reads look older than they are. A trajectory
+more than `max_staleness` versions behind is dropped and counted; it is checked on arrival and again
+when its batch is trained, since it may wait in the buffer while versions advance. A GRPO-family group goes stale as a whole (its oldest
 member decides).
 
 A greedy trajectory (`temperature` <= 0) is dropped as 'greedy': argmax decoding is not a sample of
