@@ -5,8 +5,8 @@ version that generated any of its tokens), both counted on the learner's lineage
 learner started over an older store publishes the weights of an early index under a new number, so
 version numbers alone would make the trajectories it reads look older than they are. A trajectory
 more than `max_staleness` versions behind is dropped and counted; it is checked on arrival and again
-when its batch is trained, since it may wait in the buffer while versions advance. A GRPO-family group goes stale as a whole (its oldest
-member decides).
+when its batch is trained, since it may wait in the buffer while versions advance. A GRPO-family group
+goes stale as a whole (its oldest member decides).
 
 A greedy trajectory (`temperature` <= 0) is dropped as 'greedy': argmax decoding is not a sample of
 any distribution the learner can score, so it has no policy ratio (its recorded log-probs are the
@@ -24,9 +24,9 @@ from streamer.schema import Trajectory
 class Lineage:
     """Published version numbers -> lineage index (how many publication points of the surviving history lie
     behind that version's weights). Numbers only grow, so agents always move forward; the index is what
-    staleness counts. Without restarts index == number. A restart from a checkpoint at index i, with numbers up to
-    L already published (L - n_ckpt of them by steps the crash lost), publishes the checkpoint's weights as L + 1
-    with index i: an anchor (L + 1, i). The lost versions keep the indices of the steps that redo them."""
+    staleness counts. Without a new start, index == number: a learner resumed from its checkpoint redoes the
+    lost steps under the numbers they had (`Trainer.start`). A learner started afresh over a store that already
+    holds versions up to L publishes its initial weights as L + 1 with index 0: an anchor (L + 1, 0)."""
 
     def __init__(self, anchors: list[list[int]] | None = None) -> None:
         self.anchors: list[tuple[int, int]] = [(int(n), int(i)) for n, i in anchors or []]  # (number, index)
