@@ -88,9 +88,8 @@ def test_a_slow_tool_call_holds_only_its_own_task():
     assert last.key == slow.task_id and last.trajectories[0].env_seconds == pytest.approx(1.5)
 
 
-def test_commits_stop_at_the_oldest_task_in_flight():
-    run = "c"
-    tasks = tool_tasks(3, [1.5, 0.0, 0.0])  # offsets 0 (slow), 1, 2 of the one task partition
+def _agent_on(run: str, tasks, engine):
+    """An agent with 3 tasks in flight over the one task partition of an in-memory bus holding `tasks`."""
     bus = MemoryBus()
     bus.create_topics(partitions_by_topic(run, TopicSettings(tasks_partitions=1)))
     sink = KafkaTaskSink(None, run, producer=bus.producer())
@@ -98,7 +97,13 @@ def test_commits_stop_at_the_oldest_task_in_flight():
         sink.write(t)
     s = AgentSettings(run=run, max_new_tokens=16, concurrency=3, idle_exit_s=0.01,
                       topics=TopicSettings(tasks_partitions=1))
-    agent = build_agent(s, bus, ToolDemoEngine(tasks), CharTokenizer())
+    return bus, build_agent(s, bus, engine, CharTokenizer())
+
+
+def test_commits_stop_at_the_oldest_task_in_flight():
+    run = "c"
+    tasks = tool_tasks(3, [1.5, 0.0, 0.0])  # offsets 0 (slow), 1, 2 of the one task partition
+    bus, agent = _agent_on(run, tasks, ToolDemoEngine(tasks))
     while agent.stats.tasks < 2:
         agent.step()
     produced = [decode(v, Trajectory).task_id for part in bus.logs[Topics(run).trajectories] for _, v in part]
@@ -123,17 +128,6 @@ class FailingEngine(ToolDemoEngine):
             self.failures -= 1
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return super().generate(*a, **k)
-
-
-def _agent_on(run: str, tasks, engine):
-    bus = MemoryBus()
-    bus.create_topics(partitions_by_topic(run, TopicSettings(tasks_partitions=1)))
-    sink = KafkaTaskSink(None, run, producer=bus.producer())
-    for t in tasks:
-        sink.write(t)
-    s = AgentSettings(run=run, max_new_tokens=16, concurrency=3, idle_exit_s=0.01,
-                      topics=TopicSettings(tasks_partitions=1))
-    return bus, build_agent(s, bus, engine, CharTokenizer())
 
 
 def test_an_engine_failure_is_retried_and_never_dead_letters_the_task(monkeypatch):

@@ -9,7 +9,6 @@ renamed, so an agent never loads half a checkpoint), then calls each `announce` 
 
 from __future__ import annotations
 
-import hashlib
 import tempfile
 from pathlib import Path
 from typing import Callable, Protocol
@@ -25,14 +24,6 @@ class Publisher(Protocol):
     def publish(self, model: torch.nn.Module, version: int, step: int) -> PolicyVersion: ...
 
     def latest_version(self) -> int | None: ...
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def assert_finite(model: torch.nn.Module) -> None:
