@@ -43,9 +43,9 @@ if __package__ in (None, ""):  # `python bench/chaos.py`
 from bench.common import machine, save_json  # noqa: E402
 from streamer import artifacts as art  # noqa: E402
 from streamer.broker import EmbeddedBroker  # noqa: E402
-from streamer.bus import DeadLetter, KafkaBus  # noqa: E402
+from streamer.bus import DeadLetter, KafkaBus, read_topic  # noqa: E402
 from streamer.schema import SchemaError, Task, Trajectory, decode, decode_json  # noqa: E402
-from streamer.settings import BrokerSettings  # noqa: E402
+from streamer.settings import BrokerSettings, ClientSettings  # noqa: E402
 from streamer.topics import Topics, partitions_by_topic  # noqa: E402
 
 TARGETS = {"learner": "learn", "agent-0": "agent", "metrics": "metrics"}  # role -> its `sao` command
@@ -89,26 +89,9 @@ def killer(run: str, kills: int, every_s: float, stop: threading.Event, log: lis
         stop.wait(every_s * rng.uniform(0.5, 1.5))
 
 
-def read_topic(bootstrap: str, topic: str, idle_s: float = 3.0) -> list[tuple[int, int, bytes]]:
-    """(partition, offset, value) of every record: read from the start until nothing came for `idle_s` (the
-    embedded broker's end offsets can be short, so they do not decide when the topic is read)."""
-    from kafka import KafkaConsumer, TopicPartition
-
-    c = KafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False)
-    try:
-        tps = [TopicPartition(topic, p) for p in sorted(c.partitions_for_topic(topic) or ())]
-        if not tps:
-            return []
-        c.assign(tps)
-        c.seek_to_beginning(*tps)
-        out, last = [], time.monotonic()
-        while time.monotonic() - last < idle_s:
-            for records in c.poll(timeout_ms=500).values():
-                out += [(r.partition, r.offset, r.value) for r in records]
-                last = time.monotonic()
-        return out
-    finally:
-        c.close(autocommit=False)
+def whole_topic(bootstrap: str, topic: str) -> list[tuple[int, int, bytes]]:
+    """Every record of `topic`: to its end offsets, then until 3 s (12 polls) brought nothing."""
+    return read_topic(bootstrap, ClientSettings(), topic, timeout_s=120.0, idle_polls=12)
 
 
 def account_run(run_dir: Path, task_ids: set[str], dead_tasks: set[str]) -> dict[str, Any]:
@@ -134,13 +117,13 @@ def account_run(run_dir: Path, task_ids: set[str], dead_tasks: set[str]) -> dict
 
 def account(bootstrap: str, run: str, run_dir: Path, malformed: int) -> dict[str, Any]:
     topics = Topics(run)
-    tasks, bad_records, records = set(), set(), read_topic(bootstrap, topics.tasks)
+    tasks, bad_records, records = set(), set(), whole_topic(bootstrap, topics.tasks)
     for part, off, value in records:
         try:
             tasks.add(decode(value, Task).task_id)
         except SchemaError:
             bad_records.add((part, off))
-    letters = [decode(v, DeadLetter) for _, _, v in read_topic(bootstrap, topics.dlq)]
+    letters = [decode(v, DeadLetter) for _, _, v in whole_topic(bootstrap, topics.dlq)]
     letter_keys = Counter((x.consumer, x.topic, x.partition, x.offset) for x in letters)  # once per consumer
     dead_tasks = {x.key.decode() for x in letters if x.key and x.expected == "Task"}
     bad_dead = {(p, o) for (_, topic, p, o) in letter_keys if topic == topics.tasks} & bad_records

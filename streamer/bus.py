@@ -370,40 +370,53 @@ class KafkaConsumerClient(Consumer):
         self._c.close(autocommit=False)
 
 
-def letters_in(bootstrap: str, settings: ClientSettings, dlq: str, name: str,
-               timeout_s: float = 15.0) -> set[tuple[str, int, int]]:
-    """(topic, partition, offset) of every dead letter consumer `name` has sent to `dlq`: a consumer restarted from
-    older offsets reads those records again and must not send their letters twice. The DLQ is small (bad input
-    only); it is read from the start to its end offsets at the consumer's creation."""
+def read_topic(bootstrap: str, settings: ClientSettings, topic: str, timeout_s: float = 15.0,
+               idle_polls: int = 2) -> list[tuple[int, int, bytes]]:
+    """(partition, offset, value) of every record of `topic`, read from the start until every partition has
+    reached its end offset and `idle_polls` polls of 0.25 s in a row brought nothing (the embedded broker's end
+    offsets can be short). Raises TimeoutError after `timeout_s`."""
     from kafka import KafkaConsumer
 
     c = KafkaConsumer(bootstrap_servers=bootstrap.split(","), client_id=settings.client_id, group_id=None,
                       enable_auto_commit=False, request_timeout_ms=settings.request_timeout_ms,
                       **settings.security.kafka_python())
-    found: set[tuple[str, int, int]] = set()
+    out: list[tuple[int, int, bytes]] = []
     try:
-        tps = [TopicPartition(dlq, p) for p in sorted(c.partitions_for_topic(dlq) or ())]
+        tps = [TopicPartition(topic, p) for p in sorted(c.partitions_for_topic(topic) or ())]
         if not tps:
-            return found
+            return out
         c.assign(tps)
         c.seek_to_beginning(*tps)
         end = c.end_offsets(tps)
         deadline, idle = time.monotonic() + timeout_s, 0
-        while idle < 2 or any(c.position(tp) < end[tp] for tp in tps):  # the embedded broker's end offsets
-            if time.monotonic() > deadline:                               # can be short: two empty polls too
-                raise SendError(f"{dlq}: could not read the dead letters already sent within {timeout_s} s")
+        while idle < idle_polls or any(c.position(tp) < end[tp] for tp in tps):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{topic}: not read to its end within {timeout_s} s")
             batches = c.poll(timeout_ms=250)
             idle = 0 if batches else idle + 1
-            for records in batches.values():
-                for r in records:
-                    try:
-                        letter = decode(r.value, DeadLetter)
-                    except SchemaError:
-                        continue
-                    if letter.consumer == name:
-                        found.add((letter.topic, letter.partition, letter.offset))
+            out += [(r.partition, r.offset, r.value) for records in batches.values() for r in records]
     finally:
         c.close(autocommit=False)
+    return out
+
+
+def letters_in(bootstrap: str, settings: ClientSettings, dlq: str, name: str,
+               timeout_s: float = 15.0) -> set[tuple[str, int, int]]:
+    """(topic, partition, offset) of every dead letter consumer `name` has sent to `dlq`: a consumer restarted from
+    older offsets reads those records again and must not send their letters twice. The DLQ is small (bad input
+    only); it is read whole at the consumer's creation."""
+    try:
+        records = read_topic(bootstrap, settings, dlq, timeout_s)
+    except TimeoutError:
+        raise SendError(f"{dlq}: could not read the dead letters already sent within {timeout_s} s") from None
+    found: set[tuple[str, int, int]] = set()
+    for _, _, value in records:
+        try:
+            letter = decode(value, DeadLetter)
+        except SchemaError:
+            continue
+        if letter.consumer == name:
+            found.add((letter.topic, letter.partition, letter.offset))
     return found
 
 
