@@ -4,8 +4,8 @@
     sao up --scenario benchmark --agents 3 --loss ppo
     sao up --bootstrap kafka:9092 --no-dashboard --batch 32 --staleness 4 --set optim.lr=1e-4
 
-Starts the embedded broker (unless --bootstrap), creates the run's topics, warms up the tiny
-policy (cached under runs/cache), then runs the metrics app, the learner, the agents, the
+Warms up the tiny policy (cached under runs/cache), starts the embedded broker (unless
+--bootstrap) and creates the run's topics, then runs the metrics app, the learner, the agents, the
 dashboard and the simulator as child processes (logs in runs/<run>/logs/) and records the run
 into runs/<run>/ in-process. It stops at the scenario's end (every task answered) or on Ctrl-C,
 leaving config.json, the tables (Parquet), checkpoints and summary.json.
@@ -270,8 +270,15 @@ def run(cfg: UpConfig) -> int:
     print(f"{cfg.plan().describe()}\nadmission: learner batch {batch}, staleness "
           f"<= {staleness}; each agent starts {adm.tasks_per_version} task(s) per version, "
           f"{adm.versions_ahead} version(s) ahead", flush=True)
+    print("[1/4] warm start of the tiny policy (supervised, cached under runs/cache); nothing else runs meanwhile",
+          flush=True)
+    try:
+        init = warm_start(cfg)  # before the broker: the 2 cores of a small machine are the warm start's alone
+    except KeyboardInterrupt:
+        print("stopping: interrupted during the warm start (nothing else was started)", flush=True)
+        return 130
     broker = None
-    print("[1/4] broker: " + ("starting the embedded Tansu broker" if not cfg.bootstrap else cfg.bootstrap), flush=True)
+    print("[2/4] broker: " + ("starting the embedded Tansu broker" if not cfg.bootstrap else cfg.bootstrap), flush=True)
     if not cfg.bootstrap:
         broker = EmbeddedBroker(BrokerSettings(port=0, log_path=str(run_dir / "logs" / "broker.log"))).start()
         print(f"      embedded Tansu at {broker.bootstrap}", flush=True)
@@ -292,8 +299,6 @@ def run(cfg: UpConfig) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         KafkaBus(bootstrap).create_topics(partitions_by_topic(cfg.run))
-        print("[2/4] warm start of the tiny policy (supervised, cached under runs/cache)", flush=True)
-        init = warm_start(cfg)
         print("[3/4] starting the roles: metrics app, learner, agents" + (", evaluator" if cfg.plan().eval else "")
               + (", dashboard" if cfg.dashboard else "") + ", simulator", flush=True)
         tap = open_tap(bootstrap, cfg.run, str(run_dir), config={"up": asdict(cfg), "init": str(init),
