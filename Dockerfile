@@ -26,7 +26,7 @@ COPY streamer streamer
 COPY learner learner
 COPY dashboard dashboard
 RUN if [ -n "${EXTRAS}" ]; then pip install ".[${EXTRAS}]"; else pip install .; fi \
-    && python -c "import torch, faust, streamer.cli; print('torch', torch.__version__)"
+    && python -c "import torch, faust, streamer.launch.cli; print('torch', torch.__version__)"
 
 # Non-root user; /app/runs and /app/weights become the shared volumes (a new named volume takes
 # the ownership of the folder it is mounted on).

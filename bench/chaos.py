@@ -9,7 +9,7 @@ a random one of the learner, agent-0 and the metrics app every `--every` seconds
 
 - every task the simulator published (read back from `<run>.tasks`, plus any the agents answered) is trained
   exactly once (the learner's standing events:
-  `streamer.artifacts.read_learner`), or buffered in the learner's last checkpoint (`pending.jsonl`: a run that
+  `streamer.runs.artifacts.read_learner`), or buffered in the learner's last checkpoint (`pending.jsonl`: a run that
   stops mid-batch), or dead-lettered (`<run>.dlq`, with its reason);
 - every malformed record is dead-lettered exactly once;
 - the learner's stale drops (`learner/count_stale`), which pacing keeps at 0 without restarts: any here would be
@@ -41,19 +41,20 @@ if __package__ in (None, ""):  # `python bench/chaos.py`
     sys.path.insert(0, str(ROOT))
 
 from bench.common import machine, save_json  # noqa: E402
-from streamer import artifacts as art  # noqa: E402
-from streamer.broker import EmbeddedBroker  # noqa: E402
-from streamer.bus import DeadLetter, KafkaBus, read_topic  # noqa: E402
-from streamer.schema import SchemaError, Task, Trajectory, decode, decode_json  # noqa: E402
-from streamer.settings import BrokerSettings, ClientSettings  # noqa: E402
-from streamer.topics import Topics, partitions_by_topic  # noqa: E402
+from streamer.runs import artifacts as art  # noqa: E402
+from streamer.transport.broker import EmbeddedBroker  # noqa: E402
+from streamer.transport.bus import KafkaBus, read_topic  # noqa: E402
+from streamer.wire.schema import DeadLetter  # noqa: E402
+from streamer.wire.schema import SchemaError, Task, Trajectory, decode, decode_json  # noqa: E402
+from streamer.wire.settings import BrokerSettings, ClientSettings  # noqa: E402
+from streamer.wire.topics import Topics, partitions_by_topic  # noqa: E402
 
 TARGETS = {"learner": "learn", "agent-0": "agent", "metrics": "metrics"}  # role -> its `sao` command
 MALFORMED = [b"\x00not msgpack", b"\x82\xa1v\x63\xa7task_id\xa1x", b"{}"]
 
 
 def role_pids(run: str) -> dict[str, int]:
-    """PIDs of the run's roles, from /proc: `python -m streamer.cli <command> ... --run <run>`."""
+    """PIDs of the run's roles, from /proc: `python -m streamer.launch.cli <command> ... --run <run>`."""
     out: dict[str, int] = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
@@ -63,9 +64,9 @@ def role_pids(run: str) -> dict[str, int]:
         except OSError:
             continue
         args = [a.decode(errors="replace") for a in argv]
-        if "streamer.cli" not in args or run not in args:
+        if "streamer.launch.cli" not in args or run not in args:
             continue
-        command = args[args.index("streamer.cli") + 1]
+        command = args[args.index("streamer.launch.cli") + 1]
         for role, cmd in TARGETS.items():
             if command == cmd:
                 out[role] = int(d.name)
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, value in enumerate(MALFORMED):
             prod.send_raw(Topics(run).tasks, value, key=f"malformed-{i}".encode())
         prod.flush()
-        cmd = [sys.executable, "-m", "streamer.cli", "up", "--bootstrap", broker.bootstrap, "--run", run,
+        cmd = [sys.executable, "-m", "streamer.launch.cli", "up", "--bootstrap", broker.bootstrap, "--run", run,
                "--runs-dir", str(runs_dir), "--no-dashboard", "--restarts", "100", "--limit", str(a.tasks),
                "--drain-seconds", "120"]  # a learner restarted often has a backlog left when the last task is answered
         print("running: " + " ".join(cmd), flush=True)

@@ -1,10 +1,10 @@
 """Shared pieces of the headline benchmarks (drift_algorithms, async_vs_sync, stability).
 
-Every run is the real pipeline: `streamer.launcher.run(UpConfig(...))` (embedded broker, cached warm
+Every run is the real pipeline: `streamer.launch.up.run(UpConfig(...))` (embedded broker, cached warm
 start, metrics app, learner, agents, simulator as child processes, artifacts under <out>/runs/<run>/).
 `launch` adds only a watcher thread that ends the run once a budget is met (generated tokens or
 learner steps) by lowering the launcher's own `max_seconds`; the figures come from the run's
-artifacts through `streamer.adaptation` (one definition of every adaptation metric).
+artifacts through `streamer.runs.adaptation` (one definition of every adaptation metric).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 import pandas as pd
 
-from streamer import adaptation as ad
+from streamer.runs import adaptation as ad
 
 BASE_SCENARIO = "benchmark"
 CACHE_DIR = "runs/bench/cache"  # warm starts shared by the three benchmarks (keyed by their config)
@@ -108,7 +108,7 @@ def launch(algo: Algo, run: str, scenario: Path, runs_dir: Path, budget: Budget,
     """Run the pipeline once on `scenario`, warm-started from the `base` snapshot (`snapshot_base`);
     `evaluate`: also run the held-out evaluator role (eval/reward per concept: forgetting), which
     costs CPU; returns {run_dir, stopped, wall_s, rc}."""
-    from streamer.launcher import UpConfig, run as up
+    from streamer.launch.up import UpConfig, run as up
 
     cfg = UpConfig(scenario=str(scenario), run=run, runs_dir=str(runs_dir), agents=agents,
                    group_size=algo.group_size, loss=algo.loss, sync=sync, sync_batch=sync_batch,
@@ -140,7 +140,7 @@ def launch(algo: Algo, run: str, scenario: Path, runs_dir: Path, budget: Budget,
 
 def _watch(cfg, run_dir: Path, budget: Budget, reason: list[str], done: threading.Event) -> None:
     """Ends the launcher's loop (it re-reads cfg.max_seconds every 0.5 s) once a budget is met."""
-    from streamer.artifacts import read_learner, read_trajectories
+    from streamer.runs.artifacts import read_learner, read_trajectories
 
     while not done.wait(2.0):
         try:
@@ -164,7 +164,7 @@ def read_run(run_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, list[dict
     """(trajectories in finish order, learner events, drift events as dicts)."""
     import msgspec
 
-    from streamer.artifacts import read_drift, read_learner, read_trajectories
+    from streamer.runs.artifacts import read_drift, read_learner, read_trajectories
 
     traj = read_trajectories(run_dir)
     if len(traj):
@@ -173,7 +173,7 @@ def read_run(run_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, list[dict
 
 
 def read_summary(run_dir: str | Path) -> dict[str, Any] | None:
-    from streamer.artifacts import read_summary as _read
+    from streamer.runs.artifacts import read_summary as _read
 
     return _read(run_dir)
 

@@ -3,7 +3,7 @@
 Each seed is one `sao up --seed S` (dashboard included, as `make up` runs it) (the task stream, the learner and the agents seeded; the warm
 start is shared and cached). Per seed it keeps summary.json, and it draws the reward of every concept by phase
 (windowed over each family's trajectories in stream order, drift positions marked) into one PNG. The verdict per
-drift event and family is `streamer.adaptation.drift_recoveries`' status, the one definition of the project.
+drift event and family is `streamer.runs.adaptation.drift_recoveries`' status, the one definition of the project.
 
     .venv/bin/python bench/default_runs.py --seeds 0,1,2 --out docs/runs/default
 """
@@ -25,8 +25,8 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from bench.common import machine, pyplot, save_figure, save_json  # noqa: E402
-from streamer.adaptation import in_stream_order  # noqa: E402
-from streamer.artifacts import read_trajectories  # noqa: E402
+from streamer.runs.adaptation import in_stream_order  # noqa: E402
+from streamer.runs.artifacts import read_trajectories  # noqa: E402
 
 WINDOW = 64
 
@@ -35,7 +35,7 @@ def run_seed(seed: int, runs_dir: Path, extra: list[str]) -> Path:
     run = f"default-seed{seed}"
     if (runs_dir / run).exists():
         shutil.rmtree(runs_dir / run)
-    cmd = [sys.executable, "-m", "streamer.cli", "up", "--seed", str(seed), "--run", run, "--runs-dir", str(runs_dir),
+    cmd = [sys.executable, "-m", "streamer.launch.cli", "up", "--seed", str(seed), "--run", run, "--runs-dir", str(runs_dir),
            *extra]
     print("$ " + " ".join(cmd[2:]), flush=True)
     subprocess.run(cmd, check=False)

@@ -100,7 +100,7 @@ def learner_row(lengths: list[tuple[int, int]], repeats: int, source: str) -> di
     from learner.train import build_models
     from learner.trainer.batching import by_length, collate
     from learner.trainer.step import prepare, update
-    from streamer.schema import Trajectory
+    from streamer.wire.schema import Trajectory
 
     cfg = LearnerConfig()
     models = build_models(cfg)

@@ -20,11 +20,11 @@ import sys
 import time
 from pathlib import Path
 
-from streamer.broker import EmbeddedBroker
-from streamer.bus import KafkaBus
-from streamer.schema import MetricPoint, Trajectory
-from streamer.settings import BrokerSettings
-from streamer.topics import Topics, partitions_by_topic
+from streamer.transport.broker import EmbeddedBroker
+from streamer.transport.bus import KafkaBus
+from streamer.wire.schema import MetricPoint, Trajectory
+from streamer.wire.settings import BrokerSettings
+from streamer.wire.topics import Topics, partitions_by_topic
 
 FAMILIES = ("arith", "tool", "format", "string")
 EVENT_T0 = 1_700_000_000.0  # event times in the past: the app's idle flush closes the last window
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         bus.create_topics(partitions_by_topic(run))
         produce_s = produce(bus, topics.trajectories, args.n, args.tokens)
         started = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "streamer.cli", "metrics", "--bootstrap", broker.bootstrap,
+        proc = subprocess.Popen([sys.executable, "-m", "streamer.launch.cli", "metrics", "--bootstrap", broker.bootstrap,
                                  "--run", run, "--window", str(args.window), "lateness_s=5", "idle_flush_s=1"])
         try:
             seen = watch(bus, topics.metrics, args.n, args.timeout, started)

@@ -15,12 +15,12 @@ reference included) on a batch of the run's own trajectory lengths; (3) the figu
   defaults), since the isolated figure is one update. Both count every token of the batch (prompt and response).
   For context, the same pipeline figure ÷ learner_step.py's fixed synthetic batch (64 rows of 32-80 tokens, a
   bare SAO step without KL): longer rows run faster per token, so that ratio is lower and is not the goal's.
-- trained ÷ generated trajectories (goal >= 0.9): `streamer.adaptation.trained_fraction` (the learner's
+- trained ÷ generated trajectories (goal >= 0.9): `streamer.runs.adaptation.trained_fraction` (the learner's
   n_trajectories over its applied steps ÷ rows of trajectories.parquet); as a check, the share of rows whose
-  `learner_step` is filled (`streamer.artifacts.trained_by`). A run stopped by time leaves the last, unfinished
+  `learner_step` is filled (`streamer.runs.artifacts.trained_by`). A run stopped by time leaves the last, unfinished
   batch untrained: with a full batch of B trajectories, at most B / generated below what a drained run would show.
 - learner steps per 1,000 trajectories generated (all steps, and policy steps only).
-- learner busy share: `streamer.adaptation.learner_busy_share` (1 − Σ idle ÷ the learner's wall time).
+- learner busy share: `streamer.runs.adaptation.learner_busy_share` (1 − Σ idle ÷ the learner's wall time).
 
 Writes <out>/pipeline.json and <out>/pipeline.png (the run itself stays in <runs-dir>/<run>/, `sao up`'s output in
 <out>/up.log). The thread count of the pipeline's learner: the run's config.json (an explicit `--set threads=N`, or a
@@ -55,8 +55,8 @@ if __package__ in (None, ""):  # `python bench/pipeline.py`
     sys.path.insert(0, str(ROOT))
 
 from bench import common as c  # noqa: E402
-from streamer import adaptation as ad  # noqa: E402
-from streamer import artifacts as art  # noqa: E402
+from streamer.runs import adaptation as ad  # noqa: E402
+from streamer.runs import artifacts as art  # noqa: E402
 
 GOAL_TOKENS_RATIO = 0.5
 GOAL_TRAINED = 0.9
@@ -107,7 +107,7 @@ def isolated_step(threads: int, batch: int, repeats: int, out: Path, lengths_fro
 
 def sao_command() -> list[str]:
     exe = Path(sys.executable).parent / "sao"
-    return [str(exe)] if exe.is_file() else [sys.executable, "-m", "streamer.cli"]
+    return [str(exe)] if exe.is_file() else [sys.executable, "-m", "streamer.launch.cli"]
 
 
 def run_up(argv: list[str], log_path: Path, timeout_s: float) -> tuple[int, float]:
@@ -370,9 +370,9 @@ def main(argv: list[str] | None = None) -> int:
                               "run's trajectories.parquet, min over rounds) at the pipeline learner's thread count",
         "tokens_per_s_ratio_fixed_batch": "the same numerator ÷ learner_step.py's SAO step on its fixed synthetic "
                                           "batch (context, not the goal)",
-        "trained_fraction": "streamer.adaptation.trained_fraction: Σ n_trajectories of applied steps ÷ rows of "
+        "trained_fraction": "streamer.runs.adaptation.trained_fraction: Σ n_trajectories of applied steps ÷ rows of "
                             "trajectories.parquet (a time-stopped run's last batch is not trained)",
-        "learner_busy_share": "streamer.adaptation.learner_busy_share: 1 − Σ perf/idle_s ÷ learner wall time",
+        "learner_busy_share": "streamer.runs.adaptation.learner_busy_share: 1 − Σ perf/idle_s ÷ learner wall time",
         "learner_steps_per_1000_trajectories": "learner events (every step) × 1000 ÷ trajectories generated",
     }
     c.save_json(result, out / "pipeline.json")

@@ -18,8 +18,8 @@ from learner.models import load_policy
 from learner.pretrain import PretrainConfig, Threads, evaluate, pretrain
 from simulator.generator import generate
 from simulator.scenario import load_scenario
-from streamer.config import load_config
-from streamer.schema import DriftEvent
+from streamer.wire.config import load_config
+from streamer.wire.schema import DriftEvent
 
 
 def drift_events(scenario: str) -> list[DriftEvent]:

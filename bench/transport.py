@@ -28,11 +28,11 @@ import msgspec
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from streamer.broker import EmbeddedBroker  # noqa: E402
-from streamer.bus import KafkaBus, compression_type  # noqa: E402
-from streamer.schema import Task, Trajectory, decode, encode  # noqa: E402
-from streamer.settings import BrokerSettings, ClientSettings  # noqa: E402
-from streamer.topics import Topics, partitions_by_topic  # noqa: E402
+from streamer.transport.broker import EmbeddedBroker  # noqa: E402
+from streamer.transport.bus import KafkaBus, compression_type  # noqa: E402
+from streamer.wire.schema import Task, Trajectory, decode, encode  # noqa: E402
+from streamer.wire.settings import BrokerSettings, ClientSettings  # noqa: E402
+from streamer.wire.topics import Topics, partitions_by_topic  # noqa: E402
 
 
 def make_trajectories(n: int, tokens: int = 256, prompt: int = 32, seed: int = 0) -> list[Trajectory]:
@@ -123,8 +123,8 @@ def agent_rollout_seconds(model_dir: Path, n: int = 30) -> dict:
     from learner.engines import make_engine
     from simulator.generator import generate
     from simulator.scenario import load_scenario
-    from streamer.rollouts import rollout
-    from streamer.settings import AgentSettings
+    from streamer.agent.rollouts import rollout
+    from streamer.wire.settings import AgentSettings
 
     torch.set_num_threads(1)
     engine = make_engine("torch", model_dir)
@@ -141,7 +141,7 @@ def agent_rollout_seconds(model_dir: Path, n: int = 30) -> dict:
 
 
 def _agent_cmd(bootstrap: str, run: str, model: Path, weights: Path, status: Path, name: str) -> list[str]:
-    return [sys.executable, "-m", "streamer.cli", "agent", "--bootstrap", bootstrap, "--run", run, "--model",
+    return [sys.executable, "-m", "streamer.launch.cli", "agent", "--bootstrap", bootstrap, "--run", run, "--model",
             str(model), "--weights-dir", str(weights), "--status-file", str(status), "--set", f"agent_id={name}",
             "--set", "threads=1", "--log-level", "WARNING"]
 
@@ -158,7 +158,7 @@ def bench_propagation(bootstrap: str, model_dir: Path, work: Path, n_agents: int
     import torch
 
     from learner.models import load_policy
-    from streamer.weights import WeightStore, announce
+    from streamer.transport.weights import WeightStore, announce
 
     run = f"benchprop{os.getpid()}"
     bus = KafkaBus(bootstrap)

@@ -33,7 +33,7 @@ NEW = {"format": "parens", "string": "sort"}
 
 def one(name: str, sets: list[str], init: str, seed: int) -> dict:
     from bench.online import online_run
-    from streamer.adaptation import drift_recoveries
+    from streamer.runs.adaptation import drift_recoveries
 
     traj, steps, drifts = online_run(init, "default", sets, [], seed=seed, threads=1, limit=TASKS,
                                      log=lambda line: print(f"[{name}] {line}", flush=True))

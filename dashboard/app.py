@@ -19,8 +19,8 @@ import streamlit as st
 
 from dashboard import charts, data
 from dashboard.live import LiveTap
-from streamer import artifacts as art
-from streamer.adaptation import DEFAULT_DELTA, DEFAULT_WINDOW
+from streamer.runs import artifacts as art
+from streamer.runs.adaptation import DEFAULT_DELTA, DEFAULT_WINDOW
 
 
 def cli_options(argv: list[str]) -> argparse.Namespace:

@@ -19,8 +19,8 @@ import numpy as np
 import pandas as pd
 
 from dashboard.downsample import downsample
-from streamer import adaptation as ad
-from streamer import artifacts as art
+from streamer.runs import adaptation as ad
+from streamer.runs import artifacts as art
 
 X_AXES = {"wall time (s)": "x_time", "trajectories": "x_traj", "learner steps": "x_step"}
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from streamer import artifacts as art
-from streamer.schema import DriftEvent
+from streamer.runs import artifacts as art
+from streamer.wire.schema import DriftEvent
 
 FAMILIES = ("arith", "string")
 CONCEPTS = {"arith": ("add", "mul", "add"), "string": ("rev", "upper", "rev")}  # phase 2 recurs to phase 0

@@ -18,8 +18,8 @@ import msgspec
 import pandas as pd
 
 from dashboard.data import RunData
-from streamer import artifacts as art
-from streamer.schema import DriftEvent, LearnerEvent, MetricPoint
+from streamer.runs import artifacts as art
+from streamer.wire.schema import DriftEvent, LearnerEvent, MetricPoint
 
 RETRY_S = 3.0  # after a failure
 RESYNC_S = 10.0  # quiet this long: re-read the topics from the start (doubling up to 5 min)
@@ -46,8 +46,8 @@ def check_reachable(bootstrap: str, timeout: float = 2.0) -> None:
 
 def kafka_consumer_factory(bootstrap: str, run: str):
     """A consumer of the run's three topics, from their start, with no group (read-only tap)."""
-    from streamer.bus import KafkaBus
-    from streamer.topics import Topics
+    from streamer.transport.bus import KafkaBus
+    from streamer.wire.topics import Topics
 
     check_reachable(bootstrap)
 

@@ -1,6 +1,6 @@
 """Typed configuration of the continuous learner (`sao learn`).
 
-Build one with `streamer.config.load_config(LearnerConfig, yaml_path, ["loss.name=ppo", ...])`;
+Build one with `streamer.wire.config.load_config(LearnerConfig, yaml_path, ["loss.name=ppo", ...])`;
 `validate()` runs there and names the field and the fix. Section by section:
   loss       which policy loss (learner.algorithms.POLICY_LOSSES) and its clip parameters
   advantage  GAE with decoupled lambda (value model) or a group estimator (GRPO family)
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from learner.algorithms import AGGS, GROUP_ESTIMATORS, KL_TYPES, POLICY_LOSSES
 from learner.models.config import ModelConfig
-from streamer.config import ConfigError
+from streamer.wire.config import ConfigError
 
 ESTIMATORS = ("gae",) + tuple(GROUP_ESTIMATORS)
 
@@ -124,7 +124,7 @@ class IOConfig:
     value_init: str = ""  # value-model directory; "" -> policy backbone + a fresh head
     weights_dir: str = ""  # policy-version store; "" -> no publication
     keep_versions: int = 32  # newest versions kept in the store (a version is ~13 MB for the tiny model; 0: all)
-    run_dir: str = ""  # run directory: learner events table (streamer.artifacts); "" -> none
+    run_dir: str = ""  # run directory: learner events table (streamer.runs.artifacts); "" -> none
     events: str = ""  # LearnerEvent JSONL file; "" -> <checkpoint.dir>/events.jsonl
 
 

@@ -40,8 +40,8 @@ from simulator.env import Step, make_env
 from simulator.latency import LatencyConfig
 from simulator.scenario import Scenario, load_scenario, resolve_path
 from simulator.warmstart import demos, segments
-from streamer.config import ConfigError, load_config, to_dict
-from streamer.schema import Task
+from streamer.wire.config import ConfigError, load_config, to_dict
+from streamer.wire.schema import Task
 
 NO_LATENCY = LatencyConfig(mean_s=0.0, sleep=False)
 

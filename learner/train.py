@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from learner.config import LearnerConfig
-from streamer.config import ConfigError, load_config
+from streamer.wire.config import ConfigError, load_config
 
 log = logging.getLogger("learner.train")
 
@@ -59,7 +59,7 @@ def build_config(args: argparse.Namespace) -> LearnerConfig:
         overrides.append("batch.sync=true")
     if args.follow:
         overrides.append("io.follow=true")
-    # `backend=megatron` (as streamer.ray_launch spells it) is short for backend.name=megatron
+    # `backend=megatron` (as streamer.launch.ray_launch spells it) is short for backend.name=megatron
     rest = [f"backend.name={o.split('=', 1)[1]}" if o.startswith("backend=") else o for o in args.overrides]
     return load_config(LearnerConfig, args.config, overrides + rest)
 
@@ -123,9 +123,9 @@ def build_source(cfg: LearnerConfig):
 
     if cfg.io.trajectories:
         return FileSource(cfg.io.trajectories, follow=cfg.io.follow)
-    from streamer.bus import KafkaBus
-    from streamer.schema import Trajectory
-    from streamer.topics import Topics, partitions_by_topic
+    from streamer.transport.bus import KafkaBus
+    from streamer.wire.schema import Trajectory
+    from streamer.wire.topics import Topics, partitions_by_topic
 
     bus = KafkaBus(cfg.io.bootstrap or None)
     bus.create_topics(partitions_by_topic(cfg.io.run))
@@ -146,7 +146,7 @@ class JsonlSink:
                 self.f.write(b"\n")
 
     def __call__(self, event) -> None:
-        from streamer.schema import encode_json
+        from streamer.wire.schema import encode_json
 
         self.f.write(encode_json(event) + b"\n")
         self.f.flush()
@@ -162,16 +162,16 @@ def build_outputs(cfg: LearnerConfig):
     jsonl = JsonlSink(cfg.io.events or Path(cfg.checkpoint.dir) / "events.jsonl")
     sinks, closers, announce = [jsonl], [jsonl.close], []
     if cfg.io.run_dir:
-        from streamer.artifacts import TableWriter, learner_row
+        from streamer.runs.artifacts import TableWriter, learner_row
 
         table = TableWriter(cfg.io.run_dir, "learner", writer_id="learner")
         sinks.append(lambda e: table.add(learner_row(e)))
         closers.append(table.flush)
     if not cfg.io.trajectories:  # live: announce versions and events on the run's topics
-        from streamer.bus import KafkaBus
-        from streamer.topics import Topics
+        from streamer.transport.bus import KafkaBus
+        from streamer.wire.topics import Topics
 
-        from streamer.weights import announce as announce_version
+        from streamer.transport.weights import announce as announce_version
 
         producer, topics = KafkaBus(cfg.io.bootstrap or None).producer(), Topics(cfg.io.run)
         sinks.append(lambda e: (producer.send(topics.learner, e), producer.flush()))
@@ -195,7 +195,7 @@ def torchrun_argv(argv: list[str], nproc: int) -> list[str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--nnodes", "1",
-            "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "streamer.cli", "learn", *rest]
+            "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "streamer.launch.cli", "learn", *rest]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from streamer.schema import Task
+from streamer.wire.schema import Task
 from simulator.families import get_family
 from simulator.families.tools import episode_reward, observe
 from simulator.latency import LatencyConfig, latency_from_dict, sample_latency

@@ -11,7 +11,7 @@ import random
 import time
 from collections.abc import Iterator
 
-from streamer.schema import DriftEvent, Task
+from streamer.wire.schema import DriftEvent, Task
 from simulator.drift import block_concepts, block_of, concept_for, final_concepts
 from simulator.families import FAMILIES
 from simulator.latency import LatencyConfig

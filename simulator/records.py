@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from streamer.schema import DriftEvent, SchemaError, Task, from_dict, to_dict
+from streamer.wire.schema import DriftEvent, SchemaError, Task, from_dict, to_dict
 from simulator.families import FAMILIES
 from simulator.text import in_alphabet
 

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from streamer.schema import DriftEvent, Task
+from streamer.wire.schema import DriftEvent, Task
 from simulator.records import RowError, message_from_row, parse_json_line
 from simulator.sinks import TaskSink, file_sink
 

@@ -4,8 +4,8 @@
     sao simulate --bootstrap 127.0.0.1:9092 --run exp1 --max-lag 96 [--group exp1.agents]
 
 `--max-lag N` (Kafka only): back-pressure, so a drift reaches every agent at one moment. The simulator
-publishes only while fewer than N tasks are unanswered by the agents' consumer group (streamer.backpressure;
-`streamer.backpressure.default_max_lag` derives N from the agents' settings). 0: publish as fast as it can.
+publishes only while fewer than N tasks are unanswered by the agents' consumer group (streamer.transport.backpressure;
+`streamer.transport.backpressure.default_max_lag` derives N from the agents' settings). 0: publish as fast as it can.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import json
 import sys
 import time
 
-from streamer.schema import DriftEvent
+from streamer.wire.schema import DriftEvent
 from simulator.generator import generate
 from simulator.scenario import Scenario, ScenarioError, load_scenario
 from simulator.sinks import TaskSink, file_sink
@@ -43,7 +43,7 @@ def simulate(scn: Scenario, sink: TaskSink, seed: int | None = None, limit: int 
 
 
 def kafka_sink(bootstrap: str, run: str, max_lag: int = 0, group: str = "") -> TaskSink:
-    from streamer.sinks import KafkaTaskSink  # only when asked: needs the Kafka clients
+    from streamer.transport.sinks import KafkaTaskSink  # only when asked: needs the Kafka clients
 
     group = group or f"{run}.agents"
     if max_lag > 0:

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import yaml
 
-from streamer.config import ConfigError, load_config
+from streamer.wire.config import ConfigError, load_config
 from simulator.families import FAMILIES
 from simulator.latency import LatencyConfig
 

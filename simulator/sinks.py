@@ -11,7 +11,7 @@ from typing import Protocol, runtime_checkable
 
 import msgspec
 
-from streamer.schema import DriftEvent, Task
+from streamer.wire.schema import DriftEvent, Task
 from simulator.records import TABLE_COLUMNS, drift_row, table_row, task_row
 
 

@@ -1,7 +1,7 @@
 """Text rules every family shares: the alphabet, answer cleaning and the verdict type.
 
 The alphabet is the char tokenizer's (`learner/models/tokenizer.py`); it is repeated here so that
-the simulator depends on `streamer.schema` only (a test checks the two stay equal).
+the simulator depends on `streamer.wire.schema` only (a test checks the two stay equal).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from streamer.schema import Task
+from streamer.wire.schema import Task
 from simulator.families import FAMILIES
 from simulator.families.tools import TOOLS, parse_concept
 from simulator.scenario import Scenario

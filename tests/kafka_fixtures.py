@@ -11,9 +11,9 @@ import os
 
 import pytest
 
-from streamer.broker import EmbeddedBroker
-from streamer.bus import KafkaBus
-from streamer.settings import BrokerSettings, ClientSettings
+from streamer.transport.broker import EmbeddedBroker
+from streamer.transport.bus import KafkaBus
+from streamer.wire.settings import BrokerSettings, ClientSettings
 
 _runs = itertools.count()
 
@@ -68,7 +68,7 @@ def scenario_tasks(n: int, seed: int = 1, scenario: str = "default"):
     """The first n tasks of a simulator scenario (all four families)."""
     from simulator.generator import generate
     from simulator.scenario import load_scenario
-    from streamer.schema import Task
+    from streamer.wire.schema import Task
 
     out = []
     for msg in generate(load_scenario(scenario), seed=seed):

@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from streamer import adaptation as ad
+from streamer.runs import adaptation as ad
 
 
 def test_windowed_reward_partial_then_trailing():

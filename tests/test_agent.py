@@ -9,13 +9,13 @@ import pytest
 from kafka_fixtures import scenario_tasks
 from learner.engines import Engine, Generation, make_engine
 from learner.models.tokenizer import EOS_ID, CharTokenizer
-from streamer.agent import build_agent, main
-from streamer.rollouts import rollout
-from streamer.bus import MemoryBus, MemoryProducer
-from streamer.schema import Task, Trajectory, decode
-from streamer.settings import AgentSettings
-from streamer.sinks import KafkaTaskSink
-from streamer.topics import Topics, partitions_by_topic
+from streamer.agent.agent import build_agent, main
+from streamer.agent.rollouts import rollout
+from streamer.transport.bus import MemoryBus, MemoryProducer
+from streamer.wire.schema import Task, Trajectory, decode
+from streamer.wire.settings import AgentSettings
+from streamer.transport.sinks import KafkaTaskSink
+from streamer.wire.topics import Topics, partitions_by_topic
 
 
 def _setup(tasks: list[Task], run: str = "a", **kw):
@@ -149,7 +149,7 @@ def test_bad_settings_are_refused_with_the_field_name(capsys):
 
 
 def test_sync_baseline_waits_for_a_new_version_after_its_share(tmp_path, tiny_policy_dir):
-    from streamer.weights import WeightStore, announce
+    from streamer.transport.weights import WeightStore, announce
 
     bus, s = _setup(scenario_tasks(6), tasks_per_version=2, weights_dir=str(tmp_path / "w"))
     engine = make_engine("torch", tiny_policy_dir)
@@ -166,7 +166,7 @@ def test_sync_baseline_waits_for_a_new_version_after_its_share(tmp_path, tiny_po
 
 
 def test_versions_ahead_bounds_the_tasks_started_before_the_learner_catches_up(tmp_path, tiny_policy_dir):
-    from streamer.weights import WeightStore, announce
+    from streamer.transport.weights import WeightStore, announce
 
     bus, s = _setup(scenario_tasks(9), tasks_per_version=2, versions_ahead=1, concurrency=3,
                     weights_dir=str(tmp_path / "w"))
@@ -203,7 +203,7 @@ def test_a_restarted_agent_continues_its_admission_instead_of_starting_over(tmp_
 
 
 def test_a_task_the_environment_cannot_run_goes_to_the_dlq_and_the_agent_goes_on(tiny_policy_dir):
-    from streamer.bus import DeadLetter
+    from streamer.wire.schema import DeadLetter
 
     good = scenario_tasks(2)
     poison = Task(task_id="poison", family="nope", concept="x", prompt="1+1=", answer="2")

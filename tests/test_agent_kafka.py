@@ -16,11 +16,11 @@ import torch
 
 from kafka_fixtures import scenario_tasks
 from learner.models import load_policy
-from streamer.bus import KafkaBus
-from streamer.schema import Task, Trajectory
-from streamer.settings import ClientSettings
-from streamer.topics import Topics, partitions_by_topic
-from streamer.weights import WeightStore, announce
+from streamer.transport.bus import KafkaBus
+from streamer.wire.schema import Task, Trajectory
+from streamer.wire.settings import ClientSettings
+from streamer.wire.topics import Topics, partitions_by_topic
+from streamer.transport.weights import WeightStore, announce
 
 pytestmark = pytest.mark.kafka
 
@@ -30,7 +30,7 @@ class AgentProc:
 
     def __init__(self, name: str, bootstrap: str, run: str, model: Path, weights: Path, tmp: Path) -> None:
         self.name, self.status_path, self.log_path = name, tmp / f"{name}.status.json", tmp / f"{name}.log"
-        cmd = [sys.executable, "-m", "streamer.cli", "agent", "--bootstrap", bootstrap, "--run", run,
+        cmd = [sys.executable, "-m", "streamer.launch.cli", "agent", "--bootstrap", bootstrap, "--run", run,
                "--model", str(model), "--weights-dir", str(weights), "--status-file", str(self.status_path),
                "--set", "max_new_tokens=4", "--set", f"agent_id={name}", "--set", "threads=1"]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -9,8 +9,8 @@ import msgspec
 import pandas as pd
 import pytest
 
-from streamer import artifacts as art
-from streamer.schema import DriftEvent, LearnerEvent, MetricPoint, Trajectory, encode_json
+from streamer.runs import artifacts as art
+from streamer.wire.schema import DriftEvent, LearnerEvent, MetricPoint, Trajectory, encode_json
 
 
 def traj(i: int, family: str, phase: int, reward: float, t: float, version: int = 0) -> Trajectory:

@@ -14,10 +14,10 @@ import pytest
 from kafka.structs import TopicPartition
 
 from simulator.run import main as simulate_main
-from streamer.backpressure import DEFAULT_BATCH_TASKS, LagGate, default_max_lag
-from streamer.bus import MemoryBus
-from streamer.schema import Task
-from streamer.sinks import KafkaTaskSink
+from streamer.transport.backpressure import DEFAULT_BATCH_TASKS, LagGate, default_max_lag
+from streamer.transport.bus import MemoryBus
+from streamer.wire.schema import Task
+from streamer.transport.sinks import KafkaTaskSink
 
 PHASES, PER_PHASE = 3, 40
 SCENARIO = "name: bp\nphases:\n" + "".join(

@@ -12,16 +12,16 @@ from learner.trainer.checkpoint import latest_checkpoint
 from learner.trainer.loop import Trainer
 from learner.trainer.source import BusSource
 from learner.trainer.synthetic import TINY_OVERRIDES, synthetic_trajectories, tiny_model_config
-from streamer.bus import DeadLetter
-from streamer.config import load_config
-from streamer.schema import LearnerEvent, Trajectory
+from streamer.wire.schema import DeadLetter
+from streamer.wire.config import load_config
+from streamer.wire.schema import LearnerEvent, Trajectory
 
 
 @pytest.mark.kafka
 def test_untrainable_trajectories_are_dead_lettered_and_never_checkpointed(tmp_path, kafka_bus, kafka_run):
     """Token ids outside the vocabulary crashed the forward pass (IndexError) on every restart, since the
     trajectory sat in the checkpoint's buffer; too long a trajectory overflowed the positions."""
-    from streamer.topics import Topics, partitions_by_topic
+    from streamer.wire.topics import Topics, partitions_by_topic
 
     kafka_bus.create_topics(partitions_by_topic(kafka_run))
     topics = Topics(kafka_run)
@@ -92,9 +92,9 @@ def test_untrainable_trajectories_are_dead_lettered_and_never_checkpointed(tmp_p
 def test_a_send_the_broker_never_confirms_raises_instead_of_returning(tmp_path):
     """kafka-python's flush() returned although the records failed, and the agent then committed its task offsets
     (issue 14, finding 3). Here the broker dies between send and flush."""
-    from streamer.broker import EmbeddedBroker
-    from streamer.bus import KafkaBus, SendError
-    from streamer.settings import BrokerSettings, ClientSettings
+    from streamer.transport.broker import EmbeddedBroker
+    from streamer.transport.bus import KafkaBus, SendError
+    from streamer.wire.settings import BrokerSettings, ClientSettings
 
     broker = EmbeddedBroker(BrokerSettings(port=0, log_path=str(tmp_path / "tansu.log"))).start()
     try:
@@ -118,7 +118,7 @@ def test_a_send_the_broker_never_confirms_raises_instead_of_returning(tmp_path):
 def test_dead_letters_are_not_sent_again_when_a_restarted_consumer_reads_them_again(kafka_bus, kafka_run):
     """Records after the last checkpointed offset are read again after a restart: their dead letters were re-sent
     to the DLQ every time (issue 14, finding 8)."""
-    from streamer.topics import Topics, partitions_by_topic
+    from streamer.wire.topics import Topics, partitions_by_topic
 
     kafka_bus.create_topics(partitions_by_topic(kafka_run))
     topics = Topics(kafka_run)
@@ -152,9 +152,9 @@ def test_dead_letters_are_not_sent_again_when_a_restarted_consumer_reads_them_ag
 def test_kafka_security_settings_reach_every_client_from_config_or_environment(monkeypatch, tmp_path):
     """Only an open PLAINTEXT Kafka worked: no SASL/TLS for any client; faust's web server bound 0.0.0.0
     (issue 14, finding 9)."""
-    from streamer.config import ConfigError
-    from streamer.metrics_app import MetricsSettings, build_app
-    from streamer.settings import KafkaSecurity
+    from streamer.wire.config import ConfigError
+    from streamer.metrics.app import MetricsSettings, build_app
+    from streamer.wire.settings import KafkaSecurity
 
     for env in ("SAO_KAFKA_SECURITY_PROTOCOL", "SAO_KAFKA_SASL_MECHANISM", "SAO_KAFKA_SASL_USERNAME",
                 "SAO_KAFKA_SASL_PASSWORD", "SAO_KAFKA_SSL_CAFILE"):

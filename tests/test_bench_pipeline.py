@@ -8,8 +8,8 @@ import json
 import pytest
 
 from bench import pipeline as bp
-from streamer import artifacts as art
-from streamer.schema import LearnerEvent, Trajectory
+from streamer.runs import artifacts as art
+from streamer.wire.schema import LearnerEvent, Trajectory
 
 
 def traj(i: int, t: float) -> Trajectory:

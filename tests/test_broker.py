@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from streamer.broker import BrokerError, EmbeddedBroker, free_port, probe
-from streamer.bus import KafkaBus
-from streamer.schema import Task
-from streamer.settings import BrokerSettings
+from streamer.transport.broker import BrokerError, EmbeddedBroker, free_port, probe
+from streamer.transport.bus import KafkaBus
+from streamer.wire.schema import Task
+from streamer.wire.settings import BrokerSettings
 
 pytestmark = pytest.mark.kafka
 
@@ -55,7 +55,7 @@ def test_sao_broker_runs_in_the_foreground_until_sigint(tmp_path):
     import subprocess
     import sys
 
-    proc = subprocess.Popen([sys.executable, "-m", "streamer.cli", "broker", "--port", "0", "--log",
+    proc = subprocess.Popen([sys.executable, "-m", "streamer.launch.cli", "broker", "--port", "0", "--log",
                              str(tmp_path / "b.log")], stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()

@@ -11,7 +11,7 @@ from simulator.generator import generate
 from simulator.replay import decode_row, read_rows
 from simulator.run import main as simulate
 from simulator.scenario import load_scenario
-from streamer.record import main as record
+from streamer.runs.record import main as record
 
 pytestmark = pytest.mark.kafka
 

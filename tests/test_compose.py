@@ -23,8 +23,8 @@ import jsonschema
 import pytest
 import yaml
 
-from streamer.cli import COMMANDS
-from streamer.topics import KINDS, partitions_by_topic
+from streamer.launch.cli import COMMANDS
+from streamer.wire.topics import KINDS, partitions_by_topic
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
@@ -142,7 +142,7 @@ def test_kafka_is_single_node_kraft_with_a_healthcheck(compose):
     assert "PLAINTEXT://kafka:9092" in env["KAFKA_ADVERTISED_LISTENERS"]
     assert env["KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR"] == 1
     # dead letters carry up to 8 MiB of original bytes: the broker must take them
-    from streamer.bus import DLQ_MAX_VALUE_BYTES
+    from streamer.transport.bus import DLQ_MAX_VALUE_BYTES
 
     assert env["KAFKA_MESSAGE_MAX_BYTES"] > DLQ_MAX_VALUE_BYTES
     check = kafka["healthcheck"]
@@ -206,7 +206,7 @@ def test_dockerfile_cpu_torch_by_default_with_a_cuda_argument():
 
 def test_default_learner_config_of_the_image_loads():
     from learner.config import LearnerConfig
-    from streamer.config import load_config
+    from streamer.wire.config import load_config
 
     cfg = load_config(LearnerConfig, ROOT / "docker" / "learner.yaml")
     assert cfg == load_config(LearnerConfig)
@@ -240,8 +240,8 @@ def test_service_command_is_a_sao_command_whose_help_lists_its_flags(compose, se
 def test_compose_settings_resolve_for_learner_agent_and_metrics(compose, tmp_path):
     """Each long-running role turns its compose command (defaults and a GRPO-style override) into a valid config."""
     from learner.train import build_config, parse_args as learn_args
-    from streamer.agent import parse_args as agent_args, settings_from_args
-    from streamer.metrics_app import parse_args as metrics_args
+    from streamer.agent.agent import parse_args as agent_args, settings_from_args
+    from streamer.metrics.app import parse_args as metrics_args
 
     env = {"SAO_RUN": "exp3", "SAO_LOSS": "dapo", "SAO_GROUP_SIZE": "8", "SAO_METRICS_WINDOW": "2.5"}
     cfg = build_config(learn_args(container_paths(command(compose, "learner", env), tmp_path, "b:1")[1:]))
@@ -263,12 +263,12 @@ def compose_argv(compose: dict, service: str, bootstrap: str, run: str) -> list[
 
 @pytest.mark.kafka
 def test_metrics_service_command_runs_against_the_embedded_broker(compose, kafka_bus, kafka_run, tmp_path):
-    from streamer.schema import LearnerEvent, MetricPoint
-    from streamer.topics import Topics
+    from streamer.wire.schema import LearnerEvent, MetricPoint
+    from streamer.wire.topics import Topics
 
     argv = compose_argv(compose, "metrics", kafka_bus.bootstrap, kafka_run)
     log = tmp_path / "metrics.log"
-    proc = subprocess.Popen([sys.executable, "-m", "streamer.cli", *argv], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "streamer.launch.cli", *argv], cwd=ROOT,
                             stdout=log.open("wb"), stderr=subprocess.STDOUT)
     try:
         prod = kafka_bus.producer()
@@ -287,14 +287,14 @@ def test_metrics_service_command_runs_against_the_embedded_broker(compose, kafka
 
 @pytest.mark.kafka
 def test_simulator_service_command_publishes_tasks(compose, kafka_bus, kafka_run):
-    from streamer.schema import Task
-    from streamer.topics import Topics
+    from streamer.wire.schema import Task
+    from streamer.wire.topics import Topics
 
     if importlib.util.find_spec("simulator.run") is None:
         pytest.skip("simulator.run is not implemented yet")
     # the compose command as is, plus --limit so that the stream ends; not --realtime's pace
     argv = [a for a in compose_argv(compose, "simulator", kafka_bus.bootstrap, kafka_run) if a != "--realtime"]
-    out = subprocess.run([sys.executable, "-m", "streamer.cli", *argv, "--limit", "20"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "streamer.launch.cli", *argv, "--limit", "20"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     cons = kafka_bus.consumer({Topics(kafka_run).tasks: Task})
@@ -311,8 +311,8 @@ def test_compose_pipeline_commands_run_on_the_embedded_broker(compose, kafka_bus
     appended so that every role ends: a tiny warm start, a task limit, one learner step)."""
     import os
 
-    from streamer.schema import LearnerEvent, MetricPoint, Trajectory
-    from streamer.topics import Topics
+    from streamer.wire.schema import LearnerEvent, MetricPoint, Trajectory
+    from streamer.wire.topics import Topics
 
     names = Topics(kafka_run)
     env = {**os.environ, "SAO_BOOTSTRAP": kafka_bus.bootstrap, "SAO_RUN": kafka_run, "OMP_NUM_THREADS": "1"}
@@ -321,7 +321,7 @@ def test_compose_pipeline_commands_run_on_the_embedded_broker(compose, kafka_bus
 
     def start(service: str, *extra: str) -> subprocess.Popen:
         argv = container_paths(command(compose, service, {"SAO_RUN": kafka_run}), tmp_path, kafka_bus.bootstrap)
-        return subprocess.Popen([sys.executable, "-m", "streamer.cli", *argv, *extra], cwd=tmp_path, env=env,
+        return subprocess.Popen([sys.executable, "-m", "streamer.launch.cli", *argv, *extra], cwd=tmp_path, env=env,
                                 stdout=(logs / f"{service}.log").open("wb"), stderr=subprocess.STDOUT)
 
     def tail(service: str) -> str:

@@ -2,7 +2,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from streamer.config import ConfigError, load_config
+from streamer.wire.config import ConfigError, load_config
 
 
 @dataclass

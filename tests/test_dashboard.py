@@ -14,8 +14,8 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from dashboard.live import close_all, wait_for
-from streamer import artifacts as art
-from streamer.schema import DriftEvent, LearnerEvent, MetricPoint, Trajectory
+from streamer.runs import artifacts as art
+from streamer.wire.schema import DriftEvent, LearnerEvent, MetricPoint, Trajectory
 
 APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
 T0 = 100.0

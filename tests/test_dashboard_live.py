@@ -9,9 +9,9 @@ from streamlit.testing.v1 import AppTest
 
 from dashboard import data
 from dashboard.live import LiveTap, close_all, wait_for
-from streamer.bus import MemoryBus
-from streamer.schema import DriftEvent, LearnerEvent, MetricPoint
-from streamer.topics import Topics, partitions_by_topic
+from streamer.transport.bus import MemoryBus
+from streamer.wire.schema import DriftEvent, LearnerEvent, MetricPoint
+from streamer.wire.topics import Topics, partitions_by_topic
 
 APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
 
@@ -109,9 +109,9 @@ def test_app_tails_live_topics_on_the_embedded_broker(kafka_bus, bootstrap, kafk
 @pytest.mark.kafka
 def test_tap_survives_a_broker_restart(tmp_path, kafka_run):
     from dashboard.browser import free_port
-    from streamer.broker import EmbeddedBroker
-    from streamer.bus import KafkaBus
-    from streamer.settings import BrokerSettings
+    from streamer.transport.broker import EmbeddedBroker
+    from streamer.transport.bus import KafkaBus
+    from streamer.wire.settings import BrokerSettings
 
     port = free_port()
 

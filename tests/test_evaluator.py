@@ -12,10 +12,10 @@ import pytest
 
 from kafka_fixtures import TINY
 from simulator.scenario import load_scenario
-from streamer.evaluator import held_out_set, scenario_concepts
-from streamer.schema import MetricPoint
-from streamer.topics import Topics, partitions_by_topic
-from streamer.weights import WeightStore, announce
+from streamer.agent.evaluator import held_out_set, scenario_concepts
+from streamer.wire.schema import MetricPoint
+from streamer.wire.topics import Topics, partitions_by_topic
+from streamer.transport.weights import WeightStore, announce
 
 # Two families, three phases: arith drifts add7 -> sub7 (gradual), string reverse -> sort -> reverse
 # (recurring), format is never in phase 0's mix but comes in with phase 1; incremental lists each step.
@@ -73,11 +73,11 @@ def test_held_out_set_spans_every_concept_and_is_deterministic(small_scenario):
 def test_evaluator_skips_intermediate_versions_and_waits_out_the_interval(tiny_policy_dir, small_scenario, tmp_path):
     """In-process on the in-memory bus: the newest announced version only, and not before --min-interval."""
     from learner.models import ModelConfig, build_policy
-    from streamer.agent import load_engine
-    from streamer.bus import MemoryBus
-    from streamer.evaluator import Evaluator, parse_args, settings_from_args
-    from streamer.schema import PolicyVersion
-    from streamer.weights import PolicyFollower
+    from streamer.agent.agent import load_engine
+    from streamer.transport.bus import MemoryBus
+    from streamer.agent.evaluator import Evaluator, parse_args, settings_from_args
+    from streamer.wire.schema import PolicyVersion
+    from streamer.transport.weights import PolicyFollower
 
     run = "evalunit"
     s = settings_from_args(parse_args(["--run", run, "--model", str(tiny_policy_dir), "--max-new-tokens", "2",
@@ -134,7 +134,7 @@ def test_evaluator_publishes_per_concept_rewards_for_each_version(kafka_bus, kaf
     cons = kafka_bus.consumer({t.metrics: MetricPoint})
     store = WeightStore(tmp_path / "weights")
     log = tmp_path / "eval.log"
-    cmd = [sys.executable, "-c", "import sys; from streamer.evaluator import main; sys.exit(main(sys.argv[1:]))",
+    cmd = [sys.executable, "-c", "import sys; from streamer.agent.evaluator import main; sys.exit(main(sys.argv[1:]))",
            "--bootstrap", kafka_bus.bootstrap, "--run", kafka_run, "--scenario", str(small_scenario),
            "--model", str(tiny_policy_dir), "--weights-dir", str(store.root), "--tasks-per-concept", str(k),
            "--min-interval", "0", "--max-new-tokens", "4", "--threads", "1"]

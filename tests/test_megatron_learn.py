@@ -21,8 +21,8 @@ from learner.trainer.publish import DirectoryPublisher
 from learner.trainer.ranks import shard_rows
 from learner.trainer.source import FileSource, write_trajectories
 from learner.trainer.synthetic import TINY_OVERRIDES, synthetic_trajectories
-from streamer.config import ConfigError, load_config
-from streamer.weights import WeightStore
+from streamer.wire.config import ConfigError, load_config
+from streamer.transport.weights import WeightStore
 
 REPO = Path(__file__).resolve().parents[1]
 # megatron-core refuses top-1 routing with renormalised gates: the tiny model with 4 experts, top-2
@@ -48,7 +48,7 @@ def test_shard_rows_by_hand():
 def test_backend_config_and_flags():
     cfg = build_config(parse_args(["--backend", "megatron", "backend.expert_parallel=2", *MODEL]))
     assert (cfg.backend.name, cfg.backend.expert_parallel) == ("megatron", 2)
-    # streamer.ray_launch spells it `backend=megatron`
+    # streamer.launch.ray_launch spells it `backend=megatron`
     assert build_config(parse_args(["backend=megatron", *MODEL])).backend.name == "megatron"
     with pytest.raises(ConfigError, match="backend.expert_parallel: 3 does not divide model.num_experts 4"):
         load_config(LearnerConfig, None, MODEL + ["backend.name=megatron", "backend.expert_parallel=3"])
@@ -66,7 +66,7 @@ def test_nproc_reexecutes_under_torchrun_and_needs_megatron(capsys):
     argv = ["--backend", "megatron", "--nproc", "2", "--max-steps", "3", "x=1"]
     cmd = torchrun_argv(argv, 2)
     assert cmd[1:5] == ["-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    assert cmd[cmd.index("streamer.cli"):] == ["streamer.cli", "learn", "--backend", "megatron", "--max-steps",
+    assert cmd[cmd.index("streamer.launch.cli"):] == ["streamer.launch.cli", "learn", "--backend", "megatron", "--max-steps",
                                                "3", "x=1"]  # the ranks do not re-execute again
     assert main(["--nproc", "2", *MODEL]) == 2
     assert "only the megatron backend runs as several ranks" in capsys.readouterr().err
@@ -95,7 +95,7 @@ def traj_file(tmp_path_factory) -> Path:
 
 
 def _learn(traj: Path, root: Path, max_steps: int) -> None:
-    cmd = [sys.executable, "-m", "streamer.cli", "learn", "--backend", "megatron", "--nproc", "2",
+    cmd = [sys.executable, "-m", "streamer.launch.cli", "learn", "--backend", "megatron", "--nproc", "2",
            "backend.expert_parallel=2", "--trajectories", str(traj), "--checkpoint-dir", str(root / "ck"),
            "--weights-dir", str(root / "w"), "--max-steps", str(max_steps), *TRAIN]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}

@@ -14,13 +14,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from streamer.config import ConfigError
+from streamer.wire.config import ConfigError
 from streamer.metrics.windows import (
     Aggregate, ClosedWindow, Observation, TumblingWindows, fold, levels, values, window_points,
 )
-from streamer.bus import DeadLetter
-from streamer.metrics_app import MetricsSettings, MetricsState, dead_letter, parse_args
-from streamer.schema import LearnerEvent, MetricPoint, Trajectory, decode, encode
+from streamer.wire.schema import DeadLetter
+from streamer.metrics.app import MetricsSettings, MetricsState, dead_letter, parse_args
+from streamer.wire.schema import LearnerEvent, MetricPoint, Trajectory, decode, encode
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -245,7 +245,7 @@ def read_points(consumer, until, timeout_s: float) -> list[MetricPoint]:
 
 @pytest.mark.kafka
 def test_faust_app_aggregates_equal_pandas(kafka_bus, kafka_run, tmp_path):
-    from streamer.topics import Topics, partitions_by_topic
+    from streamer.wire.topics import Topics, partitions_by_topic
 
     names = Topics(kafka_run)
     kafka_bus.create_topics(partitions_by_topic(kafka_run))
@@ -256,7 +256,7 @@ def test_faust_app_aggregates_equal_pandas(kafka_bus, kafka_run, tmp_path):
     log = open(tmp_path / "metrics.log", "wb")
     # lateness covers the whole stream: the two partitions interleave arbitrarily, so every window
     # closes by the idle flush and none is late.
-    proc = subprocess.Popen([sys.executable, "-m", "streamer.cli", "metrics", "--bootstrap", kafka_bus.bootstrap,
+    proc = subprocess.Popen([sys.executable, "-m", "streamer.launch.cli", "metrics", "--bootstrap", kafka_bus.bootstrap,
                              "--run", kafka_run, "--window", str(W), "lateness_s=100", "idle_flush_s=2",
                              "max_message_bytes=100000",
                              "loglevel=INFO"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)

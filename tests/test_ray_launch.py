@@ -14,9 +14,9 @@ import msgspec
 import pytest
 
 from kafka_fixtures import scenario_tasks
-from streamer.config import ConfigError
-from streamer.schema import LearnerEvent, Trajectory
-from streamer.topics import Topics, partitions_by_topic
+from streamer.wire.config import ConfigError
+from streamer.wire.schema import LearnerEvent, Trajectory
+from streamer.wire.topics import Topics, partitions_by_topic
 
 ray = pytest.importorskip("ray")
 
@@ -71,7 +71,7 @@ def alive(pid: int) -> bool:
 
 
 def test_ray_config_validates_and_maps_resources():
-    from streamer.ray_launch import actor_options, distributed_learner, ray_config
+    from streamer.launch.ray_launch import actor_options, distributed_learner, ray_config
 
     cfg = ray_config("auto", ["agent.num_cpus=0.5", "learner.num_gpus=1", "learner.memory_mb=512",
                               "agent.resources={rollout: 1}", "max_restarts=3"])
@@ -94,7 +94,7 @@ def test_ray_config_validates_and_maps_resources():
 
 
 def test_sao_up_ray_flags(capsys):
-    from streamer.launcher import parse_args
+    from streamer.launch.up import parse_args
 
     cfg = parse_args(["--ray-address", "ray://head:10001", "--ray-set", "agent.num_cpus=2"])
     assert cfg.ray and cfg.ray_address == "ray://head:10001" and cfg.ray_set == ["agent.num_cpus=2"]
@@ -109,8 +109,8 @@ def test_sao_up_ray_flags(capsys):
 def test_actors_train_and_a_killed_actor_resumes_with_no_trajectory_lost(local_ray, tmp_path, kafka_bus, bootstrap,
                                                                           kafka_run, tiny_policy_dir):
     from simulator.run import main as simulate
-    from streamer.launcher import UpConfig, roles
-    from streamer.ray_launch import RaySupervisor, ray_config
+    from streamer.launch.up import UpConfig, roles
+    from streamer.launch.ray_launch import RaySupervisor, ray_config
 
     run, run_dir = kafka_run, tmp_path / kafka_run
     kafka_bus.create_topics(partitions_by_topic(run))
@@ -203,8 +203,8 @@ while True:
 def test_learner_gang_gets_torchrun_env_and_restarts_whole_when_a_rank_dies(local_ray, tmp_path):
     import json
 
-    from streamer.processes import Role
-    from streamer.ray_launch import RaySupervisor, ray_config
+    from streamer.launch.processes import Role
+    from streamer.launch.ray_launch import RaySupervisor, ray_config
 
     out = tmp_path / "gang"
     out.mkdir()
@@ -241,8 +241,8 @@ def test_learner_gang_gets_torchrun_env_and_restarts_whole_when_a_rank_dies(loca
 
 
 def test_a_role_with_a_bad_config_fails_the_run_instead_of_restarting(local_ray, tmp_path):
-    from streamer.processes import Role
-    from streamer.ray_launch import RaySupervisor, ray_config
+    from streamer.launch.processes import Role
+    from streamer.launch.ray_launch import RaySupervisor, ray_config
 
     sup = RaySupervisor(tmp_path / "logs", {}, ray_config("", ["agent.num_cpus=0.5", "min_uptime_s=0"]))
     # status 2 is what `sao agent` / `sao learn` return on a bad config; min_uptime_s=0 so only the status decides
@@ -264,8 +264,8 @@ def test_megatron_learner_gang_resumes_after_a_rank_dies_and_trains_each_traject
     from learner.models.policy import build_policy
     from learner.trainer.source import write_trajectories
     from learner.trainer.synthetic import TINY_OVERRIDES, synthetic_trajectories, tiny_model_config
-    from streamer.processes import Role
-    from streamer.ray_launch import RaySupervisor, ray_config
+    from streamer.launch.processes import Role
+    from streamer.launch.ray_launch import RaySupervisor, ray_config
 
     if "backend" not in {f.name for f in dataclasses.fields(LearnerConfig)}:
         pytest.skip("sao learn has no megatron backend in this tree")

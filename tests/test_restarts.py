@@ -11,7 +11,7 @@ from learner.trainer.checkpoint import MANIFEST, damage, step_dirs
 from learner.trainer.loop import Trainer
 from learner.trainer.source import FileSource, write_trajectories
 from learner.trainer.synthetic import TINY_OVERRIDES, synthetic_trajectories, tiny_model_config
-from streamer.config import load_config
+from streamer.wire.config import load_config
 
 
 def _cfg(tmp_path, *extra: str) -> LearnerConfig:
@@ -85,8 +85,8 @@ def test_a_restart_neither_makes_trajectories_stale_nor_publishes_while_it_redoe
 
 def test_redone_steps_replace_their_events_in_the_run_tables(tmp_path):
     """A redone step's event replaced nothing: learner.parquet counted it twice (issue 14, finding 8)."""
-    from streamer import artifacts as art
-    from streamer.schema import LearnerEvent
+    from streamer.runs import artifacts as art
+    from streamer.wire.schema import LearnerEvent
 
     w = art.RunWriter(tmp_path, config={}, flush_seconds=1e9, writer_id="tap")
     for step, version in ((1, 1), (2, 2), (3, 3), (4, 4), (3, 3), (4, 4), (5, 5)):  # crash after 4, resume at 2
@@ -102,7 +102,7 @@ def test_the_supervisor_restarts_a_crashed_role_a_bounded_number_of_times(tmp_pa
     that cannot be restarted (the simulator would publish its stream twice) fails the run as before."""
     import time
 
-    from streamer.processes import Role, Supervisor
+    from streamer.launch.processes import Role, Supervisor
 
     sup = Supervisor(tmp_path, restarts=2)
     crashing = sup.start(Role("crashing", ["replay", str(tmp_path / "missing.jsonl"), "--out", "o.jsonl"]))

@@ -1,4 +1,4 @@
-"""Tasks in flight (`streamer.rollouts`, `AgentSettings.concurrency`): shared batches, overlapping tool
+"""Tasks in flight (`streamer.agent.rollouts`, `AgentSettings.concurrency`): shared batches, overlapping tool
 calls, commits that never pass a task still in flight, versions recorded across a weight swap."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import pytest
 from kafka_fixtures import scenario_tasks
 from learner.engines import Engine, Generation
 from learner.models.tokenizer import EOS_ID, CharTokenizer
-from streamer.agent import build_agent
-from streamer.bus import MemoryBus
-from streamer.rollouts import Rollouts, rollout
-from streamer.schema import Trajectory, decode
-from streamer.settings import AgentSettings, TopicSettings
-from streamer.sinks import KafkaTaskSink
-from streamer.topics import Topics, partitions_by_topic
+from streamer.agent.agent import build_agent
+from streamer.transport.bus import MemoryBus
+from streamer.agent.rollouts import Rollouts, rollout
+from streamer.wire.schema import Trajectory, decode
+from streamer.wire.settings import AgentSettings, TopicSettings
+from streamer.transport.sinks import KafkaTaskSink
+from streamer.wire.topics import Topics, partitions_by_topic
 
 
 class ToolDemoEngine(Engine):
@@ -133,7 +133,7 @@ class FailingEngine(ToolDemoEngine):
 def test_an_engine_failure_is_retried_and_never_dead_letters_the_task(monkeypatch):
     """torch.OutOfMemoryError is a RuntimeError, which marked the task unrunnable: a broken engine dead-lettered
     and committed every task in turn (issue 14, finding 7)."""
-    import streamer.rollouts as ro
+    import streamer.agent.rollouts as ro
 
     monkeypatch.setattr(ro, "ENGINE_BACKOFF_S", 0.0)
     tasks = tool_tasks(3, [0.0, 0.0, 0.0])
@@ -166,9 +166,9 @@ def test_concurrency_below_one_is_refused():
 
 
 def test_sao_up_passes_agent_settings_to_every_agent(tmp_path):
-    from streamer.agent import parse_args, settings_from_args
-    from streamer.launcher import UpConfig, roles
-    from streamer.launcher import parse_args as up_args
+    from streamer.agent.agent import parse_args, settings_from_args
+    from streamer.launch.up import UpConfig, roles
+    from streamer.launch.up import parse_args as up_args
 
     cfg = up_args(["--agents", "2", "--agent-set", "concurrency=8", "--sync", "--sync-batch", "32"])
     agents = [r for r in roles(cfg, "127.0.0.1:1", tmp_path, tmp_path) if r.name.startswith("agent")]

@@ -1,7 +1,7 @@
 import msgspec
 import pytest
 
-from streamer.schema import (SCHEMA_VERSION, DriftEvent, SchemaError, Task, Trajectory, decode, decode_json,
+from streamer.wire.schema import (SCHEMA_VERSION, DriftEvent, SchemaError, Task, Trajectory, decode, decode_json,
                              encode, encode_json)
 
 

@@ -11,7 +11,7 @@ import pytest
 from simulator.env import make_env
 from simulator.families import FAMILIES
 from simulator.latency import TASK_MAX_S, LatencyConfig, sample_latency
-from streamer.schema import Task, decode, encode
+from streamer.wire.schema import Task, decode, encode
 
 NO_SLEEP = LatencyConfig(mean_s=0.0)
 

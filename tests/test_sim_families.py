@@ -12,7 +12,7 @@ from simulator.families import FAMILIES
 from simulator.families.arith import solve
 from simulator.families.tools import world_facts
 from simulator.text import ALPHABET, MARKUP, in_alphabet
-from streamer.schema import Task
+from streamer.wire.schema import Task
 
 CONCEPTS = {"arith": ["add10", "sub10", "mul7", "max5", "absdiff9"],
             "string": ["reverse", "sort", "rotl", "rotr", "swap", "double"],

@@ -13,7 +13,7 @@ from simulator.replay import ReplayError, main as replay_main, replay
 from simulator.run import main as simulate_main, simulate
 from simulator.scenario import Phase, Scenario, validate_scenario
 from simulator.sinks import JsonlSink, QueueSink, file_sink
-from streamer.schema import DriftEvent, Task, to_dict
+from streamer.wire.schema import DriftEvent, Task, to_dict
 
 
 def _scenario(n: int, rate: float = 200.0) -> Scenario:

@@ -12,7 +12,7 @@ import pytest
 from simulator.drift import sigmoid_p
 from simulator.generator import generate
 from simulator.scenario import Phase, Scenario, ScenarioError, load_scenario, validate_scenario
-from streamer.schema import DriftEvent, Task, to_dict
+from streamer.wire.schema import DriftEvent, Task, to_dict
 
 GOOD = """
 name: t
@@ -100,7 +100,7 @@ def test_same_seed_in_another_process(tmp_path):
     out = tmp_path / "o.jsonl"
     path = _write(tmp_path, GOOD.replace("arith: 1, string: 1", "arith: 1, string: 1, tool: 1").replace(
         "string: reverse}", "string: reverse, tool: find/key/3}"))
-    subprocess.run([sys.executable, "-m", "streamer.cli", "simulate", "--scenario", str(path), "--out", str(out),
+    subprocess.run([sys.executable, "-m", "streamer.launch.cli", "simulate", "--scenario", str(path), "--out", str(out),
                     "--seed", "9"], check=True, capture_output=True)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     here = list(generate(load_scenario(path), seed=9, t0=0.0))

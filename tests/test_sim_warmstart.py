@@ -84,7 +84,7 @@ def test_rollout_runs_multi_turn_episodes_with_an_untrained_policy():
 def test_pretrain_trains_saves_and_reuses_the_cache(tmp_path):
     overrides = [f"cache_dir={tmp_path}", "steps=3", "batch_size=16", "micro_batches=2", "eval_every=0",
                  "threads=1"]
-    from streamer.config import load_config
+    from streamer.wire.config import load_config
 
     cfg = load_config(PretrainConfig, None, overrides, base=TINY)
     logs: list[str] = []
@@ -180,7 +180,7 @@ def test_threads_auto_falls_back_to_one_when_the_probe_says_so(monkeypatch):
 
 
 def test_pretrain_shows_progress_and_evaluates_once_at_the_end(tmp_path, capsys):
-    from streamer.config import load_config
+    from streamer.wire.config import load_config
 
     cfg = load_config(PretrainConfig, None, [f"cache_dir={tmp_path}", "steps=4", "batch_size=8", "micro_batches=2",
                                              "eval_tasks=16"], base=TINY)

@@ -25,10 +25,10 @@ from learner.trainer.batching import collate
 from learner.trainer.staleness import Admission
 from learner.trainer.step import policy_backward, prepare, shard_batch
 from learner.trainer.synthetic import TINY_OVERRIDES, synthetic_trajectories, tiny_model_config
-from streamer.config import load_config
-from streamer.rollouts import run_tasks
-from streamer.schema import Trajectory, decode, decode_json, encode, encode_json
-from streamer.settings import AgentSettings
+from streamer.wire.config import load_config
+from streamer.agent.rollouts import run_tasks
+from streamer.wire.schema import Trajectory, decode, decode_json, encode, encode_json
+from streamer.wire.settings import AgentSettings
 
 TOK = CharTokenizer()
 LN2 = math.log(2.0)
@@ -124,7 +124,7 @@ def test_greedy_trajectories_are_refused_and_counted():
 # ------------------------------------------------------------------ end to end, on-policy
 
 def _rollouts(policy, temperature: float) -> list[Trajectory]:
-    """Real agent rollouts (streamer.rollouts) of simulator tasks, sampled by the torch engine."""
+    """Real agent rollouts (streamer.agent.rollouts) of simulator tasks, sampled by the torch engine."""
     s = AgentSettings(temperature=temperature, max_new_tokens=12, concurrency=4, seed=3)
     done = run_tasks(TorchSampler(policy, TOK), TOK, scenario_tasks(8), s)
     return [t for ts in done for t in ts]

@@ -29,8 +29,8 @@ from learner.trainer.checkpoint import latest_checkpoint
 from learner.trainer.loop import Trainer
 from learner.trainer.source import BusSource, FileSource, write_trajectories
 from learner.trainer.synthetic import TINY_OVERRIDES, synthetic_trajectories, tiny_model_config
-from streamer.config import load_config
-from streamer.schema import LearnerEvent, Trajectory
+from streamer.wire.config import load_config
+from streamer.wire.schema import LearnerEvent, Trajectory
 
 ROOT = Path(__file__).resolve().parents[1]
 OVERRIDES = TINY_OVERRIDES + ["threads=1", "checkpoint.every=3", "batch.tokens=40", "optim.lr=0.01"]
@@ -111,7 +111,7 @@ def test_sigkill_then_restart_trains_every_trajectory_exactly_once(tmp_path):
 @pytest.mark.kafka
 def test_kafka_source_resumes_at_checkpointed_offsets(tmp_path, kafka_bus, kafka_run):
     """Through the real broker: train on a first lot, checkpoint, stop; a new learner trains only the second."""
-    from streamer.topics import Topics, partitions_by_topic
+    from streamer.wire.topics import Topics, partitions_by_topic
 
     kafka_bus.create_topics(partitions_by_topic(kafka_run))
     topic = Topics(kafka_run).trajectories

@@ -16,12 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from streamer.adaptation import windowed_reward
-from streamer.artifacts import read_learner, read_summary, read_trajectories
+from streamer.runs.adaptation import windowed_reward
+from streamer.runs.artifacts import read_learner, read_summary, read_trajectories
 
 pytestmark = pytest.mark.slow
 
-W = 64  # the recovery window of streamer.adaptation (DEFAULT_WINDOW), also used for the online reward
+W = 64  # the recovery window of streamer.runs.adaptation (DEFAULT_WINDOW), also used for the online reward
 TIMEOUT_S = 600  # generous: the machine is shared; a normal run takes a few minutes
 
 # Tuned on a loaded 2-core machine (docs/runs/smoke/tuning.json):
@@ -40,7 +40,7 @@ UP_ARGS = ["--scenario", "smoke", "--no-dashboard", "--no-eval", "--agents", "2"
 
 
 def run_up(runs_dir: Path, run: str) -> Path:
-    cmd = [sys.executable, "-m", "streamer.cli", "up", "--run", run, "--runs-dir", str(runs_dir), *UP_ARGS]
+    cmd = [sys.executable, "-m", "streamer.launch.cli", "up", "--run", run, "--runs-dir", str(runs_dir), *UP_ARGS]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S)
     assert proc.returncode == 0, f"sao up exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return runs_dir / run

@@ -16,7 +16,7 @@ from learner.engines.base import resolve_stop
 from learner.engines.vllm import (VLLMSettings, VLLMUnavailable, WorkerExtension, check_weight_names, sample_logprob,
                                   sampling_kwargs, settings_from_env, to_generation)
 from learner.models import CharTokenizer, ModelConfig, build_policy, save_policy, token_logprobs
-from streamer.config import ConfigError
+from streamer.wire.config import ConfigError
 
 TOK = CharTokenizer()
 HAS_VLLM = importlib.util.find_spec("vllm") is not None

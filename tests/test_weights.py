@@ -11,10 +11,10 @@ import torch
 
 from learner.engines import make_engine
 from learner.models import load_policy
-from streamer.bus import MemoryBus
-from streamer.schema import PolicyVersion
-from streamer.topics import Topics
-from streamer.weights import CheckpointError, PolicyFollower, WeightStore, announce
+from streamer.transport.bus import MemoryBus
+from streamer.wire.schema import PolicyVersion
+from streamer.wire.topics import Topics
+from streamer.transport.weights import CheckpointError, PolicyFollower, WeightStore, announce
 
 
 def _perturbed(model_dir, scale: float) -> dict[str, torch.Tensor]:
@@ -63,7 +63,7 @@ def test_follower_swaps_to_new_versions_and_refuses_bad_checkpoints(tmp_path, ti
 
     good2 = store.publish(_perturbed(tiny_policy_dir, 0.02), version=2, step=20)
     announce(prod, run, msgspec.structs.replace(good2, sha256="0" * 64))  # wrong hash
-    with caplog.at_level(logging.ERROR, logger="streamer.weights"):
+    with caplog.at_level(logging.ERROR, logger="streamer.transport.weights"):
         assert not follower.maybe_swap(engine)
     assert engine.version == 1 and torch.equal(engine.model.model.embed_tokens.weight, emb)
     assert "policy v2 REFUSED, keeping v1" in caplog.text and "announced 000000000000" in caplog.text
@@ -88,7 +88,7 @@ def test_follower_swaps_to_new_versions_and_refuses_bad_checkpoints(tmp_path, ti
 def test_an_unreadable_version_is_retried_and_a_uri_outside_the_store_is_never_read(tmp_path, tiny_policy_dir):
     """A refused version was never retried, so a transient read failure could stall paced agents; an announced
     uri could point anywhere on disk (issue 14, findings 7 and 9)."""
-    import streamer.weights as w
+    import streamer.transport.weights as w
 
     store, bus, run = WeightStore(tmp_path / "store"), MemoryBus(), "r"
     engine = make_engine("torch", tiny_policy_dir)

@@ -16,8 +16,8 @@ import sys
 import numpy as np
 import pandas as pd
 
-from streamer.adaptation import DEFAULT_WINDOW
-from streamer.artifacts import read_learner, read_summary, read_trajectories
+from streamer.runs.adaptation import DEFAULT_WINDOW
+from streamer.runs.artifacts import read_learner, read_summary, read_trajectories
 
 CLIP = ("learner/clip_frac", "learner/clip_frac_low", "learner/clip_frac_high")
 

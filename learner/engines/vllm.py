@@ -81,7 +81,7 @@ class VLLMSettings:
 
 
 def settings_from_env(env: dict[str, str] | None = None) -> VLLMSettings:
-    from streamer.config import load_config
+    from streamer.wire.config import load_config
 
     text = (os.environ if env is None else env).get("SAO_VLLM", "")
     return load_config(VLLMSettings, None, text.split())

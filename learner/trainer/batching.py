@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from learner.models.tokenizer import PAD_ID
-from streamer.schema import Trajectory
+from streamer.wire.schema import Trajectory
 
 
 def group_key(t: Trajectory) -> str:

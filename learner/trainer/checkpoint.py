@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
-from streamer.schema import Trajectory, decode_json, encode_json
+from streamer.wire.schema import Trajectory, decode_json, encode_json
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 MANIFEST = "manifest.json"

@@ -30,7 +30,7 @@ from learner.trainer.ranks import RankGroup
 from learner.trainer.source import Source
 from learner.trainer.staleness import Admission, histogram, staleness
 from learner.trainer.step import Models, prepare, update
-from streamer.schema import LearnerEvent, Trajectory
+from streamer.wire.schema import LearnerEvent, Trajectory
 
 log = logging.getLogger(__name__)
 KEEPALIVE_S = 60.0  # several ranks: the longest the leader waits for trajectories without telling the others

@@ -1,10 +1,10 @@
 """Publishing policy versions: weights into the weight store, `PolicyVersion` announcements to listeners.
 
 The learner only needs `publish(model, version, step) -> PolicyVersion` and `latest_version()`.
-`DirectoryPublisher` writes through `streamer.weights.WeightStore` (`<store>/v000123/` with
+`DirectoryPublisher` writes through `streamer.transport.weights.WeightStore` (`<store>/v000123/` with
 model.safetensors, policy.json, config.json and the tokenizer; written under a temporary name and
 renamed, so an agent never loads half a checkpoint), then calls each `announce` callback (e.g.
-`streamer.weights.announce` to `<run>.policy`). Non-finite weights are refused, never published.
+`streamer.transport.weights.announce` to `<run>.policy`). Non-finite weights are refused, never published.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Callable, Protocol
 import torch
 
 from learner.models.tokenizer import CharTokenizer
-from streamer.schema import PolicyVersion
-from streamer.weights import WeightStore
+from streamer.wire.schema import PolicyVersion
+from streamer.transport.weights import WeightStore
 
 
 class Publisher(Protocol):

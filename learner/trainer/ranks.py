@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from streamer.schema import Trajectory, decode_json, encode_json
+from streamer.wire.schema import Trajectory, decode_json, encode_json
 
 
 def shard_rows(n: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,7 @@ crash. `commit` only mirrors them to the transport (Kafka consumer-group lag); i
 
     FileSource  a recorded trajectory JSONL file (slime-style record/replay, no broker); offsets are
                 byte positions, so a file still being appended to (`follow=True`) works too
-    BusSource   a `streamer.bus` consumer (Kafka or in-memory) over `<run>.trajectories`
+    BusSource   a `streamer.transport.bus` consumer (Kafka or in-memory) over `<run>.trajectories`
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
-from streamer.schema import SchemaError, Trajectory, decode_json, encode_json
+from streamer.wire.schema import SchemaError, Trajectory, decode_json, encode_json
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def write_trajectories(path: str | Path, trajectories, append: bool = True) -> P
 
 
 class BusSource:
-    """Trajectories from a `streamer.bus.Consumer` (KafkaConsumerClient or MemoryConsumer).
+    """Trajectories from a `streamer.transport.bus.Consumer` (KafkaConsumerClient or MemoryConsumer).
 
     Build the consumer with group_id=None for a lone learner: it is assigned every partition at
     once (no group join), and the positions from the checkpoint are the only offsets that count."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections import Counter, OrderedDict
 
-from streamer.schema import Trajectory
+from streamer.wire.schema import Trajectory
 
 
 class Lineage:

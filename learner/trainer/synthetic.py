@@ -14,7 +14,7 @@ import torch
 from learner.models.config import ModelConfig
 from learner.models.scoring import token_logprobs
 from learner.models.tokenizer import BOS_ID
-from streamer.schema import Trajectory
+from streamer.wire.schema import Trajectory
 
 TINY_OVERRIDES = ["model.num_layers=1", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=1",
                   "model.num_experts=2", "model.experts_per_token=1", "model.expert_width=32"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from typing import Any, Protocol
 
-from streamer.schema import Task
+from streamer.wire.schema import Task
 from simulator.text import Verdict
 
 

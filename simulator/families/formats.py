@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from streamer.schema import Task
+from streamer.wire.schema import Task
 from simulator.families.base import need, option
 from simulator.text import Verdict, clean_answer, rejected, tagged
 

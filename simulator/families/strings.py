@@ -6,7 +6,7 @@ import random
 import string
 from typing import Any
 
-from streamer.schema import Task
+from streamer.wire.schema import Task
 from simulator.families.base import need, option
 from simulator.text import Verdict, clean_answer, rejected, tagged
 

@@ -14,7 +14,7 @@ import re
 from functools import lru_cache
 from typing import Any
 
-from streamer.schema import Task
+from streamer.wire.schema import Task
 from simulator.families.base import need, option
 from simulator.text import Verdict, clean_answer, rejected, tagged
 

@@ -1,1 +1,2 @@
-"""Windowed metrics of the trajectory stream: pure aggregation (`windows`), used by the faust app."""
+"""The metrics role: a faust app that aggregates trajectories and learner events into windows.
+"""

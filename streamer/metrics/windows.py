@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from streamer.schema import MetricPoint, Trajectory
+from streamer.wire.schema import MetricPoint, Trajectory
 
 METRICS = ("reward", "success_rate", "length", "staleness", "staleness_max", "throughput")
 

@@ -1,7 +1,7 @@
 """`sao agent`: tasks -> rollouts -> trajectories, one consumer of `<run>.tasks` in a shared group.
 
 Each task gets one rollout (SAO) or a group of n (`--group-size n`, GRPO family). Up to
-`concurrency` tasks are in flight (`streamer.rollouts`: their turns share engine batches, their tool
+`concurrency` tasks are in flight (`streamer.agent.rollouts`: their turns share engine batches, their tool
 calls overlap). A partition's offset is committed only up to its oldest task still in flight, and
 only after the finished tasks' trajectories are produced and flushed, so an agent that dies loses
 nothing (its uncommitted tasks go to another agent; the learner de-duplicates by task id). New
@@ -27,13 +27,14 @@ from typing import Any
 
 from kafka.errors import KafkaError
 
-from streamer.bus import Consumer, DeadLetter, KafkaBus, MemoryBus, Producer, SendError
-from streamer.config import ConfigError, load_config
-from streamer.rollouts import ROLLOUT_ERRORS, EngineError, Finished, Rollouts
-from streamer.schema import PolicyVersion, Task, Trajectory, encode
-from streamer.settings import AgentSettings
-from streamer.topics import Topics, partitions_by_topic
-from streamer.weights import CheckpointError, PolicyFollower, WeightStore
+from streamer.transport.bus import Consumer, KafkaBus, MemoryBus, Producer, SendError
+from streamer.wire.schema import DeadLetter
+from streamer.wire.config import ConfigError, load_config
+from streamer.agent.rollouts import ROLLOUT_ERRORS, EngineError, Finished, Rollouts
+from streamer.wire.schema import PolicyVersion, Task, Trajectory, encode
+from streamer.wire.settings import AgentSettings
+from streamer.wire.topics import Topics, partitions_by_topic
+from streamer.transport.weights import CheckpointError, PolicyFollower, WeightStore
 
 log = logging.getLogger("sao.agent")
 
@@ -247,8 +248,8 @@ def build_agent(s: AgentSettings, bus: KafkaBus | MemoryBus, engine: Any, tokeni
 def run_offline(s: AgentSettings, engine: Any, tokenizer: Any, tasks_file: str, out: str) -> AgentStats:
     """Answer a task file (JSONL, Parquet, CSV) with no broker and no learner: an in-memory bus in between."""
     from simulator.replay import replay
-    from streamer.schema import encode_json
-    from streamer.sinks import KafkaTaskSink
+    from streamer.wire.schema import encode_json
+    from streamer.transport.sinks import KafkaTaskSink
 
     bus = MemoryBus(s.client)
     bus.create_topics(partitions_by_topic(s.run, s.topics))

@@ -2,15 +2,15 @@
 
 Implements simulator.sinks.TaskSink (`write`, `write_drift`, `close`), so `sao simulate --bootstrap ...` works.
 With `max_lag` > 0 every message first waits until the agents' group has fewer than `max_lag` tasks unanswered
-(streamer.backpressure), so a drift event goes out together with the first task of its phase.
+(streamer.transport.backpressure), so a drift event goes out together with the first task of its phase.
 """
 
 from __future__ import annotations
 
-from streamer.bus import KafkaBus, Producer
-from streamer.schema import DriftEvent, Task
-from streamer.settings import ClientSettings, TopicSettings
-from streamer.topics import Topics, partitions_by_topic
+from streamer.transport.bus import KafkaBus, Producer
+from streamer.wire.schema import DriftEvent, Task
+from streamer.wire.settings import ClientSettings, TopicSettings
+from streamer.wire.topics import Topics, partitions_by_topic
 
 
 class KafkaTaskSink:
@@ -33,7 +33,7 @@ class KafkaTaskSink:
         self.sent = 0
 
     def _gate(self, bus: KafkaBus, max_lag: int, group: str, producer: Producer):
-        from streamer.backpressure import CommittedOffsets, LagGate
+        from streamer.transport.backpressure import CommittedOffsets, LagGate
 
         committed = CommittedOffsets(bus.bootstrap, group, client_id=bus.settings.client_id)
         return LagGate(max_lag, committed, producer.flush, topic=self.topics.tasks)

@@ -1,6 +1,6 @@
 """Typed configuration of the streaming plane: broker, clients, topics, agents.
 
-Dataclasses with defaults; build one with `streamer.config.load_config(AgentSettings, yaml, overrides)`.
+Dataclasses with defaults; build one with `streamer.wire.config.load_config(AgentSettings, yaml, overrides)`.
 `SAO_BOOTSTRAP` names the Kafka bootstrap servers when `--bootstrap` is not given.
 """
 
@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-from streamer.config import ConfigError
+from streamer.wire.config import ConfigError
 
 BOOTSTRAP_ENV = "SAO_BOOTSTRAP"
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"

@@ -20,28 +20,13 @@ from typing import Any, NamedTuple
 
 from kafka.structs import TopicPartition
 
-from streamer.schema import Message, SchemaError, decode, encode
-from streamer.settings import ClientSettings
+from streamer.wire.schema import DeadLetter, Message, SchemaError, decode, encode
+from streamer.wire.settings import ClientSettings
 
 log = logging.getLogger(__name__)
 
 DLQ_MAX_VALUE_BYTES = 8 * 1024 * 1024  # original bytes above this are cut (value_len keeps the size)
 STALL_S = 5.0  # a Kafka consumer that got nothing this long checks for partitions it stopped fetching
-
-
-class DeadLetter(Message, kw_only=True):
-    """A message a consumer could not use, with the reason and the original bytes."""
-
-    topic: str
-    partition: int
-    offset: int
-    key: bytes | None = None
-    value: bytes  # the original bytes (cut to DLQ_MAX_VALUE_BYTES)
-    value_len: int  # length of the original value
-    reason: str  # "oversized: ...", or the SchemaError text naming the field
-    expected: str  # the message type the consumer expected
-    consumer: str = ""  # group id / client id of the consumer that gave up on it
-    time: float = 0.0
 
 
 class Polled(NamedTuple):

@@ -21,9 +21,9 @@ from typing import Any
 
 import msgspec
 
-from streamer.bus import Consumer, Producer
-from streamer.schema import PolicyVersion, encode_json
-from streamer.topics import Topics
+from streamer.transport.bus import Consumer, Producer
+from streamer.wire.schema import PolicyVersion, encode_json
+from streamer.wire.topics import Topics
 
 log = logging.getLogger(__name__)
 

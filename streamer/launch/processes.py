@@ -46,7 +46,7 @@ class Supervisor:
 
     def _spawn(self, role: Role) -> None:
         log = open(self.log_dir / f"{role.name}.log", "ab")
-        cmd = [sys.executable, "-m", "streamer.cli", *role.argv]
+        cmd = [sys.executable, "-m", "streamer.launch.cli", *role.argv]
         nice = (lambda: os.nice(role.nice)) if role.nice else None
         role.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**self.env, **role.env},
                                      start_new_session=True,  # Ctrl-C reaches us only; we stop children in order

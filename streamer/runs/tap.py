@@ -4,7 +4,7 @@
 
 Reads `<run>.tasks` (counted only), `<run>.trajectories`, `<run>.drift`, `<run>.metrics` and
 `<run>.learner` (progress only: the learner writes its own table) from the start, with no consumer
-group and no commits, and writes them with `streamer.artifacts.RunWriter`. `sao up` runs a `Tap`
+group and no commits, and writes them with `streamer.runs.artifacts.RunWriter`. `sao up` runs a `Tap`
 in a thread and reads its counters for the progress line. On SIGINT/SIGTERM it flushes, compacts
 and writes `summary.json`.
 """
@@ -18,11 +18,11 @@ import sys
 import threading
 from collections import deque
 
-from streamer.artifacts import RunWriter
-from streamer.schema import DriftEvent, LearnerEvent, MetricPoint, Task, Trajectory
-from streamer.topics import Topics
+from streamer.runs.artifacts import RunWriter
+from streamer.wire.schema import DriftEvent, LearnerEvent, MetricPoint, Task, Trajectory
+from streamer.wire.topics import Topics
 
-log = logging.getLogger("streamer.tap")
+log = logging.getLogger("streamer.runs.tap")
 
 
 class Tap:
@@ -81,7 +81,7 @@ class Tap:
 
 
 def open_tap(bootstrap: str | None, run: str, run_dir: str, config: dict | None = None) -> Tap:
-    from streamer.bus import KafkaBus
+    from streamer.transport.bus import KafkaBus
 
     t = Topics(run)
     types = {t.tasks: Task, t.trajectories: Trajectory, t.drift: DriftEvent, t.metrics: MetricPoint,

@@ -2,11 +2,11 @@
 
 A fixed set of k untagged tasks per (family, concept) of every concept the scenario's phases reward
 (seeded, apart from the training stream) is answered with the agents' own env loop
-(`streamer.agent.rollout`) at temperature 0, once at start (the `--model` policy, version 0) and then
+(`streamer.agent.agent.rollout`) at temperature 0, once at start (the `--model` policy, version 0) and then
 for the newest version announced on `<run>.policy`, at most once per `--min-interval` seconds:
 versions announced meanwhile are skipped. Each evaluation publishes one
 `MetricPoint(name="eval/reward", labels={"family", "concept"}, count=k, learner_step=<its step>)`
-per (family, concept), which `streamer.artifacts` turns into forgetting on recurrence.
+per (family, concept), which `streamer.runs.artifacts` turns into forgetting on recurrence.
 
     sao eval --bootstrap 127.0.0.1:9092 --run exp1 --scenario default --model runs/warm --weights-dir runs/weights
 """
@@ -25,10 +25,10 @@ from typing import Any, Callable
 
 import msgspec
 
-from streamer.config import ConfigError
-from streamer.schema import MetricPoint, PolicyVersion, Task
-from streamer.settings import AgentSettings, ClientSettings
-from streamer.topics import Topics
+from streamer.wire.config import ConfigError
+from streamer.wire.schema import MetricPoint, PolicyVersion, Task
+from streamer.wire.settings import AgentSettings, ClientSettings
+from streamer.wire.topics import Topics
 
 log = logging.getLogger("sao.eval")
 
@@ -71,7 +71,7 @@ def evaluate(engine: Any, tokenizer: Any, tasks: dict[tuple[str, str], list[Task
              stop: Callable[[], bool] = lambda: False) -> dict[tuple[str, str], float] | None:
     """Mean reward of one greedy rollout per task, per (family, concept), a pair's tasks in flight together;
     None if `stop()` turned true."""
-    from streamer.rollouts import run_tasks
+    from streamer.agent.rollouts import run_tasks
 
     out = {}
     for pair, group in tasks.items():
@@ -180,10 +180,10 @@ def main(argv: list[str]) -> int:
     from kafka.errors import KafkaError
 
     from simulator.scenario import load_scenario
-    from streamer.agent import load_engine
-    from streamer.bus import KafkaBus
-    from streamer.topics import partitions_by_topic
-    from streamer.weights import CheckpointError, PolicyFollower, WeightStore
+    from streamer.agent.agent import load_engine
+    from streamer.transport.bus import KafkaBus
+    from streamer.wire.topics import partitions_by_topic
+    from streamer.transport.weights import CheckpointError, PolicyFollower, WeightStore
 
     a = parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -2,7 +2,7 @@
 
 Ray restarts the actor when it dies (its process or node lost, or `ray.kill(actor, no_restart=False)`);
 the child gets SIGKILL with its actor (PR_SET_PDEATHSIG), so a restarted learner never trains next to
-an orphaned copy of itself. The driver side is `streamer.ray_launch`.
+an orphaned copy of itself. The driver side is `streamer.launch.ray_launch`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-SAO = ["-m", "streamer.cli"]  # python arguments that run `sao <argv>`
+SAO = ["-m", "streamer.launch.cli"]  # python arguments that run `sao <argv>`
 USAGE_ERROR = 2  # the exit status of `sao <cmd>` (and argparse) on a bad command line or config
 
 
@@ -36,7 +36,7 @@ def _child_setup() -> None:
 
 
 class RoleActor:
-    """One role (`sao <argv>`) as a child of this actor. Wrapped by `ray.remote` in `streamer.ray_launch`.
+    """One role (`sao <argv>`) as a child of this actor. Wrapped by `ray.remote` in `streamer.launch.ray_launch`.
 
     When the child dies by a signal, or fails after running `min_uptime_s` (but not with a usage or
     config error, status 2), the actor exits so that Ray restarts it (and the role). A gang rank

@@ -119,6 +119,21 @@ class MetricPoint(Message, kw_only=True):
     learner_step: int = 0  # latest learner step seen (x-axis)
 
 
+class DeadLetter(Message, kw_only=True):
+    """A message a consumer could not use, with the reason and the original bytes."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None = None
+    value: bytes  # the original bytes (cut to streamer.transport.bus.DLQ_MAX_VALUE_BYTES)
+    value_len: int  # length of the original value
+    reason: str  # "oversized: ...", or the SchemaError text naming the field
+    expected: str  # the message type the consumer expected
+    consumer: str = ""  # group id / client id of the consumer that gave up on it
+    time: float = 0.0
+
+
 M = TypeVar("M", bound=Message)
 
 _msgpack_encoder = msgspec.msgpack.Encoder()

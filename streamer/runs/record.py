@@ -18,10 +18,10 @@ import time
 from collections import Counter
 from typing import Any
 
-from streamer.bus import Consumer, KafkaBus
-from streamer.schema import DriftEvent, Task
-from streamer.settings import ClientSettings
-from streamer.topics import Topics
+from streamer.transport.bus import Consumer, KafkaBus
+from streamer.wire.schema import DriftEvent, Task
+from streamer.wire.settings import ClientSettings
+from streamer.wire.topics import Topics
 
 
 def _order_key(msg: Task | DriftEvent) -> tuple[float, float]:

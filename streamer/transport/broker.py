@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from streamer.settings import BrokerSettings
+from streamer.wire.settings import BrokerSettings
 
 
 class BrokerError(RuntimeError):

@@ -21,8 +21,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
-from streamer.schema import Task, Trajectory
-from streamer.settings import AgentSettings
+from streamer.wire.schema import Task, Trajectory
+from streamer.wire.settings import AgentSettings
 
 log = logging.getLogger(__name__)
 

@@ -36,8 +36,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from streamer import adaptation as ad
-from streamer.schema import DriftEvent, LearnerEvent, MetricPoint, SchemaError, Trajectory, decode_json, encode_json
+from streamer.runs import adaptation as ad
+from streamer.wire.schema import DriftEvent, LearnerEvent, MetricPoint, SchemaError, Trajectory, decode_json, encode_json
 
 TABLES = ("trajectories", "learner", "metrics")
 _PART = re.compile(r"^part-(\d+)(?:-([A-Za-z0-9_.]+))?\.parquet$")

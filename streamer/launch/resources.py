@@ -19,7 +19,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from streamer.config import ConfigError
+from streamer.wire.config import ConfigError
 
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 SIDE_NICE = 10  # metrics app, dashboard, evaluator, simulator: whatever the learner and agents leave

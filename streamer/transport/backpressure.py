@@ -56,7 +56,7 @@ class CommittedOffsets:
         from kafka import KafkaConsumer
 
         self.group = group
-        from streamer.settings import KafkaSecurity
+        from streamer.wire.settings import KafkaSecurity
 
         self._c = KafkaConsumer(bootstrap_servers=bootstrap.split(","), group_id=group, client_id=client_id,
                                 enable_auto_commit=False,  # never subscribes: no member, no rebalance

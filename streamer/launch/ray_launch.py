@@ -4,7 +4,7 @@
     sao up --ray-address auto --bootstrap kafka:9092    # join the cluster this node belongs to
     sao up --ray-address ray://head:10001 --bootstrap kafka:9092 --ray-set agent.num_cpus=2
 
-Each agent, and each learner rank, is one `streamer.ray.actor.RoleActor`: it runs the very `sao <argv>` the local
+Each agent, and each learner rank, is one `streamer.launch.ray_actor.RoleActor`: it runs the very `sao <argv>` the local
 launcher would run, as a child process of the actor (its log in `<run>/logs/<role>.log` on the
 actor's node), and dies with it. Actors are created with `max_restarts`, so when one dies (its
 process or node is lost, or its role is killed) Ray starts it again and the role's main runs again:
@@ -12,7 +12,7 @@ an agent re-joins the task consumer group (its uncommitted tasks are redelivered
 de-duplicates by task id), the learner resumes from its latest checkpoint (weights, buffer, offsets).
 With `learner_workers > 1` the learner ranks form a torchrun-style gang (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT set per actor, one placement group); a dead rank restarts the whole gang.
-The broker, simulator, metrics app and dashboard stay local child processes (streamer.processes).
+The broker, simulator, metrics app and dashboard stay local child processes (streamer.launch.processes).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from streamer.config import ConfigError, load_config
-from streamer.processes import Role, Supervisor
-from streamer.ray.actor import SAO, RoleActor
+from streamer.wire.config import ConfigError, load_config
+from streamer.launch.processes import Role, Supervisor
+from streamer.launch.ray_actor import SAO, RoleActor
 
 RAY_ROLES = ("agent", "learn")  # `sao <cmd>` roles that run as actors; the rest stay local
 
@@ -258,7 +258,7 @@ def _loopback(bootstrap: str) -> bool:
 
 
 class RaySupervisor:
-    """`streamer.processes.Supervisor`'s interface: agents and the learner as Ray actors, the rest local."""
+    """`streamer.launch.processes.Supervisor`'s interface: agents and the learner as Ray actors, the rest local."""
 
     def __init__(self, log_dir: Path, env: dict[str, str] | None, cfg: RayConfig) -> None:
         self.cfg, self.env = cfg, dict(env or {})

@@ -1,7 +1,7 @@
 """The faust metrics app: `<run>.trajectories` + `<run>.learner` -> windowed `MetricPoint`s on `<run>.metrics`.
 
-Values travel as raw bytes and are decoded with msgspec (`streamer.schema.decode`), never with
-faust's codecs. Bad messages go to `<run>.dlq` as a `streamer.bus.DeadLetter` (reason + original
+Values travel as raw bytes and are decoded with msgspec (`streamer.wire.schema.decode`), never with
+faust's codecs. Bad messages go to `<run>.dlq` as a `streamer.transport.bus.DeadLetter` (reason + original
 bytes) and are counted (`metrics/dlq`). The aggregation lives in `streamer.metrics.windows` (pure);
 `MetricsState` joins it to the learner version (no I/O); `build_app` wires both to faust.
 At-least-once processing (faust's exactly-once needs idempotent producers, which Tansu lacks).
@@ -28,11 +28,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from streamer.bus import DLQ_MAX_VALUE_BYTES, DeadLetter
-from streamer.config import ConfigError, load_config
+from streamer.transport.bus import DLQ_MAX_VALUE_BYTES
+from streamer.wire.schema import DeadLetter
+from streamer.wire.config import ConfigError, load_config
 from streamer.metrics.windows import ClosedWindow, TumblingWindows, observe, window_points
-from streamer.schema import LearnerEvent, MetricPoint, SchemaError, Trajectory, decode, encode
-from streamer.topics import Topics, check_run, partitions_by_topic
+from streamer.wire.schema import LearnerEvent, MetricPoint, SchemaError, Trajectory, decode, encode
+from streamer.wire.topics import Topics, check_run, partitions_by_topic
 
 log = logging.getLogger("sao.metrics")
 
@@ -69,7 +70,7 @@ class MetricsSettings:
 
 def dead_letter(topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None,
                 reason: str, expected: str) -> bytes:
-    """The DLQ record every consumer of the project writes (`streamer.bus.DeadLetter`), msgpack-encoded."""
+    """The DLQ record every consumer of the project writes (`streamer.transport.bus.DeadLetter`), msgpack-encoded."""
     value = value or b""
     return encode(DeadLetter(topic=topic, partition=partition, offset=offset, key=key,
                              value=value[:DLQ_MAX_VALUE_BYTES], value_len=len(value), reason=reason,
@@ -176,7 +177,7 @@ def build_app(settings: MetricsSettings, bootstrap: str):
     """The faust app (imported here: faust is slow to import and `sao --help` must stay fast)."""
     import faust
 
-    from streamer.settings import KafkaSecurity
+    from streamer.wire.settings import KafkaSecurity
 
     names = Topics(settings.run)
     app = faust.App(
@@ -242,7 +243,7 @@ def run(settings: MetricsSettings) -> int:
     settings.validate()
     import faust
 
-    from streamer.bus import KafkaBus
+    from streamer.transport.bus import KafkaBus
 
     bus = KafkaBus(settings.bootstrap or None)
     # Create the run's topics with the project's partition counts before faust would guess them.

@@ -22,8 +22,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from streamer.processes import Role, Supervisor
-from streamer.resources import (AGENT_NICE, SIDE_NICE, Admission, ResourcePlan, available_cores, check_pacing,
+from streamer.launch.processes import Role, Supervisor
+from streamer.launch.resources import (AGENT_NICE, SIDE_NICE, Admission, ResourcePlan, available_cores, check_pacing,
                                 paced_admission, plan_resources, thread_env)
 
 
@@ -55,7 +55,7 @@ class UpConfig:
     pretrain: list[str] = field(default_factory=list)  # PretrainConfig overrides
     learner: list[str] = field(default_factory=list)  # LearnerConfig overrides
     agent: list[str] = field(default_factory=list)  # AgentSettings overrides, e.g. concurrency=8
-    ray: bool = False  # agents and learner as Ray actors (streamer.ray_launch)
+    ray: bool = False  # agents and learner as Ray actors (streamer.launch.ray_launch)
     ray_address: str = ""  # join this Ray cluster ("auto", "ray://head:10001"); implies --ray
     ray_set: list[str] = field(default_factory=list)  # RayConfig overrides, e.g. agent.num_cpus=2
 
@@ -140,8 +140,8 @@ def parse_args(argv: list[str]) -> UpConfig:
     cfg.run = cfg.run or time.strftime("up-%Y%m%d-%H%M%S")
     cfg.ray = cfg.ray or bool(cfg.ray_address)
     if cfg.ray:
-        from streamer.config import ConfigError
-        from streamer.ray_launch import ray_config
+        from streamer.wire.config import ConfigError
+        from streamer.launch.ray_launch import ray_config
 
         try:
             ray_config(cfg.ray_address, cfg.ray_set)
@@ -152,7 +152,7 @@ def parse_args(argv: list[str]) -> UpConfig:
 
 def warm_start(cfg: UpConfig) -> Path:
     from learner.pretrain import PretrainConfig, pretrain
-    from streamer.config import load_config
+    from streamer.wire.config import load_config
 
     pcfg = load_config(PretrainConfig, None, [f"scenario={cfg.scenario}", f"cache_dir={cfg.runs_dir}/cache",
                                               *cfg.pretrain])
@@ -206,7 +206,7 @@ def seeded(cfg: UpConfig, offset: int) -> list[str]:
 
 def max_lag(cfg: UpConfig, plan: ResourcePlan, adm: Admission) -> int:
     """Back-pressure bound: what the agents may hold in flight plus one batch (0 with --realtime unless given)."""
-    from streamer.backpressure import default_max_lag
+    from streamer.transport.backpressure import default_max_lag
 
     if cfg.max_lag >= 0:
         return cfg.max_lag
@@ -256,11 +256,11 @@ def _interrupt(signum, frame) -> None:
 
 
 def run(cfg: UpConfig) -> int:
-    from streamer.artifacts import summarize, write_json
-    from streamer.broker import BrokerSettings, EmbeddedBroker
-    from streamer.bus import KafkaBus
-    from streamer.tap import close_tap, open_tap
-    from streamer.topics import partitions_by_topic
+    from streamer.runs.artifacts import summarize, write_json
+    from streamer.transport.broker import BrokerSettings, EmbeddedBroker
+    from streamer.transport.bus import KafkaBus
+    from streamer.runs.tap import close_tap, open_tap
+    from streamer.wire.topics import partitions_by_topic
 
     run_dir = Path(cfg.runs_dir) / cfg.run
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -285,7 +285,7 @@ def run(cfg: UpConfig) -> int:
     bootstrap = cfg.bootstrap or broker.bootstrap
     env = {"SAO_BOOTSTRAP": bootstrap, "SAO_RUN": cfg.run}
     if cfg.ray:  # agents and learner as Ray actors; broker, simulator, metrics, dashboard stay local
-        from streamer.ray_launch import RaySupervisor, ray_config
+        from streamer.launch.ray_launch import RaySupervisor, ray_config
 
         sup = RaySupervisor(run_dir / "logs", env, ray_config(cfg.ray_address, cfg.ray_set))
     else:

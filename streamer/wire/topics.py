@@ -5,13 +5,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from streamer.schema import DriftEvent, LearnerEvent, MetricPoint, PolicyVersion, Task, Trajectory
-from streamer.settings import TopicSettings
+from streamer.wire.schema import DriftEvent, LearnerEvent, MetricPoint, PolicyVersion, Task, Trajectory
+from streamer.wire.settings import TopicSettings
 
 KINDS = ("tasks", "trajectories", "policy", "learner", "metrics", "drift", "dlq")
 _RUN_RE = re.compile(r"^[A-Za-z0-9_-]{1,200}$")  # a topic name allows [A-Za-z0-9._-]; '.' separates the kind
 
-# The message type of each topic kind (the DLQ carries streamer.bus.DeadLetter).
+# The message type of each topic kind (the DLQ carries streamer.transport.bus.DeadLetter).
 TYPES: dict[str, type] = {
     "tasks": Task,
     "trajectories": Trajectory,
