@@ -20,8 +20,7 @@ from streamer.wire.topics import Topics, partitions_by_topic
 
 ray = pytest.importorskip("ray")
 
-LEARNER = ["batch.max_trajectories=6", "batch.tokens=100000", "checkpoint.every=2", "batch.max_staleness=1000",
-           "threads=1"]
+RUN_SETS = ["learner.checkpoint.every=2", "agent.max_new_tokens=4"]  # batch 6, staleness 1000: launch settings
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +81,9 @@ def test_ray_config_validates_and_maps_resources():
     assert actor_options(cfg.agent, "r/agent-0", 0)["resources"] == {"rollout": 1}
     assert actor_options(cfg.agent, "r/agent-0", 0)["max_task_retries"] == 0  # no restarts: no retries
     assert all(distributed_learner(["learn", *a]) for a in (["--backend", "megatron"], ["--backend=megatron"],
-                                                            ["backend.name=megatron"], ["backend=megatron"]))
+                                                            ["--set", "backend.name=megatron"]))
     assert not distributed_learner(["learn", "--backend", "torch", "--run", "megatron"])
+    assert not distributed_learner(["learn", "backend.name=megatron"])  # not an override: --set is
     with pytest.raises(ConfigError, match="learner_workers"):
         ray_config("", ["learner_workers=0"])
     with pytest.raises(ConfigError, match="ray.agent"):
@@ -96,11 +96,11 @@ def test_ray_config_validates_and_maps_resources():
 def test_sao_up_ray_flags(capsys):
     from streamer.launch.up import parse_args
 
-    cfg = parse_args(["--ray-address", "ray://head:10001", "--ray-set", "agent.num_cpus=2"])
-    assert cfg.ray and cfg.ray_address == "ray://head:10001" and cfg.ray_set == ["agent.num_cpus=2"]
-    assert parse_args(["--ray"]).ray and not parse_args([]).ray  # --ray alone: a local Ray instance
+    cfg = parse_args(["--ray-address", "ray://head:10001", "--set", "ray.agent.num_cpus=2"])
+    assert cfg.launch.ray and cfg.ray.address == "ray://head:10001" and cfg.ray.agent.num_cpus == 2
+    assert parse_args(["--ray"]).launch.ray and not parse_args([]).launch.ray  # --ray alone: a local Ray instance
     with pytest.raises(SystemExit):
-        parse_args(["--ray", "--ray-set", "agent.cpus=2"])
+        parse_args(["--ray", "--set", "ray.agent.cpus=2"])
     assert "unknown field 'cpus'" in capsys.readouterr().err
 
 
@@ -109,16 +109,23 @@ def test_sao_up_ray_flags(capsys):
 def test_actors_train_and_a_killed_actor_resumes_with_no_trajectory_lost(local_ray, tmp_path, kafka_bus, bootstrap,
                                                                           kafka_run, tiny_policy_dir):
     from simulator.run import main as simulate
-    from streamer.launch.up import UpConfig, roles
     from streamer.launch.ray_launch import RaySupervisor, ray_config
+    from streamer.launch.run_config import bind_init, load_run_config
+    from streamer.launch.up import roles
+    from streamer.wire.config import write_yaml
 
     run, run_dir = kafka_run, tmp_path / kafka_run
     kafka_bus.create_topics(partitions_by_topic(run))
-    plan = roles(UpConfig(run=run, agents=2, dashboard=False, learner=LEARNER), bootstrap, run_dir, tiny_policy_dir)
+    run_cfg = load_run_config(None, RUN_SETS, {"run": run, "runs_dir": str(tmp_path), "agents": 2, "dashboard": False,
+                                             "batch": 6, "staleness": 1000})
+    bind_init(run_cfg, tiny_policy_dir)
+    run_dir.mkdir(parents=True)
+    write_yaml(run_cfg, run_dir / "config.yaml")
+    plan = roles(run_cfg, run_dir / "config.yaml", run_dir)
     actors = [r for r in plan if r.argv[0] in ("learn", "agent")]  # metrics and simulator are not under test
     for r in actors:
         if r.argv[0] == "agent":
-            r.argv += ["--set", "max_new_tokens=4", "--set", f"agent_id={r.name}"]
+            r.argv += ["--set", f"agent_id={r.name}"]
     learner, agent0 = actors[0], actors[1]
     assert learner.argv[0] == "learn" and agent0.argv[0] == "agent"
 
@@ -215,7 +222,7 @@ def test_learner_gang_gets_torchrun_env_and_restarts_whole_when_a_rank_dies(loca
     try:
         with pytest.raises(ConfigError, match="backend.name=megatron"):  # N torch learners would fight over one run
             sup.start(Role("learner", ["learn"]))
-        learner = sup.start(Role("learner", ["learn", "backend=megatron"]))
+        learner = sup.start(Role("learner", ["learn", "--backend", "megatron"]))
         wait_for(lambda: len(records()) == 2, 60, "both ranks to all-reduce", sup)
         first = records()
         ray.kill(learner.proc.actors[1], no_restart=False)

@@ -52,11 +52,12 @@ def test_pacing_that_would_deadlock_or_go_stale_is_refused():
 
 def test_up_passes_one_staleness_bound_to_learner_and_agents():
     cfg = parse_args(["--run", "r", "--cores", "2", "--batch", "32", "--staleness", "3"])
-    by_name = {r.name: r for r in roles(cfg, "127.0.0.1:1", Path("runs/r"), Path("init"))}
+    by_name = {r.name: r for r in roles(cfg, Path("runs/r/config.yaml"), Path("runs/r"))}
     assert set(by_name) == {"metrics", "learner", "agent-0", "dashboard", "simulator"}  # no evaluator on 2 cores
-    learner, agent = by_name["learner"].argv, by_name["agent-0"].argv
-    assert "batch.max_staleness=3" in learner and "batch.max_trajectories=32" in learner and "threads=1" in learner
-    assert all(kv in agent for kv in ("tasks_per_version=32", "versions_ahead=2", "concurrency=32", "threads=1"))
+    assert all(by_name[n].argv[1:3] == ["--config", "runs/r/config.yaml"] for n in ("metrics", "learner", "agent-0"))
+    lb, agent = cfg.learner.batch, cfg.agent  # what each role reads from its section of config.yaml
+    assert (lb.max_staleness, lb.max_trajectories, lb.tokens, cfg.learner.threads) == (3, 32, 32 * 1024, 1)
+    assert (agent.tasks_per_version, agent.versions_ahead, agent.concurrency, agent.threads) == (32, 2, 32, 1)
     assert by_name["learner"].nice == 0 and by_name["agent-0"].nice == AGENT_NICE
     assert by_name["dashboard"].nice == SIDE_NICE and by_name["learner"].env == thread_env(1)
     sim = by_name["simulator"].argv
@@ -65,10 +66,11 @@ def test_up_passes_one_staleness_bound_to_learner_and_agents():
 
 def test_up_refuses_overrides_that_would_break_the_pacing(capsys):
     with pytest.raises(SystemExit):
-        parse_args(["--set", "batch.max_staleness=8"])
+        parse_args(["--set", "learner.batch.max_staleness=8"])
     assert "--staleness" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        parse_args(["--agent-set", "versions_ahead=3"])
+        parse_args(["--set", "agent.versions_ahead=3"])
+    assert "agent.versions_ahead" in capsys.readouterr().err
 
 
 def test_progress_shows_the_newest_concept_of_each_family(tmp_path):

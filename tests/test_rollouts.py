@@ -167,13 +167,17 @@ def test_concurrency_below_one_is_refused():
 
 def test_sao_up_passes_agent_settings_to_every_agent(tmp_path):
     from streamer.agent.agent import parse_args, settings_from_args
-    from streamer.launch.up import UpConfig, roles
     from streamer.launch.up import parse_args as up_args
+    from streamer.launch.up import roles
+    from streamer.wire.config import write_yaml
 
-    cfg = up_args(["--agents", "2", "--agent-set", "concurrency=8", "--sync", "--sync-batch", "32"])
-    agents = [r for r in roles(cfg, "127.0.0.1:1", tmp_path, tmp_path) if r.name.startswith("agent")]
+    cfg = up_args(["--agents", "2", "--set", "agent.concurrency=8", "--sync", "--sync-batch", "32", "--seed", "3"])
+    write_yaml(cfg, tmp_path / "config.yaml")
+    agents = [r for r in roles(cfg, tmp_path / "config.yaml", tmp_path) if r.name.startswith("agent")]
     assert len(agents) == 2
-    for r in agents:
+    seeds = []
+    for r in agents:  # each agent reads the agent section of the run's config.yaml
         s = settings_from_args(parse_args(r.argv[1:]))
-        assert (s.concurrency, s.tasks_per_version, s.versions_ahead) == (8, 16, 0)
-    assert UpConfig().agent == []
+        assert (s.concurrency, s.tasks_per_version, s.versions_ahead, s.run) == (8, 16, 0, cfg.launch.run)
+        seeds.append(s.seed)
+    assert seeds == [3001, 3002]

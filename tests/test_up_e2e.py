@@ -34,8 +34,9 @@ TIMEOUT_S = 600  # generous: the machine is shared; a normal run takes a few min
 #   lr 1e-4: at 3e-4 the first policy steps also pushed parens to 0 after the drift (no recovery);
 # - --cores 2: the resource plan of the 2-core machine it was tuned on (learner 1 thread), whatever runs it.
 UP_ARGS = ["--scenario", "smoke", "--no-dashboard", "--no-eval", "--agents", "2", "--realtime", "--cores", "2",
-           "--pretrain", "steps=120", "--pretrain", "eval_every=0", "--batch", "64",
-           "--set", "optim.updates_per_batch=2", "--set", "value.warmup_steps=2", "--set", "optim.lr=1e-4",
+           "--set", "pretrain.steps=120", "--set", "pretrain.eval_every=0", "--batch", "64",
+           "--set", "learner.optim.updates_per_batch=2", "--set", "learner.value.warmup_steps=2",
+           "--set", "learner.optim.lr=1e-4",
            "--max-seconds", "400"]
 
 

@@ -29,7 +29,7 @@ from kafka.errors import KafkaError
 
 from streamer.transport.bus import Consumer, KafkaBus, MemoryBus, Producer, SendError
 from streamer.wire.schema import DeadLetter
-from streamer.wire.config import ConfigError, load_config
+from streamer.wire.config import ConfigError, add_config_args, load_config
 from streamer.agent.rollouts import ROLLOUT_ERRORS, EngineError, Finished, Rollouts
 from streamer.wire.schema import PolicyVersion, Task, Trajectory, encode
 from streamer.wire.settings import AgentSettings
@@ -272,8 +272,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--weights-dir", default=None, help="weight store the learner publishes into")
     p.add_argument("--group-size", type=int, default=None, help="rollouts per task (1: single rollout)")
     p.add_argument("--max-tasks", type=int, default=None)
-    p.add_argument("--config", default=None, help="YAML with AgentSettings fields")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
+    add_config_args(p, "AgentSettings", "concurrency=8")
     p.add_argument("--status-file", default="", help="JSON status (version, assignment, counts) kept up to date")
     p.add_argument("--tasks", default=None, help="answer this task file instead of <run>.tasks (no broker)")
     p.add_argument("--out", default=None, help="with --tasks: trajectory JSONL output")
@@ -283,7 +282,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def settings_from_args(a: argparse.Namespace) -> AgentSettings:
     """Defaults < YAML < --set < explicit flags."""
-    s = load_config(AgentSettings, a.config, a.set)
+    s = load_config(AgentSettings, a.config, a.overrides, section="agent")
     flags = {"run": a.run, "model": a.model, "weights_dir": a.weights_dir, "group_size": a.group_size,
              "max_tasks": a.max_tasks}
     for name, value in flags.items():

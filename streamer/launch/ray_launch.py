@@ -23,12 +23,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from streamer.wire.config import ConfigError, load_config
 from streamer.launch.processes import Role, Supervisor
 from streamer.launch.ray_actor import SAO, RoleActor
 
+Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 RAY_ROLES = ("agent", "learn")  # `sao <cmd>` roles that run as actors; the rest stay local
 
 
@@ -57,7 +58,7 @@ class RayConfig:
     agent: RoleResources = field(default_factory=RoleResources)
     learner: LearnerResources = field(default_factory=LearnerResources)
     learner_workers: int = 1  # learner ranks (torchrun-style, for the megatron backend); 1: one actor
-    learner_strategy: str = "PACK"  # placement of the learner ranks: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD
+    learner_strategy: Strategy = "PACK"  # placement of the learner ranks (a Ray placement-group strategy)
     max_restarts: int = -1  # Ray restarts of a dead actor (-1: always)
     min_uptime_s: float = 10.0  # a role that fails sooner than this (or with status 2: bad config) fails the run
     stop_timeout_s: float = 30.0  # SIGINT, then SIGKILL after this long
@@ -67,7 +68,7 @@ class RayConfig:
         self.learner.validate("ray.learner")
         if self.learner_workers < 1:
             raise ConfigError(f"ray.learner_workers={self.learner_workers}: need at least 1")
-        if self.learner_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+        if self.learner_strategy not in get_args(Strategy):
             raise ConfigError(f"ray.learner_strategy={self.learner_strategy!r}: use PACK, SPREAD, STRICT_PACK "
                               "or STRICT_SPREAD")
         if self.max_restarts < -1:
@@ -247,10 +248,11 @@ def init_ray(cfg: RayConfig) -> bool:
 
 
 def distributed_learner(argv: list[str]) -> bool:
-    """Does this `sao learn` argv select the megatron backend (`--backend megatron`, `backend.name=megatron`)?"""
-    pairs = zip(argv, argv[1:] + [""])
-    return (any(a in ("backend=megatron", "backend.name=megatron", "--backend=megatron") for a in argv)
-            or any(a == "--backend" and b == "megatron" for a, b in pairs))
+    """Does this `sao learn` argv select the megatron backend (`--backend megatron`, `--set backend.name=megatron`)?
+    (`sao up` always passes `--backend`: the run's config.yaml is not read here.)"""
+    pairs = list(zip(argv, argv[1:] + [""]))
+    return ("--backend=megatron" in argv or any(a == "--backend" and b == "megatron" for a, b in pairs)
+            or any(a == "--set" and b == "backend.name=megatron" for a, b in pairs))
 
 
 def _loopback(bootstrap: str) -> bool:

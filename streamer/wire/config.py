@@ -1,8 +1,10 @@
 """Typed configuration: dataclass trees, overridden from YAML and `key.sub=value` command-line pairs.
 
 A leaf module (no project imports). Each package declares its own dataclasses with defaults;
-`load_config(Cls, yaml_path, ["learner.lr=3e-4", ...])` builds one, validating types and
-naming the field at fault (and the file it came from).
+`load_config(Cls, yaml_path, ["optim.lr=3e-4", ...])` builds one, validating types (`Literal` choices too) and
+naming the field at fault (and the file it came from). Every command takes `--config FILE --set KEY=VALUE`
+(`add_config_args`); `sao up` writes the whole run's tree to `runs/<run>/config.yaml` and each role reads its
+section of it.
 """
 
 from __future__ import annotations
@@ -67,20 +69,31 @@ def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def read_yaml(path: str | Path, section: str | None = None) -> dict[str, Any]:
+    """A YAML mapping; with `section`, a run file's (`runs/<run>/config.yaml`) section of that name, or the whole
+    file when it has no such key (a file of the role's own fields)."""
+    try:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"{path}: {e}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    if section is not None and section in loaded:
+        if not isinstance(loaded[section], dict):
+            raise ConfigError(f"{path}: section '{section}' is not a mapping")
+        return loaded[section]
+    return loaded
+
+
 def load_config(cls: type[C], yaml_path: str | Path | None = None, overrides: list[str] = (),
-                base: dict[str, Any] | None = None) -> C:
-    """Defaults of `cls`, then `base`, then the YAML file, then `key=value` overrides."""
+                base: dict[str, Any] | None = None, section: str | None = None) -> C:
+    """Defaults of `cls`, then `base`, then the YAML file (its `section` if it is a run file), then `key=value`
+    overrides."""
     data: dict[str, Any] = dict(base or {})
     where = cls.__name__
     if yaml_path is not None:
-        where = str(yaml_path)
-        try:
-            loaded = yaml.safe_load(Path(yaml_path).read_text()) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise ConfigError(f"{yaml_path}: {e}") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{yaml_path}: expected a mapping at the top level")
-        data = merge(data, loaded)
+        where = f"{yaml_path}" + (f" [{section}]" if section else "")
+        data = merge(data, read_yaml(yaml_path, section))
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}': expected key=value")
@@ -100,3 +113,15 @@ def load_config(cls: type[C], yaml_path: str | Path | None = None, overrides: li
 
 def to_dict(cfg: Any) -> dict[str, Any]:
     return msgspec.to_builtins(cfg)
+
+
+def write_yaml(cfg: Any, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def add_config_args(parser, what: str, example: str) -> None:
+    """The one override syntax of every command: `--config FILE` then `--set KEY=VALUE`, repeatable."""
+    parser.add_argument("--config", default=None,
+                        help=f"YAML with {what} fields, or a run's config.yaml (its section is read)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help=f"override a {what} field, e.g. {example} (repeatable; dotted keys for sections)")

@@ -45,8 +45,8 @@ class KafkaSecurity:
     """How every client (kafka-python producers, consumers, admin; the faust metrics app) authenticates and
     encrypts. Empty fields come from $SAO_KAFKA_* (SECURITY_ENV); all empty: PLAINTEXT, as the embedded broker."""
 
-    security_protocol: str = ""  # PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL
-    sasl_mechanism: str = ""  # PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512 (SASL_* protocols)
+    security_protocol: Literal["", "PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = ""
+    sasl_mechanism: Literal["", "PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = ""  # with the SASL_* protocols
     sasl_username: str = ""
     sasl_password: str = ""
     ssl_cafile: str = ""  # CA bundle that signed the brokers' certificates (SSL, SASL_SSL)
@@ -149,7 +149,7 @@ class AgentSettings:
     run: str = "default"
     agent_id: str = ""  # "" -> hostname-pid
     group_id: str = ""  # consumer group; "" -> "<run>.agents"
-    engine: str = "torch"
+    engine: Literal["torch", "hf", "vllm"] = "torch"  # learner.engines.factory
     model: str = ""  # model directory (HF format); "" -> the latest version in the weight store
     weights_dir: str = "runs/weights"  # weight store that <run>.policy announcements point into
     group_size: int = 1  # 1: single rollout (SAO); n>1: GRPO-family group sharing one policy version

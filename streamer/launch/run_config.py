@@ -1,0 +1,185 @@
+"""The run configuration: one typed tree for everything `sao up` starts, written to `runs/<run>/config.yaml`.
+
+Sections: `launch` (this command's own options: scenario, agents, batch, staleness, ...), `pretrain`, `learner`,
+`agent`, `metrics`, `ray`. Values come from the defaults, then `--config FILE`, then `--set section.key=value`,
+then the launch flags (`--batch 32`). `derive` then fills what one launch setting drives in several roles: the
+staleness bound and the batch set the learner's batching and the agents' admission, the resource plan sets the
+threads, the run's name and paths reach every role. Setting a derived key by hand is refused (it would
+desynchronise learner and agents): the cross-role validation lives here, in one place. Each role is started with
+`--config runs/<run>/config.yaml` and reads its own section (`streamer.wire.config.load_config(..., section=)`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from learner.config import LearnerConfig
+from learner.pretrain import PretrainConfig
+from streamer.launch.ray_launch import RayConfig
+from streamer.launch.resources import (Admission, ResourcePlan, available_cores, check_pacing, paced_admission,
+                                       plan_resources)
+from streamer.metrics.app import MetricsSettings
+from streamer.wire.config import ConfigError, load_config, read_yaml
+from streamer.wire.settings import AgentSettings
+
+# a batch must close at --batch trajectories, not at a token budget: agents generate exactly one batch per version
+TOKENS_PER_TRAJECTORY = 1024
+DERIVED = {  # section -> keys `derive` sets from the launch section and the resource plan
+    "learner": ("batch.max_staleness", "batch.max_trajectories", "batch.tokens", "batch.sync", "batch.sync_batch",
+                "threads", "loss.name", "io.run", "io.init", "io.weights_dir", "io.run_dir",
+                "checkpoint.dir"),
+    "agent": ("tasks_per_version", "versions_ahead", "threads", "group_size", "run", "model", "weights_dir"),
+    "metrics": ("run",),
+    "pretrain": ("scenario", "cache_dir"),
+}
+
+
+@dataclass
+class UpConfig:
+    """`sao up`'s own options (the `launch` section); each has a flag of the same name."""
+
+    scenario: str = "default"
+    run: str = ""  # "" -> up-<date>-<time>
+    runs_dir: str = "runs"
+    bootstrap: str = ""  # "" -> start the embedded broker
+    agents: int = 0  # 0: from the resource plan (one per core the learner leaves, 1 on 2 cores)
+    group_size: int = 1  # >1 for the GRPO family (set learner.advantage.estimator too)
+    loss: str = "sao"  # the learner's policy loss (learner.loss.name)
+    seed: int = -1  # >= 0: the task stream's, the learner's and the agents' seeds (-1: the scenario's and defaults)
+    batch: int = 64  # trajectories per learner batch (batch.max_trajectories); agents generate one per version
+    staleness: int = 2  # versions a trajectory may lag the learner: learner max_staleness and agent admission
+    sync: bool = False
+    sync_batch: int = 64  # with --sync: trajectories per policy version (the learner's batch.sync_batch)
+    limit: int = 0  # stop the simulator after this many tasks (0: the whole scenario)
+    realtime: bool = False  # publish tasks at the scenario's rate instead of as fast as the agents answer
+    max_lag: int = -1  # simulator back-pressure: tasks published ahead of the agents (-1: derived, 0: none)
+    dashboard: bool = True
+    eval: bool | None = None  # held-out greedy evaluation of each policy version; None: on above 2 cores
+    eval_interval: float = 30.0  # seconds between evaluations (each costs about 16 s of one core)
+    cores: int = 0  # cores the resource plan shares out (0: those this process may run on)
+    dashboard_port: int = 8501
+    max_seconds: float = 0.0  # stop after this long (0: at the scenario's end)
+    drain_seconds: float = 5.0  # after the last trajectory, let the learner finish its batch
+    restarts: int = 3  # times each crashed role (learner, agent, metrics app, dashboard) is started again
+    ray: bool = False  # agents and learner as Ray actors (streamer.launch.ray_launch)
+    ray_address: str = ""  # join this Ray cluster ("auto", "ray://head:10001"); implies --ray
+
+    def plan(self) -> ResourcePlan:
+        return plan_resources(self.cores or available_cores(), self.agents, self.eval)
+
+    def pacing(self) -> tuple[int, int]:
+        """(trajectories per learner batch, staleness bound): --sync trains one batch per version, none stale."""
+        return (self.sync_batch, 0) if self.sync else (self.batch, self.staleness)
+
+    def admission(self) -> Admission:
+        """Agent admission: paced by the learner's batch and staleness bound (sync: one batch per version)."""
+        agents = self.plan().agents
+        batch, staleness = self.pacing()
+        adm = paced_admission(staleness, batch, agents, self.group_size)
+        check_pacing(adm, agents, self.group_size, batch, staleness)
+        return adm
+
+    def validate(self) -> None:
+        if self.batch < 1 or self.sync_batch < 1 or self.staleness < 0:
+            raise ConfigError(f"launch: batch {self.batch} and sync_batch {self.sync_batch} must be >= 1, staleness "
+                              f"{self.staleness} >= 0")
+        if self.agents < 0:
+            raise ConfigError(f"launch.agents: {self.agents}; need at least one agent (0: from the resource plan)")
+
+
+@dataclass
+class RunConfig:
+    launch: UpConfig = field(default_factory=UpConfig)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    agent: AgentSettings = field(default_factory=AgentSettings)
+    metrics: MetricsSettings = field(default_factory=MetricsSettings)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+
+def _given_keys(tree: dict, prefix: str = "") -> set[str]:
+    out = set()
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        out.add(path)
+        if isinstance(value, dict):
+            out |= _given_keys(value, path + ".")
+    return out
+
+
+def load_run_config(path: str | Path | None = None, overrides: list[str] = (), launch: dict | None = None) -> RunConfig:
+    """Defaults, the file, `--set` overrides, then launch flags; derived keys filled and checked (`derive`).
+    A run without a name gets up-<date>-<time>."""
+    given = _given_keys(read_yaml(path)) if path else set()
+    given |= {item.partition("=")[0].strip() for item in overrides}
+    cfg = load_config(RunConfig, path, list(overrides))
+    if launch:
+        cfg.launch = dataclasses.replace(cfg.launch, **launch)
+    cfg.launch.ray = cfg.launch.ray or bool(cfg.launch.ray_address)
+    if cfg.launch.ray_address:
+        cfg.ray.address = cfg.launch.ray_address
+    cfg.launch.run = cfg.launch.run or time.strftime("up-%Y%m%d-%H%M%S")
+    cfg.launch.validate()
+    cfg.ray.validate()
+    derive(cfg, given)
+    return cfg
+
+
+def _refuse_derived(given: set[str]) -> None:
+    for section, keys in DERIVED.items():
+        for key in keys:
+            if f"{section}.{key}" in given:
+                raise ConfigError(f"{section}.{key}: sao up derives it from the launch section (--batch, --staleness, "
+                                  f"--sync-batch, --loss, --seed, --group-size, --cores, --agents, --run); set those "
+                                  f"instead so learner and agents stay consistent")
+
+
+def seed_of(launch: UpConfig, offset: int, default: int) -> int:
+    """Each role its own stream of random numbers when --seed is given (learner 0, agent i: 1 + i); without it,
+    the role's own seed (its default, or `--set learner.seed=...`)."""
+    return 1000 * launch.seed + offset if launch.seed >= 0 else default
+
+
+def derive(cfg: RunConfig, given: set[str] = frozenset()) -> None:
+    """Fill every key one launch setting drives in several roles (see DERIVED), after refusing hand-set ones.
+    The agents' concurrency follows their admission unless given (`--set agent.concurrency=8`)."""
+    _refuse_derived(given)
+    up, plan, adm = cfg.launch, cfg.launch.plan(), cfg.launch.admission()
+    batch, staleness = up.pacing()
+    run_dir = Path(up.runs_dir) / up.run
+    lb = cfg.learner.batch
+    lb.max_staleness, lb.max_trajectories, lb.tokens = staleness, batch, batch * TOKENS_PER_TRAJECTORY
+    lb.sync, lb.sync_batch = up.sync, up.sync_batch
+    cfg.learner.threads, cfg.learner.loss.name = plan.learner_threads, up.loss
+    cfg.learner.seed = seed_of(up, 0, cfg.learner.seed)
+    a = cfg.agent
+    a.tasks_per_version, a.versions_ahead = adm.tasks_per_version, adm.versions_ahead
+    a.concurrency = a.concurrency if "agent.concurrency" in given else adm.concurrency
+    a.threads, a.group_size, a.seed = plan.agent_threads, up.group_size, seed_of(up, 1, a.seed)
+    cfg.pretrain.scenario, cfg.pretrain.cache_dir = up.scenario, f"{up.runs_dir}/cache"
+    cfg.learner.io.run = a.run = cfg.metrics.run = up.run
+    cfg.learner.io.weights_dir = a.weights_dir = str(run_dir / "weights")
+    cfg.learner.io.run_dir, cfg.learner.checkpoint.dir = str(run_dir), str(run_dir / "checkpoints")
+    cfg.learner.validate()
+
+
+def bind_init(cfg: RunConfig, init: Path) -> None:
+    """The warm start every role starts from (known once `sao pretrain` ran or was found in the cache)."""
+    cfg.learner.io.init = cfg.agent.model = str(init)
+
+
+def max_lag_default(cfg: RunConfig) -> int:
+    """Back-pressure bound: what the agents may hold in flight plus one batch (0 with --realtime unless given)."""
+    from streamer.transport.backpressure import default_max_lag
+
+    up, adm = cfg.launch, cfg.launch.admission()
+    if up.max_lag >= 0:
+        return up.max_lag
+    if up.realtime:
+        return 0
+    return default_max_lag(up.plan().agents, adm.concurrency, adm.tasks_per_version, adm.versions_ahead,
+                           math.ceil(up.pacing()[0] / up.group_size))
