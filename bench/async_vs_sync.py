@@ -124,7 +124,7 @@ def measure(name: str, launched: dict, budget: int, mode: Mode) -> dict:
             "env_seconds_p99": float(pre["env_seconds"].quantile(0.99)) if len(pre) else None,
             "learner_idle_fraction": idle_fraction(lrn), "staleness_histogram": hist,
             "staleness_max": smax, "staleness_within_bound": smax is not None and smax <= mode.max_staleness,
-            "learner_counts": c.learner_counts(lrn),
+            "learner_counts": c.ad.learner_counts(lrn),
             "auc": c.ad.auc(pre["reward"].to_numpy(float), mode.window) if len(pre) else None,
             "reward_per_minute": reward_per_minute(pre, mode.window),
             "reward_curve": reward_per_minute(pre, mode.window, step_s=5.0)}

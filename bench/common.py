@@ -4,7 +4,8 @@ Every run is the real pipeline: `streamer.launch.up.run(UpConfig(...))` (embedde
 start, metrics app, learner, agents, simulator as child processes, artifacts under <out>/runs/<run>/).
 `launch` adds only a watcher thread that ends the run once a budget is met (generated tokens or
 learner steps) by lowering the launcher's own `max_seconds`; the figures come from the run's
-artifacts through `streamer.runs.adaptation` (one definition of every adaptation metric).
+artifacts through `streamer.runs.adaptation` (one definition of every metric: recovery, forgetting,
+collapse, ...). This module is plumbing only: scenarios, launching, reading, statistics and plots.
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ def launch(algo: Algo, run: str, scenario: Path, runs_dir: Path, budget: Budget,
     """Run the pipeline once on `scenario`, warm-started from the `base` snapshot (`snapshot_base`);
     `evaluate`: also run the held-out evaluator role (eval/reward per concept: forgetting), which
     costs CPU; returns {run_dir, stopped, wall_s, rc}."""
-    from streamer.launch.up import UpConfig, run as up
+    from streamer.launch.up import UpConfig
+    from streamer.launch.up import run as up
 
     cfg = UpConfig(scenario=str(scenario), run=run, runs_dir=str(runs_dir), agents=agents,
                    group_size=algo.group_size, loss=algo.loss, sync=sync, sync_batch=sync_batch,
@@ -185,106 +187,7 @@ def token_prefix(traj: pd.DataFrame, budget: int) -> pd.DataFrame:
     return traj[traj["n_gen_tokens"].cumsum() <= budget]
 
 
-# ------------------------------------------------------------------ metrics of one run
-
-def changed(event: dict) -> list[str]:
-    """The families whose rewarded concept the event changes (events list every family)."""
-    prev = event.get("prev_concepts", {})
-    return [f for f, k in event.get("concepts", {}).items() if prev.get(f) != k]
-
-
-def drift_kind(event: dict) -> str:
-    """Drift type of an event: its schedule, or 'tool-api' for an abrupt change of the tool family."""
-    if event.get("schedule") == "abrupt" and "tool" in changed(event):
-        return "tool-api"
-    return str(event.get("schedule", "?"))
-
-
-def recovery_by_kind(traj: pd.DataFrame, learner: pd.DataFrame, drift: list[dict], window: int,
-                     delta: float = ad.DEFAULT_DELTA) -> dict[str, dict[str, Any]]:
-    """Per drift type (`drift_kind`): `adaptation.recovery_summary` of the run's recoveries
-    (`adaptation.drift_recoveries`: counts per status, medians over recovered records only)."""
-    if not drift:
-        return {}
-    rec = ad.drift_recoveries(traj, drift, learner, window, delta)
-    kinds = {(e["phase"], e.get("at_seq")): drift_kind(e) for e in drift}
-    kind = [kinds.get((p, s), "?") for p, s in zip(rec["phase"], rec["at_seq"])]
-    return {k: ad.recovery_summary(g) for k, g in rec.assign(kind=kind).groupby("kind")}
-
-
-def online_forgetting(traj: pd.DataFrame, window: int) -> list[dict]:
-    """Forgetting from the online reward: for each block where a concept comes back, the mean reward
-    of its first `window` trajectories minus the mean of the last `window` before it left (per family).
-    Online (sampled) rewards, not a held-out eval: nobody in the pipeline emits eval/reward yet."""
-    rows = []
-    for fam, g in traj.groupby("family", sort=False):
-        c, r = g["concept"].to_numpy(), g["reward"].to_numpy(float)
-        starts = np.flatnonzero(np.r_[True, c[1:] != c[:-1]])
-        blocks = [(c[s], s, e) for s, e in zip(starts, np.r_[starts[1:], len(c)])]
-        last_end: dict[str, tuple[int, int]] = {}
-        for concept, s, e in blocks:
-            if concept in last_end:
-                ps, pe = last_end[concept]
-                before = float(r[max(ps, pe - window):pe].mean())
-                after = float(r[s:min(e, s + window)].mean())
-                rows.append({"family": fam, "concept": str(concept), "before": before, "after": after,
-                             "forgetting": after - before})
-            last_end[concept] = (s, e)
-    return rows
-
-
-def _policy_steps(learner: pd.DataFrame) -> pd.DataFrame:
-    """Learner events that updated the policy (value warm-up steps left out)."""
-    if not len(learner) or "learner/value_warmup" not in learner:
-        return learner
-    return learner[learner["learner/value_warmup"] != 1.0]
-
-
-def learner_counts(learner: pd.DataFrame) -> dict[str, int]:
-    """The learner's admission counters at its last event (ok, stale = dropped as too old, ...)."""
-    if not len(learner):
-        return {}
-    last = learner.sort_values("step").iloc[-1]
-    return {k.split("count_", 1)[1]: int(last[k]) for k in learner.columns
-            if str(k).startswith("learner/count_") and pd.notna(last[k])}
-
-
-def masked_fraction(learner: pd.DataFrame) -> dict[str, float]:
-    """Mean share of response tokens the clip cut, over policy steps (not value warm-up)."""
-    if not len(learner):
-        return {}
-    pol = _policy_steps(learner)
-    return {k.split("/")[-1]: float(pd.to_numeric(pol[k], errors="coerce").mean())
-            for k in ("learner/clip_frac", "learner/clip_frac_low", "learner/clip_frac_high") if k in pol}
-
-
-def policy_blowup(learner: pd.DataFrame) -> dict[str, Any]:
-    """Entropy collapse: the mean entropy of the last tenth of policy steps < 10% of the first
-    tenth's (not judged with fewer than 10 policy steps). The largest KL (k3) between the learner and
-    the behaviour policy is reported, not judged: at high staleness it is large by construction."""
-    pol = _policy_steps(learner)
-    if len(pol) < 10 or "learner/entropy" not in pol:
-        return {"entropy_first": None, "entropy_last": None, "kl_k3_max": None, "blowup": False}
-    tenth = max(1, len(pol) // 10)
-    ent = pd.to_numeric(pol["learner/entropy"], errors="coerce")
-    kl = pd.to_numeric(pol["learner/kl_k3"], errors="coerce") if "learner/kl_k3" in pol else pd.Series(dtype=float)
-    e0, e1 = float(ent.iloc[:tenth].mean()), float(ent.iloc[-tenth:].mean())
-    kmax = float(kl.max()) if kl.notna().any() else math.nan
-    return {"entropy_first": e0, "entropy_last": e1, "kl_k3_max": kmax,
-            "blowup": bool(e0 > 0 and e1 < 0.1 * e0)}
-
-
-def collapsed(traj: pd.DataFrame, learner: pd.DataFrame, window: int) -> dict[str, Any]:
-    """Collapse: a non-finite (skipped) update or an entropy collapse (`policy_blowup`). The
-    reward of the first and last windows is reported but not judged: drifts lower it by design."""
-    skipped = int(learner["skipped"].sum()) if len(learner) and "skipped" in learner else 0
-    r = traj["reward"].to_numpy(float) if len(traj) else np.zeros(0)
-    first = float(r[:window].mean()) if r.size else math.nan
-    last = float(r[-window:].mean()) if r.size else math.nan
-    blow = policy_blowup(learner)
-    return {"collapsed": bool(skipped > 0 or blow["blowup"]), "skipped_steps": skipped,
-            "first_window_reward": first, "last_window_reward": last, **blow}
-
+# ------------------------------------------------------------------ curves
 
 def curve(traj: pd.DataFrame, grid: np.ndarray, window: int) -> np.ndarray:
     """Windowed online reward (all families) at each trajectory count of `grid` (NaN past the end)."""

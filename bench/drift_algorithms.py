@@ -135,18 +135,15 @@ def measure(runs: list[dict], mode: Mode) -> tuple[list[dict], int, dict]:
         lrn = learner[learner["time"] <= pre["finished_at"].max()] if len(pre) and len(learner) else learner
         final = {f"{f}/{k}": float(g["reward"].to_numpy(float)[-mode.window:].mean())
                  for (f, k), g in pre.groupby(["family", "concept"])} if len(pre) else {}
-        forget = c.online_forgetting(pre, mode.window) if len(pre) else []
-        held_out = (c.read_summary(r["run_dir"]) or {}).get("forgetting") or []  # eval/reward based, whole run
-        held = [f["forgetting"] for f in held_out if f.get("forgetting") is not None]
+        forget = c.ad.forgetting(pre, drift, mode.window).to_dict(orient="records") if len(pre) and drift else []
         rows.append({**r, "gen_tokens_total": total, "trajectories_in_budget": int(len(pre)),
                      "learner_steps_in_budget": int(len(lrn)),
                      "auc": c.ad.auc(pre["reward"].to_numpy(float), mode.window) if len(pre) else None,
-                     "recovery": c.recovery_by_kind(pre, lrn, drift, mode.window), "final_reward_per_concept": final,
+                     "recovery": c.ad.recovery_by_kind(pre, lrn, drift, mode.window), "final_reward_per_concept": final,
                      "forgetting": forget,
-                     "forgetting_mean": float(np.mean([f["forgetting"] for f in forget])) if forget else None,
-                     "forgetting_eval": held_out, "forgetting_eval_mean": float(np.mean(held)) if held else None,
-                     "masked": c.masked_fraction(lrn), "learner_counts": c.learner_counts(lrn),
-                     **c.collapsed(pre, lrn, mode.window)})
+                     "forgetting_mean": c.ad.forgetting_mean(forget),
+                     "masked": c.ad.masked_fraction(lrn), "learner_counts": c.ad.learner_counts(lrn),
+                     **c.ad.collapsed(pre, lrn, mode.window)})
         curves.setdefault(r["algo"], []).append(c.curve(pre, grid, mode.window))
     return rows, budget, {"x": grid.tolist(), "per_algo": curves}
 
@@ -159,7 +156,6 @@ def table(rows: list[dict]) -> dict[str, dict]:
         t = {"runs": len(rs), "collapsed_runs": sum(bool(r["collapsed"]) for r in rs),
              "auc": c.mean_ci([r["auc"] for r in rs]),
              "forgetting": c.mean_ci([r["forgetting_mean"] for r in rs]),
-             "forgetting_eval": c.mean_ci([r.get("forgetting_eval_mean") for r in rs]),
              "masked_fraction": c.mean_ci([r["masked"].get("clip_frac") for r in rs]),
              "masked_low": c.mean_ci([r["masked"].get("clip_frac_low") for r in rs]),
              "masked_high": c.mean_ci([r["masked"].get("clip_frac_high") for r in rs])}

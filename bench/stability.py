@@ -106,16 +106,16 @@ def measure(algo: str, launched: dict, mode: Mode) -> dict:
     lrn = learner.sort_values("step").iloc[:mode.steps] if len(learner) else learner
     pre = traj[traj["finished_at"] <= lrn["time"].max()] if len(lrn) and len(traj) else traj
     hist = c.ad.staleness_from_histograms(json.loads(s) for s in lrn["staleness"]) if len(lrn) else np.zeros(0)
-    col = c.collapsed(pre, lrn, mode.window)
+    col = c.ad.collapsed(pre, lrn, mode.window)
     # the stream is stationary, so a reward that halves is a collapse here (not a drift)
     f0, f1 = col["first_window_reward"], col["last_window_reward"]
     reward_drop = bool(len(pre) >= 2 * mode.window and f0 > 0.05 and f1 < 0.5 * f0)
     return {"algo": algo, **launched, "learner_steps": int(len(lrn)), "reached_steps": bool(len(lrn) >= mode.steps),
             "trajectories": int(len(pre)), "gen_tokens": int(pre["n_gen_tokens"].sum()) if len(pre) else 0,
-            "staleness": c.ad.staleness_stats(hist), "learner_counts": c.learner_counts(lrn),
+            "staleness": c.ad.staleness_stats(hist), "learner_counts": c.ad.learner_counts(lrn),
             "staleness_share_over_4": float((hist > 4).mean()) if hist.size else None,
             "auc": c.ad.auc(pre["reward"].to_numpy(float), mode.window) if len(pre) else None,
-            "masked": c.masked_fraction(lrn), **col, "reward_drop": reward_drop,
+            "masked": c.ad.masked_fraction(lrn), **col, "reward_drop": reward_drop,
             "collapsed": bool(col["collapsed"] or reward_drop),
             "series": step_series(lrn, pre, mode.window)}
 

@@ -136,17 +136,18 @@ def views() -> None:
         recovery_table(rec, {f["header"]["name"]: f["recovery_summary"] for f in frames}, window, delta)
     else:
         st.info("No drift events.")
+    fg = _concat(frames, "forgetting")
+    if len(fg):
+        st.caption(f"Forgetting of a concept rewarded again: the online reward of its first W={window} trajectories "
+                   f"of the family after it comes back minus that of its last W before it left (the task stream's "
+                   f"order); negative = forgotten")
+        st.dataframe(fg, hide_index=True, key="forgetting_table")
 
     st.subheader("Eval reward per concept")
     ev = _concat(frames, "eval")
     if len(ev):
         st.altair_chart(charts.lines_chart(ev, x_col, x_title, "eval reward", ["run", "concept"], name="eval"),
                         width="stretch", key="eval_chart")
-        fg = _concat(frames, "forgetting")
-        if len(fg):
-            st.caption("Forgetting: eval reward when a concept recurs minus its last value before it left "
-                       "(times in seconds since the run's start)")
-            st.dataframe(fg, hide_index=True, key="forgetting_table")
     else:
         st.info("No eval/reward metrics.")
 

@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 
 from dashboard.downsample import downsample
+from streamer.metrics.reductions import reduce_values
 from streamer.runs import adaptation as ad
 from streamer.runs import artifacts as art
 
@@ -184,7 +185,8 @@ def staleness_counts(run: RunData) -> pd.DataFrame:
     if len(t) and "learner_version" in t and t["learner_version"].notna().any():
         vals = (t["learner_version"] - t["policy_version"]).dropna().to_numpy(float)
     elif len(run.learner) and "staleness" in run.learner:
-        vals = ad.staleness_from_histograms(json.loads(s) if isinstance(s, str) else s for s in run.learner["staleness"])
+        hists = (json.loads(s) if isinstance(s, str) else s for s in run.learner["staleness"])
+        vals = ad.staleness_from_histograms(hists)
     if not vals.size:
         return pd.DataFrame(columns=["run", "staleness", "count"])
     s, c = np.unique(vals.astype(int), return_counts=True)
@@ -223,7 +225,7 @@ def throughput(run: RunData, bucket_s: float = 5.0) -> pd.DataFrame:
 
 
 def eval_frame(run: RunData) -> pd.DataFrame:
-    """Eval reward per concept: `eval/reward` metric points labelled with a concept."""
+    """Eval reward per concept: `eval/reward` metric points labelled with a concept (the held-out evaluator's)."""
     ev = art.eval_points(run.metrics)
     if not len(ev):
         return pd.DataFrame(columns=["run", "concept", "value", "x_time", "x_traj", "x_step"])
@@ -233,16 +235,16 @@ def eval_frame(run: RunData) -> pd.DataFrame:
     return df.assign(run=run.name)
 
 
-def forgetting_frame(run: RunData) -> pd.DataFrame:
-    """Forgetting of each recurring concept (artifacts.summarize's definition, via adaptation.forgetting)."""
-    cols = ["run", "family", "concept", "left_at_s", "recurs_at_s", "before", "after", "forgetting"]
-    rows = art.forgetting_rows(run.metrics, run.drift, run.trajectories) if run.drift else []
-    if not rows:
-        return pd.DataFrame(columns=cols)
-    t0 = start_time(run)
-    df = pd.DataFrame(rows).assign(run=run.name)
-    # seconds since the run's start, like the wall-time axis
-    return df.assign(left_at_s=df["left_at"] - t0, recurs_at_s=df["recurs_at"] - t0)[cols]
+FORGETTING_VIEW = ["run", "family", "concept", "left_phase", "recurs_phase", "before", "after", "forgetting",
+                   "n_before", "n_after"]
+
+
+def forgetting_frame(run: RunData, window: int) -> pd.DataFrame:
+    """Forgetting of each recurring concept: adaptation.forgetting, as in summary.json (online reward on
+    the stream's drift blocks; without trajectory rows, e.g. live topics, none)."""
+    if not run.drift or not len(run.trajectories):
+        return pd.DataFrame(columns=FORGETTING_VIEW)
+    return ad.forgetting(run.trajectories, run.drift, window).assign(run=run.name)[FORGETTING_VIEW]
 
 
 def run_signature(run_dir: str | Path) -> tuple:
@@ -265,27 +267,30 @@ def header_values(run: RunData, window: int, staleness: pd.DataFrame) -> dict[st
     if not n_traj and len(run.metrics) and "trajectories" in run.metrics:  # live topics: the metrics' count
         n_traj = int(run.metrics["trajectories"].max())
     auc = ad.auc(run.trajectories["reward"].to_numpy(float), window) if len(run.trajectories) else None
-    mean = float((staleness["staleness"] * staleness["count"]).sum() / staleness["count"].sum()) if len(staleness) else None
+    mean = (float((staleness["staleness"] * staleness["count"]).sum() / staleness["count"].sum())
+            if len(staleness) else None)
     state = "finished" if run.summary else "live topics" if run.name.startswith("live:") else "being written"
     return {"name": run.name, "state": state, "trajectories": n_traj, "learner_steps": len(run.learner),
             "auc": auc, "drift_events": len(run.drift), "mean_staleness": mean,
             "trained_fraction": _finite_or_none(ad.trained_fraction(run.learner, n_traj)),
             "busy_share": _finite_or_none(ad.learner_busy_share(run.learner)),
-            "dead_letters": (_last(run.learner, "learner/dead_letters"), _last_point(run.metrics, "metrics/dlq"))}
+            "dead_letters": (_over_run(run.learner, "learner/dead_letters", "learner/dead_letters"),
+                             _point_over_run(run.metrics, "metrics/dlq"))}
 
 
-def _last(df: pd.DataFrame, column: str) -> int | None:
-    """The last finite value of a cumulative column (None when the run has none)."""
+def _over_run(df: pd.DataFrame, column: str, name: str) -> int | None:
+    """Metric `name` (the values of `column`) reduced over the run as declared (`reductions`: dead letters
+    are running totals, so their last value); None when the run has none."""
     if column not in df:
         return None
-    v = pd.to_numeric(df[column], errors="coerce").dropna()
-    return int(v.iloc[-1]) if len(v) else None
+    v = reduce_values(name, pd.to_numeric(df[column], errors="coerce"))
+    return int(v) if not math.isnan(v) else None
 
 
-def _last_point(metrics: pd.DataFrame, name: str) -> int | None:
+def _point_over_run(metrics: pd.DataFrame, name: str) -> int | None:
     if not len(metrics) or "name" not in metrics:
         return None
-    return _last(metrics[metrics["name"] == name], "value")
+    return _over_run(metrics[metrics["name"] == name], "value", name)
 
 
 def _finite_or_none(v: float) -> float | None:
@@ -298,7 +303,8 @@ def run_frames(run: RunData, window: int, delta: float) -> dict[str, Any]:
     stal = staleness_counts(run)
     out: dict[str, Any] = {"recovery": rec, "recovery_summary": ad.recovery_summary(rec),
                            "reward": reward_frame(run, window), "marks": drift_marks(run), "eval": eval_frame(run),
-                           "forgetting": forgetting_frame(run), "staleness": stal, "throughput": throughput(run)}
+                           "forgetting": forgetting_frame(run, window), "staleness": stal,
+                           "throughput": throughput(run)}
     for view in VIEW_METRICS:
         out[view] = learner_metrics(run, view)
     for key, y in (("throughput", "value"), *((v, "value") for v in VIEW_METRICS)):

@@ -206,30 +206,66 @@ def test_online_reward_groups_and_positions():
     np.testing.assert_allclose(out["reward_w"], [0.0, 0.0, 0.5, 1.0])
 
 
-def test_concept_intervals_and_forgetting():
-    # arith: add on [0,10), mul on [10,20), add again on [20,30)
-    events = [{"time": 10.0, "concepts": {"arith": "mul"}, "prev_concepts": {"arith": "add"}},
-              {"time": 20.0, "concepts": {"arith": "add"}, "prev_concepts": {"arith": "mul"}}]
-    iv = ad.concept_intervals(events, "arith", 0.0, 30.0)
-    assert iv.values.tolist() == [["add", 0.0, 10.0], ["mul", 10.0, 20.0], ["add", 20.0, 30.0]]
-    # eval of add: 0.9 at t=9 (last before it left at 10), 0.6 at t=19 (last before it recurs at 20),
-    # 0.95 at t=25 (after recurrence, ignored). Forgetting = 0.6 - 0.9 = -0.3.
-    ev = pd.DataFrame({"time": [5, 9, 19, 25, 15], "concept": ["add", "add", "add", "add", "mul"],
-                       "value": [0.5, 0.9, 0.6, 0.95, 0.7]})
-    out = ad.forgetting(ev, iv)
-    assert len(out) == 1
-    row = out.iloc[0]
-    assert (row["concept"], row["before"], row["after"]) == ("add", 0.9, 0.6)
-    assert row["forgetting"] == pytest.approx(-0.3)
+def _event(phase, at_seq, concepts, prev):
+    return {"phase": phase, "prev_phase": phase - 1, "name": f"p{phase}", "schedule": "recurring", "at_seq": at_seq,
+            "families": sorted(concepts), "concepts": concepts, "prev_concepts": prev}
 
 
-def test_forgetting_nan_without_eval_while_away_and_missing_columns():
-    iv = pd.DataFrame({"concept": ["add", "mul", "add"], "start": [0, 10, 20], "end": [10, 20, 30]})
-    ev = pd.DataFrame({"time": [9.0], "concept": ["add"], "value": [0.9]})
-    # the only eval of add predates its departure: no value "when it recurs"
-    assert math.isnan(ad.forgetting(ev, iv)["forgetting"].iloc[0])
-    with pytest.raises(ValueError, match="eval_points: missing column"):
-        ad.forgetting(ev.drop(columns="value"), iv)
+def test_forgetting_on_stream_blocks_hand_computed():
+    # E1 changes b only (a's c0 stretch goes on), E2 moves a to c1, E3 brings a back to c0 and b back to b0
+    events = [_event(3, 6, {"a": "c0", "b": "b0"}, {"a": "c1", "b": "b1"}),  # given out of order
+              _event(1, 2, {"a": "c0", "b": "b1"}, {"a": "c0", "b": "b0"}),
+              _event(2, 4, {"a": "c1", "b": "b1"}, {"a": "c0", "b": "b1"})]
+    rows = [(0, 0, "a", "c0", 1.0), (1, 0, "b", "b0", 1.0), (2, 1, "a", "c0", 0.0), (3, 1, "b", "b1", 0.5),
+            (4, 2, "a", "c1", 0.3), (5, 2, "a", "c0", 0.9),  # seq 5: a gradual drift's old-concept task, left out
+            (6, 3, "a", "c0", 0.25), (7, 3, "b", "b0", 0.0), (8, 3, "a", "c0", 0.25)]
+    traj = pd.DataFrame(rows, columns=["seq", "phase", "family", "concept", "reward"])
+    traj["finished_at"] = 100.0 - traj["seq"]  # finished in reverse: the stream order counts, not the finish order
+    out = ad.forgetting(traj.sample(frac=1.0, random_state=0), events, window=2)
+    assert out.columns.tolist() == ad.FORGETTING_COLUMNS
+    a, b = out.to_dict(orient="records")
+    # a/c0: the last W=2 of its stretch (blocks 0 and 1) [1, 0] -> .5; first 2 when back [.25, .25] -> .25
+    assert (a["family"], a["concept"], a["left_phase"], a["left_at_seq"], a["recurs_phase"], a["recurs_at_seq"]) == (
+        "a", "c0", 2, 4, 3, 6)
+    assert (a["before"], a["after"], a["forgetting"], a["n_before"], a["n_after"]) == (0.5, 0.25, -0.25, 2, 2)
+    # b/b0: [1] before it left at E1, [0] when back: -1, one trajectory on each side
+    assert (b["concept"], b["left_phase"], b["before"], b["after"], b["forgetting"], b["n_before"], b["n_after"]) == (
+        "b0", 1, 1.0, 0.0, -1.0, 1, 1)
+    assert ad.forgetting_mean(out) == pytest.approx(-0.625)
+
+
+def test_forgetting_without_a_recurrence_or_its_rows():
+    events = [_event(1, 2, {"a": "c1"}, {"a": "c0"}), _event(2, 4, {"a": "c0"}, {"a": "c1"})]
+    traj = pd.DataFrame({"seq": [0, 1, 2], "phase": [0, 0, 1], "family": "a", "concept": ["c0", "c0", "c1"],
+                         "reward": [1.0, 0.5, 0.0]})
+    (row,) = ad.forgetting(traj, events, window=4).to_dict(orient="records")
+    # the run ended at the recurrence: no trajectory of c0 since, so no value (the mean skips it)
+    assert (row["before"], row["n_before"], row["n_after"]) == (0.75, 2, 0) and math.isnan(row["forgetting"])
+    assert math.isnan(ad.forgetting_mean(pd.DataFrame([row])))
+    assert ad.forgetting(traj, events[:1], window=4).empty  # c0 never comes back
+    assert ad.forgetting(traj, [], window=4).empty
+    with pytest.raises(ValueError, match="missing column"):
+        ad.forgetting(traj.drop(columns="concept"), events)
+
+
+def test_collapse_counters_and_clipped_share():
+    # 20 policy steps (and 2 of critic warm-up, left out): entropy 1.0 for the first tenth, 0.05 for the last
+    n = 22
+    lr = pd.DataFrame({"step": range(1, n + 1), "skipped": False, "learner/value_warmup": [1.0] * 2 + [0.0] * 20,
+                       "learner/entropy": [9.0] * 2 + [1.0] * 2 + [0.5] * 16 + [0.05] * 2,
+                       "learner/kl_k3": [0.0] * 21 + [0.3], "learner/clip_frac": [1.0] * 2 + [0.1] * 20,
+                       "learner/count_ok": [float(i) for i in range(n)],
+                       "learner/count_stale": [1.0] * 21 + [math.nan]})
+    traj = pd.DataFrame({"reward": [1.0, 1.0, 0.0, 0.5]})
+    col = ad.collapsed(traj, lr, window=2)
+    assert (col["entropy_first"], col["entropy_last"], col["kl_k3_max"]) == (1.0, 0.05, 0.3)
+    assert col["blowup"] and col["collapsed"] and col["skipped_steps"] == 0
+    assert (col["first_window_reward"], col["last_window_reward"]) == (1.0, 0.25)
+    assert ad.masked_fraction(lr) == {"clip_frac": pytest.approx(0.1)}  # mean over policy steps only
+    # running totals: the last event's value (by step); a counter the last event lacks is left out
+    assert ad.learner_counts(lr.iloc[::-1]) == {"ok": 21}
+    few = ad.collapsed(traj, lr.iloc[:8].assign(skipped=[False] * 7 + [True]), window=2)
+    assert (few["blowup"], few["collapsed"], few["skipped_steps"]) == (False, True, 1)  # < 10 policy steps: not judged
 
 
 def test_staleness_stats_and_histograms():

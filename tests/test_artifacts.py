@@ -198,7 +198,7 @@ def test_reader_mid_compaction_sees_no_duplicates(tmp_path):
         w.add({"step": s})
         w.flush()
     merged = art.read_learner(tmp_path)
-    art._write_atomic(merged, tmp_path / "learner.parquet", {"sao.compacted_through": '{"": 2}'})
+    art.write_atomic(merged, tmp_path / "learner.parquet", {"sao.compacted_through": '{"": 2}'})
     assert (tmp_path / "learner" / "part-00001.parquet").exists()
     assert art.read_learner(tmp_path)["step"].tolist() == [1, 2]
     assert art.table_files(tmp_path, "learner") == [tmp_path / "learner.parquet"]

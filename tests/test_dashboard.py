@@ -132,7 +132,7 @@ def test_drift_table(runs_root):
     assert any("recovered: 1" in c.value for c in at.caption)
 
 
-def test_eval_view_and_forgetting(runs_root):
+def test_eval_view(runs_root):
     at = app(runs_root)
     ev = chart_data(at, "eval")["eval"]
     assert ev.sort_values("x_time")[["x_time", "value", "series"]].values.tolist() == [
@@ -252,26 +252,28 @@ def test_launcher_options_bind_localhost_and_pass_app_options():
 
 
 def test_forgetting_table_when_a_concept_recurs(tmp_path):
+    import msgspec
+
     run = tmp_path / "f1"
     w = art.RunWriter(run, flush_seconds=1e9)
-    # concept c0 on [100, 102), c1 on [102, 104), c0 again from 104
-    for k, ph in enumerate([0, 0, 1, 1, 2, 2]):
-        w.trajectory(_traj(k, ph, 1.0, 0))
+    # concept c0 in phase 0, c1 in phase 1, c0 again in phase 2 (two trajectories each, in stream order)
+    for k, (ph, concept, r) in enumerate([(0, "c0", 1.0), (0, "c0", 0.8), (1, "c1", 0.3), (1, "c1", 0.4),
+                                          (2, "c0", 0.2), (2, "c0", 0.6)]):
+        w.trajectory(msgspec.structs.replace(_traj(k, ph, r, 0), concept=concept))
     for ph, (prev, new), t in [(1, ("c0", "c1"), 102.0), (2, ("c1", "c0"), 104.0)]:
         w.drift(DriftEvent(phase=ph, prev_phase=ph - 1, name=f"p{ph}", schedule="recurring", families=["a"],
                            concepts={"a": new}, prev_concepts={"a": prev}, at_seq=2 * ph, time=t))
-    # eval of c0: 0.9 at 101.5 (last before it left at 102), 0.5 at 103.5 (last before it recurs at 104)
-    for t, v in [(101.0, 0.8), (101.5, 0.9), (103.5, 0.5), (105.0, 0.95)]:
-        w.metric(MetricPoint(name="eval/reward", value=v, time=t, labels={"family": "a", "concept": "c0"}))
     w.close(window=2)
     at = app(tmp_path)
     fg = at.dataframe[1].value  # [0] is the drift table
-    row = fg.iloc[0]
-    # forgetting = 0.5 - 0.9 = -0.4; times in seconds since the run's start (t0 = 100)
-    assert (row["family"], row["concept"], row["before"], row["after"]) == ("a", "c0", 0.9, 0.5)
-    assert row["forgetting"] == pytest.approx(-0.4)
-    assert (row["left_at_s"], row["recurs_at_s"]) == (2.0, 4.0)
-    assert len(fg) == 1
+    (row,) = fg.to_dict(orient="records")
+    # online reward, W=2: the last two of c0 before it left [1, .8] -> .9; its first two when back [.2, .6] -> .4
+    assert (row["family"], row["concept"], row["left_phase"], row["recurs_phase"]) == ("a", "c0", 1, 2)
+    assert (row["n_before"], row["n_after"]) == (2, 2)
+    assert (row["before"], row["after"]) == (pytest.approx(0.9), pytest.approx(0.4))
+    assert row["forgetting"] == pytest.approx(-0.5)
+    assert any("Forgetting of a concept rewarded again" in c.value for c in at.caption)
+    assert art.read_summary(run)["forgetting"][0]["forgetting"] == pytest.approx(-0.5)  # summary.json: the same
 
 
 def test_live_run_with_a_directory_is_read_from_files_not_topics(runs_root):
