@@ -14,10 +14,10 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from streamer.wire.schema import Task
 from simulator.families import FAMILIES
 from simulator.families.tools import TOOLS, parse_concept
 from simulator.scenario import Scenario
+from streamer.wire.schema import Task
 
 _OBS = re.compile(r"(<obs>.*?</obs>)", re.S)
 
@@ -73,3 +73,10 @@ def demos(scn: Scenario, seed: int = 0, tagged: bool | None = None,
 def segments(text: str) -> list[tuple[str, bool]]:
     """Split a demonstration into (text, generated-by-the-agent) pieces: observations are the environment's."""
     return [(part, not part.startswith("<obs>")) for part in _OBS.split(text) if part]
+
+
+def held_out_tasks(scn: Scenario, concepts: dict[str, str], n: int, seed: int) -> list[Task]:
+    """`n` untagged tasks (as drifted streams show them) of the given concepts, from a held-out seed (10,000 +
+    `seed`: the warm start trains on small seeds): the warm start's evaluation and the evaluator's held-out set."""
+    stream = demos(scn, seed=10_000 + seed, tagged=False, concepts=concepts)
+    return [next(stream).task for _ in range(n)]

@@ -10,14 +10,13 @@ import math
 import pytest
 import torch
 
-from learner.models import CharTokenizer, ModelConfig, build_policy
 import learner.pretrain as lp
-from learner.pretrain import (PackedBatch, PretrainConfig, Progress, Threads, config_hash, cosine_lr, encode_demo,
-                              lm_loss, make_batch, packed_loss, pretrain, rollout)
-from learner.engines import make_engine
+from learner.models import CharTokenizer, ModelConfig, build_policy
+from learner.models.packed import PackedBatch, lm_loss, make_batch, packed_loss
+from learner.pretrain import PretrainConfig, Progress, Threads, config_hash, cosine_lr, encode_demo, pretrain
 from simulator.env import make_env
 from simulator.scenario import load_scenario
-from simulator.warmstart import demos, segments
+from simulator.warmstart import demos, held_out_tasks, segments
 
 TINY = {"model": {"num_layers": 1, "hidden_size": 32, "num_heads": 2, "num_kv_heads": 1, "num_experts": 2,
                   "experts_per_token": 1, "expert_width": 32}}
@@ -70,15 +69,32 @@ def test_cosine_schedule_by_hand():
     assert cosine_lr(110, cfg) == pytest.approx(1e-4)
 
 
-def test_rollout_runs_multi_turn_episodes_with_an_untrained_policy():
+def test_held_out_tasks_are_untagged_pinned_and_apart_from_the_training_seeds():
+    scn = load_scenario("default")
+    phase0 = {f: c for f, c in scn.phases[0].concepts.items() if isinstance(c, str)}
+    tasks = held_out_tasks(scn, phase0, 40, seed=0)
+    assert [t.prompt for t in tasks] == [t.prompt for t in held_out_tasks(scn, phase0, 40, seed=0)]  # seeded
+    assert [t.task_id for t in tasks[:2]] == ["warm-10000-0", "warm-10000-1"]  # the warm start trains on small seeds
+    assert all(t.concept == phase0[t.family] and not t.prompt.startswith(t.concept + ":") for t in tasks)
+
+
+def test_held_out_evaluation_runs_the_agents_episode_loop_with_an_untrained_policy(monkeypatch):
+    import streamer.agent.rollouts as ro
+
     torch.manual_seed(0)
     tok = CharTokenizer()
-    cfg = ModelConfig(**TINY["model"])
-    model = build_policy(cfg, tok.vocab_size, seed=0)
+    model = build_policy(ModelConfig(**TINY["model"]), tok.vocab_size, seed=0)
     scn = load_scenario("default")
-    tasks = [d.task for d in itertools.islice(demos(scn, seed=3, tagged=False), 24)]
-    steps = rollout(make_engine("torch", model, tok), tok, tasks, temperature=1.0, seed=0, max_new_tokens=8)
-    assert len(steps) == 24 and all(s.done and 0.0 <= s.reward <= 1.0 for s in steps)
+    phase0 = {f: c for f, c in scn.phases[0].concepts.items() if isinstance(c, str)}
+    seen = []
+    real = ro.run_tasks
+    monkeypatch.setattr(ro, "run_tasks", lambda *a, **k: seen.append(a) or real(*a, **k))
+    ev = lp.evaluate(model, scn, phase0, 24, temperature=1.0, seed=0)
+    (engine, _, tasks, s, _, latency), = seen  # one call: every task in flight, tool calls without latency
+    assert (len(tasks), s.concurrency, s.max_new_tokens, s.max_turns, latency.sleep) == (24, 24, 24, 5, False)
+    assert all(0.0 <= ev[k] <= 1.0 for k in ("reward", "success", "full_reward"))
+    fams = {t.family for t in tasks}
+    assert {f"reward/{f}" for f in fams} <= set(ev) and all(0.0 <= ev[f"reward/{f}"] <= 1.0 for f in fams)
 
 
 def test_pretrain_trains_saves_and_reuses_the_cache(tmp_path):

@@ -1,12 +1,12 @@
 """`sao eval`: greedy held-out reward of each policy version, per (family, concept) -> `<run>.metrics`.
 
 A fixed set of k untagged tasks per (family, concept) of every concept the scenario's phases reward
-(seeded, apart from the training stream) is answered with the agents' own env loop
-(`streamer.agent.agent.rollout`) at temperature 0, once at start (the `--model` policy, version 0) and then
-for the newest version announced on `<run>.policy`, at most once per `--min-interval` seconds:
-versions announced meanwhile are skipped. Each evaluation publishes one
+(seeded, apart from the training stream: `simulator.warmstart.held_out_tasks`) is answered with the
+agents' own env loop (`streamer.agent.rollouts.run_tasks`) at temperature 0, once at start (the
+`--model` policy, version 0) and then for the newest version announced on `<run>.policy`, at most once
+per `--min-interval` seconds: versions announced meanwhile are skipped. Each evaluation publishes one
 `MetricPoint(name="eval/reward", labels={"family", "concept"}, count=k, learner_step=<its step>)`
-per (family, concept), which `streamer.runs.artifacts` turns into forgetting on recurrence.
+per (family, concept): the dashboard's eval reward per concept.
 
     sao eval --bootstrap 127.0.0.1:9092 --run exp1 --scenario default --model runs/warm --weights-dir runs/weights
 """
@@ -48,9 +48,9 @@ def scenario_concepts(scn: Any) -> list[tuple[str, str]]:
 
 def held_out_set(scn: Any, k: int, seed: int = EVAL_SEED) -> dict[tuple[str, str], list[Task]]:
     """k untagged tasks per (family, concept), each pair from its own seed (adding a concept keeps the others')."""
-    # learner.pretrain.eval_tasks is the pretraining/bench held-out generator (warm-start demos, tag off,
-    # concept pinned); it draws families from the warm-start mix, so each pair gets a one-family copy.
-    from learner.pretrain import eval_tasks
+    # the warm start's held-out generator (demos, tag off, concept pinned) draws families from the
+    # warm-start mix, so each pair gets a one-family copy of the scenario
+    from simulator.warmstart import held_out_tasks
 
     if k < 1:
         raise ConfigError(f"--tasks-per-concept: must be >= 1, got {k}")
@@ -59,7 +59,7 @@ def held_out_set(scn: Any, k: int, seed: int = EVAL_SEED) -> dict[tuple[str, str
         ws = dataclasses.replace(scn.warm_start, families={fam: 1.0}, mixture={fam: {concept: 1.0}})
         one = dataclasses.replace(scn, warm_start=ws)
         pair_seed = seed + zlib.crc32(f"{fam}:{concept}".encode())
-        tasks = eval_tasks(one, {fam: concept}, k, pair_seed)
+        tasks = held_out_tasks(one, {fam: concept}, k, pair_seed)
         out[(fam, concept)] = [msgspec.structs.replace(t, task_id=f"eval-{fam}-{concept}-{i}")
                                for i, t in enumerate(tasks)]
     return out
@@ -182,8 +182,8 @@ def main(argv: list[str]) -> int:
     from simulator.scenario import load_scenario
     from streamer.agent.agent import load_engine
     from streamer.transport.bus import KafkaBus
-    from streamer.wire.topics import partitions_by_topic
     from streamer.transport.weights import CheckpointError, PolicyFollower, WeightStore
+    from streamer.wire.topics import partitions_by_topic
 
     a = parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")

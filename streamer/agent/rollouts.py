@@ -10,6 +10,8 @@ reproducible from its task id and seed. New weights may be loaded between two `a
 trajectory then records every version that generated it (`policy_versions`) and its oldest one as
 `policy_version`, and its behaviour log-probs are those actually sampled, at the `temperature` it
 carries (the learner scores at that temperature; a greedy one, temperature 0, is not trained on).
+This is the project's one episode loop: the agents, the evaluator and the warm start's held-out
+evaluation (`learner.pretrain.evaluate`, through `run_tasks`) all run it.
 """
 
 from __future__ import annotations
@@ -101,8 +103,9 @@ class Finished:
 class Rollouts:
     """Tasks in flight on one engine. `start` a task, call `advance` until it returns the task."""
 
-    def __init__(self, engine: Any, tokenizer: Any, s: AgentSettings, agent_id: str = "") -> None:
+    def __init__(self, engine: Any, tokenizer: Any, s: AgentSettings, agent_id: str = "", latency: Any = None) -> None:
         self.engine, self.tokenizer, self.s, self.agent_id = engine, tokenizer, s, agent_id
+        self.latency = latency  # a LatencyConfig for every tool call, instead of each task's own
         self.limit = context_limit(engine)
         self.flights: list[InFlight] = []
         self._pool: ThreadPoolExecutor | None = None
@@ -118,7 +121,7 @@ class Rollouts:
         eps = []
         try:
             for _ in range(self.s.group_size):
-                env = make_env(task)
+                env = make_env(task, self.latency)
                 prompt = self.tokenizer.encode(env.prompt(), bos=True)
                 eps.append(Episode(env, list(prompt), [0] * len(prompt), [0.0] * len(prompt)))
         except ROLLOUT_ERRORS as e:  # returned by the next `advance`
@@ -187,7 +190,7 @@ class Rollouts:
                                     self.s.temperature, self.s.top_p, stop=list(e0.env.stop) or None,
                                     seed=f0.seed + e0.turns)
         dt, version = time.perf_counter() - t0, int(self.engine.version)
-        for (f, e), g in zip(batch, gens):
+        for (_, e), g in zip(batch, gens):
             e.gen_seconds += dt
             e.turns += 1
             e.versions.append(version)
@@ -198,7 +201,8 @@ class Rollouts:
             e.pending = self._env_step(e.env, g.text or self.tokenizer.decode(g.token_ids))
 
     def _env_step(self, env: Any, text: str) -> Future:
-        if self.s.concurrency <= 1 and self.s.group_size <= 1:  # nothing to overlap with: no thread
+        alone = self.s.concurrency <= 1 and self.s.group_size <= 1
+        if alone or not getattr(getattr(env, "latency", None), "sleep", True):  # nothing to overlap, or no wait
             fut: Future = Future()
             try:
                 fut.set_result(env.step(text))
@@ -245,10 +249,12 @@ class Rollouts:
         return out
 
 
-def run_tasks(engine: Any, tokenizer: Any, tasks: list[Task], s: AgentSettings, agent_id: str = "") -> list[list[Trajectory]]:
+def run_tasks(engine: Any, tokenizer: Any, tasks: list[Task], s: AgentSettings, agent_id: str = "",
+              latency: Any = None) -> list[list[Trajectory]]:
     """Every task's trajectories (in the order given), with up to `s.concurrency` tasks in flight; the
-    first task whose rollout raised raises here."""
-    r = Rollouts(engine, tokenizer, s, agent_id)
+    first task whose rollout raised raises here. The one batched episode loop of the project: the agents,
+    the evaluator and the warm start's held-out evaluation run it. `latency`: see `Rollouts`."""
+    r = Rollouts(engine, tokenizer, s, agent_id, latency)
     queue, out = list(enumerate(tasks)), {}
     try:
         while queue or len(r):
