@@ -15,7 +15,6 @@ torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...: torchrun itself, the
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 import logging
@@ -65,57 +64,23 @@ def build_config(args: argparse.Namespace) -> LearnerConfig:
 
 
 def build_models(cfg: LearnerConfig):
+    """The models to train, held by the backend `cfg.backend.name` names (`models.backend`), from io.init (and
+    io.value_init) or a fresh seeded policy. Megatron joins the ranks' process group: every rank must call it."""
+    from learner.backends import make_backend
     from learner.models.policy import build_policy, load_policy
     from learner.models.value import ValueModel
-    from learner.trainer.step import build_optimizers
 
     torch.manual_seed(cfg.seed)
     policy = load_policy(cfg.io.init) if cfg.io.init else build_policy(cfg.model, seed=cfg.seed)
     value = None
-    if cfg.uses_value_model:
-        value = ValueModel.load(cfg.io.value_init) if cfg.io.value_init else ValueModel.from_policy(policy, seed=cfg.seed)
+    if cfg.uses_value_model and cfg.io.value_init:
+        value = ValueModel.load(cfg.io.value_init)
+    elif cfg.uses_value_model:
+        value = ValueModel.from_policy(policy, seed=cfg.seed)
     policy.train()
     if value is not None:
         value.train()
-    if cfg.backend.name == "megatron":
-        return build_megatron_models(cfg, policy, value)
-    models = build_optimizers(cfg, policy, value)
-    if cfg.loss.kl_coef > 0:  # the KL penalty's frozen reference: the initial policy (io.init), never checkpointed
-        models.reference = frozen_copy(policy)
-    return models
-
-
-def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
-    ref = copy.deepcopy(model).eval()
-    ref.requires_grad_(False)
-    return ref
-
-
-def build_megatron_models(cfg: LearnerConfig, policy, value):
-    """Models over megatron (every rank builds them from the same seeded HF weights); joins the
-    ranks' process group, so every rank must call it."""
-    from learner.backends.megatron.learner import MegatronOptions, megatron_trainer_models
-
-    b, world = cfg.backend, int(os.environ.get("WORLD_SIZE", "1"))
-    if world % b.expert_parallel:
-        raise ConfigError(f"LearnerConfig.backend.expert_parallel: {b.expert_parallel} does not divide the world "
-                          f"size {world}; launch a multiple of it (--nproc / torchrun --nproc_per_node)")
-    n_exp = policy.config.num_experts
-    if n_exp % b.expert_parallel:
-        raise ConfigError(f"LearnerConfig.backend.expert_parallel: {b.expert_parallel} does not divide the "
-                          f"{n_exp} experts of the policy ({cfg.io.init or 'model'}); use a divisor of it")
-    models, _ = megatron_trainer_models(cfg, policy, value, MegatronOptions(b.expert_parallel, b.dtype))
-    return models
-
-
-def rank_group(cfg: LearnerConfig):
-    """The ranks of a megatron learner (after build_models joined them); None for the torch backend."""
-    if cfg.backend.name != "megatron":
-        return None
-    from learner.backends.megatron import parallel
-    from learner.trainer.ranks import RankGroup
-
-    return RankGroup(parallel.device())
+    return make_backend(cfg, policy, value).models
 
 
 def build_source(cfg: LearnerConfig):
@@ -160,7 +125,7 @@ def build_outputs(cfg: LearnerConfig):
     from learner.trainer.publish import DirectoryPublisher
 
     jsonl = JsonlSink(cfg.io.events or Path(cfg.checkpoint.dir) / "events.jsonl")
-    sinks, closers, announce = [jsonl], [jsonl.close], []
+    sinks, closers, announcer = [jsonl], [jsonl.close], None
     if cfg.io.run_dir:
         from streamer.runs.artifacts import TableWriter, learner_row
 
@@ -169,15 +134,14 @@ def build_outputs(cfg: LearnerConfig):
         closers.append(table.flush)
     if not cfg.io.trajectories:  # live: announce versions and events on the run's topics
         from streamer.transport.bus import KafkaBus
+        from streamer.transport.weights import Announcer
         from streamer.wire.topics import Topics
-
-        from streamer.transport.weights import announce as announce_version
 
         producer, topics = KafkaBus(cfg.io.bootstrap or None).producer(), Topics(cfg.io.run)
         sinks.append(lambda e: (producer.send(topics.learner, e), producer.flush()))
-        announce.append(lambda pv: announce_version(producer, cfg.io.run, pv))
+        announcer = Announcer(producer, cfg.io.run)
         closers.append(producer.close)
-    publisher = DirectoryPublisher(cfg.io.weights_dir, announce, cfg.io.keep_versions) if cfg.io.weights_dir else None
+    publisher = DirectoryPublisher(cfg.io.weights_dir, announcer, cfg.io.keep_versions) if cfg.io.weights_dir else None
     return publisher, sinks, closers
 
 
@@ -231,11 +195,11 @@ def train(cfg: LearnerConfig) -> int:
     from learner.trainer.loop import Trainer
 
     models = build_models(cfg)
-    group = rank_group(cfg)
+    group = models.backend.group
     leader = group is None or group.leader
     source = build_source(cfg) if leader else None
     publisher, sinks, closers = build_outputs(cfg) if leader else (None, [], [])
-    trainer = Trainer(cfg, models, source, publisher, sinks, group)
+    trainer = Trainer(cfg, models, source, publisher, sinks)
     trainer.install_signal_handlers()
     resumed = trainer.resume()
     log.info("%s at step %d, version %d", "resumed" if resumed else "starting", trainer.step, trainer.version)
@@ -246,10 +210,7 @@ def train(cfg: LearnerConfig) -> int:
             close()
         if source is not None:
             source.close()
-        if group is not None:
-            from learner.backends.megatron import parallel
-
-            parallel.shutdown()
+        models.backend.shutdown()
     log.info("done: %d steps this run, step %d, version %d, counts %s", n, trainer.step, trainer.version,
              dict(trainer.admission.counts + trainer.counters))
     return 0

@@ -16,8 +16,8 @@ import torch
 pytest.importorskip("megatron.core")
 
 from learner.backends.megatron import convert  # noqa: E402
-from learner.config import LearnerConfig  # noqa: E402
 from learner.backends.megatron.model import check_supported  # noqa: E402
+from learner.config import LearnerConfig  # noqa: E402
 from learner.models.config import ModelConfig  # noqa: E402
 from learner.models.policy import build_policy  # noqa: E402
 
@@ -77,7 +77,7 @@ def test_unmapped_configs_are_refused_by_name():
 
 
 def test_attention_mask_is_causal_plus_key_padding():
-    from learner.backends.megatron.learner import attention_mask_4d, position_ids
+    from learner.backends.megatron.model import attention_mask_4d, position_ids
 
     # one left-padded row [pad, a, b]: causal "may not attend" = strictly above the diagonal,
     # plus every query may not attend to key 0 (padding):
@@ -155,8 +155,8 @@ def test_critic_step_and_trainer_factory_match_torch(parity):
 
 
 def test_torch_trainer_step_code_drives_megatron(parity):
-    # learner.trainer.step (prepare, value_backward, policy_backward) on the hf_modules() wrappers,
-    # grads reduced by reduce_and_clip_grads, vs trainer.step.update() on the HF models
+    # learner.trainer.step (prepare, value_backward, policy_backward) on the MegatronBackend's models,
+    # grads reduced and clipped by its clip_grads, vs trainer.step.update() on the HF models
     r = parity["trainer_step_ep2"]
     assert r["applied"] is True
     for name in ("grad_norm", "value_grad_norm"):

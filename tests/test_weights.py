@@ -12,9 +12,9 @@ import torch
 from learner.engines import make_engine
 from learner.models import load_policy
 from streamer.transport.bus import MemoryBus
+from streamer.transport.weights import Announcer, CheckpointError, PolicyFollower, WeightStore, announce
 from streamer.wire.schema import PolicyVersion
 from streamer.wire.topics import Topics
-from streamer.transport.weights import CheckpointError, PolicyFollower, WeightStore, announce
 
 
 def _perturbed(model_dir, scale: float) -> dict[str, torch.Tensor]:
@@ -46,6 +46,20 @@ def test_publish_writes_a_verifiable_checkpoint(tmp_path, tiny_policy_dir):
 def test_publish_from_a_model_directory_keeps_its_bytes(tmp_path, tiny_policy_dir):
     pv = WeightStore(tmp_path).publish(tiny_policy_dir, version=1, step=0)
     assert pv.sha256 == hashlib.sha256((tiny_policy_dir / "model.safetensors").read_bytes()).hexdigest()
+
+
+def test_the_publisher_announces_each_version_it_writes(tmp_path, tiny_policy_dir):
+    from learner.trainer.publish import DirectoryPublisher
+
+    bus, run = MemoryBus(), "w"
+    follower = PolicyFollower(bus.consumer({Topics(run).policy: PolicyVersion}), WeightStore(tmp_path))
+    publisher = DirectoryPublisher(tmp_path, Announcer(bus.producer(), run), keep=1)
+    engine = make_engine("torch", tiny_policy_dir)
+    for version in (1, 2):
+        pv = publisher.publish(load_policy(tiny_policy_dir), version, step=10 * version)
+        assert follower.poll() == pv  # announced by the publisher itself, after the write
+        assert follower.maybe_swap(engine) and engine.version == version
+    assert publisher.versions() == [2]
 
 
 def test_follower_swaps_to_new_versions_and_refuses_bad_checkpoints(tmp_path, tiny_policy_dir, caplog):

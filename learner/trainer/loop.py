@@ -5,7 +5,8 @@ the weights), dropped (counted), or buffered. A checkpoint stores the weights, t
 source positions together, so a restart from it neither loses nor repeats a trajectory; the steps
 after the last checkpoint are simply redone from the same records.
 
-Over several ranks (`group`, the megatron backend under torchrun; see learner.trainer.ranks) every
+The models' backend (`Models.backend`, see learner.backends.base) says where batches go, exports and imports
+the weights, and names the ranks. Over several ranks (the backend's `group`; see learner.trainer.ranks) every
 rank runs this loop: the leader (rank 0) alone reads the source, batches, emits events, writes the
 weight store and commits offsets; it broadcasts each batch (or the decision to stop) and every rank
 trains on its rows. Exporting weights (publication, checkpoints) is collective: every rank calls it.
@@ -36,25 +37,25 @@ log = logging.getLogger(__name__)
 KEEPALIVE_S = 60.0  # several ranks: the longest the leader waits for trajectories without telling the others
 
 
-def model_limits(models: Models) -> tuple[int | None, int | None]:
-    """(vocabulary size, positions) of the policy, from its HF config (megatron: the one it was built from)."""
-    hf = getattr(models.learner, "hf_config", None) or getattr(models.policy, "config", None)
-    return getattr(hf, "vocab_size", None), getattr(hf, "max_position_embeddings", None)
-
-
 class Trainer:
     def __init__(self, cfg: LearnerConfig, models: Models, source: Source | None, publisher: Publisher | None = None,
-                 sinks: list[Callable[[LearnerEvent], None]] = (), group: RankGroup | None = None) -> None:
-        """With `group`, only the leader passes a source, publisher and sinks (the others None, [])."""
+                 sinks: list[Callable[[LearnerEvent], None]] = ()) -> None:
+        """`models.backend` must be set (learner.train.build_models does). Over several ranks only the leader
+        passes a source, publisher and sinks (the others None, [])."""
+        if models.backend is None:
+            raise ValueError("Trainer: models.backend is None; build the models with learner.train.build_models")
         self.cfg, self.models, self.source, self.publisher, self.sinks = cfg, models, source, publisher, list(sinks)
-        self.group = group
-        self.device = getattr(models.learner, "device", torch.device("cpu"))  # megatron on GPUs: cuda
-        self.leader = group is None or group.leader
+        self.backend = models.backend
+        self.group: RankGroup | None = self.backend.group
+        self.device = self.backend.device
+        self.leader = self.group is None or self.group.leader
         # every rank advances the version; only the leader knows whether there is a weight store
-        self.publishes = publisher is not None if group is None else bool(group.share_int(int(publisher is not None)))
+        has_store = publisher is not None
+        self.publishes = has_store if self.group is None else bool(self.group.share_int(int(has_store)))
         grouped = not cfg.uses_value_model
         b = cfg.batch
-        vocab, positions = model_limits(models)
+        hf = self.backend.hf_config
+        vocab, positions = getattr(hf, "vocab_size", None), getattr(hf, "max_position_embeddings", None)
         self.admission = Admission(b.max_staleness, grouped, b.dedup_window, b.sync, vocab, positions)
         self.batcher = Batcher(b.tokens, b.max_trajectories, cfg.advantage.group_size if grouped else None,
                                b.sync_batch if b.sync else None, grouped and cfg.advantage.dynamic_sampling)
@@ -199,18 +200,11 @@ class Trainer:
         self._publish(self.version + 1, self.vindex)
 
     def _publish(self, number: int, index: int) -> None:
-        model = self._hf("policy")  # collective under megatron
+        model = self.backend.export_hf("policy")  # a collective over the ranks
         if self.publisher is not None:
             self.publisher.publish(model, number, self.step)
         self.version = number
         self.admission.lineage.anchor(number, index)
-
-    def _hf(self, name: str) -> torch.nn.Module:
-        """The HF-format model to save or publish (megatron: exported, a collective over the ranks)."""
-        lrn = self.models.learner
-        if lrn is None:
-            return self.models.policy if name == "policy" else self.models.value
-        return lrn.export_hf_policy() if name == "policy" else lrn.export_hf_value()
 
     def _event(self, trajs, n_tokens, metrics, applied, warm, step_s, hist) -> LearnerEvent:
         m = {f"learner/{k}": float(v) for k, v in metrics.items()}
@@ -231,27 +225,20 @@ class Trainer:
         return getattr(self.source, "dead_letters", 0) if self.source is not None else 0
 
     # ------------------------------------------------------------------ checkpoints
-    def _parts(self):
-        models = {"policy": self.models.policy}
+    def _optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        """The optimizer of each trained model, by the model's name ("policy", and "value" with a critic)."""
         opts = {"policy": self.models.policy_opt}
         if self.models.value is not None:
-            models["value"], opts["value"] = self.models.value, self.models.value_opt
-        return models, opts
-
-    def _layout(self) -> dict:
-        """How the optimizer state is split; a checkpoint resumes only under the same layout."""
-        if self.group is None:
-            return {"backend": self.cfg.backend.name, "world_size": 1, "expert_parallel": 1}
-        return {"backend": self.cfg.backend.name, "world_size": self.group.world,
-                "expert_parallel": self.cfg.backend.expert_parallel}
+            opts["value"] = self.models.value_opt
+        return opts
 
     def checkpoint(self) -> None:
         state = {"version": self.version, "version_index": self.vindex, "redo_until": self.redo_until,
                  "policy_steps": self.policy_steps, "positions": self.positions,
                  "admission": self.admission.state(), "counters": dict(self.counters),
-                 "value_ema": self.value_ema, "warm_left": self.warm_left, "layout": self._layout()}
-        models, opts = self._parts()
-        hf = {name: self._hf(name) for name in models}  # collective under megatron
+                 "value_ema": self.value_ema, "warm_left": self.warm_left, "layout": self.backend.layout()}
+        opts = self._optimizers()
+        hf = {name: self.backend.export_hf(name) for name in opts}  # a collective over the ranks
         root, g = self.cfg.checkpoint.dir, self.group
         if g is None:
             ckpt.save_checkpoint(root, self.step, hf, opts, state, self.batcher.pending(), self.cfg.checkpoint.keep)
@@ -278,17 +265,11 @@ class Trainer:
         if path is None:
             return False
         self._check_layout(path)
-        models, opts = self._parts()
-        lrn = self.models.learner
-        if lrn is not None:  # the checkpoint holds HF-format weights: load them there, then convert
-            models = {"policy": lrn.empty_hf_policy()}
-            if self.models.value is not None:
-                models["value"] = lrn.empty_hf_value()
-        state, pending = ckpt.load_checkpoint(path, models, opts, self.group.rank if self.group else None)
-        if lrn is not None:
-            lrn.load_hf_policy(models["policy"])
-            if "value" in models:
-                lrn.load_hf_value(models["value"])
+        opts = self._optimizers()
+        hf = {name: self.backend.hf_target(name) for name in opts}  # the checkpoint holds HF-format weights
+        state, pending = ckpt.load_checkpoint(path, hf, opts, self.group.rank if self.group else None)
+        for name, model in hf.items():
+            self.backend.import_hf(name, model)
         self.step, self.version, self.policy_steps = state["step"], state["version"], state["policy_steps"]
         self.vindex, self.redo_until = state.get("version_index", self.version), state.get("redo_until", -1)
         self.resumed = True
@@ -304,8 +285,9 @@ class Trainer:
     def _check_layout(self, path) -> None:
         saved = json.loads((path / "state.json").read_text()).get("layout")
         saved = saved or {"backend": "torch", "world_size": 1, "expert_parallel": 1}  # before layouts were saved
-        if saved != self._layout():
-            raise ValueError(f"checkpoint {path} was written by {saved}, this learner is {self._layout()}: "
+        mine = self.backend.layout()
+        if saved != mine:
+            raise ValueError(f"checkpoint {path} was written by {saved}, this learner is {mine}: "
                              "resume with the same backend, ranks and backend.expert_parallel, or use a new "
                              "checkpoint.dir (io.init can start from its policy.safetensors' directory)")
 

@@ -3,8 +3,9 @@
 The learner only needs `publish(model, version, step) -> PolicyVersion` and `latest_version()`.
 `DirectoryPublisher` writes through `streamer.transport.weights.WeightStore` (`<store>/v000123/` with
 model.safetensors, policy.json, config.json and the tokenizer; written under a temporary name and
-renamed, so an agent never loads half a checkpoint), then calls each `announce` callback (e.g.
-`streamer.transport.weights.announce` to `<run>.policy`). Non-finite weights are refused, never published.
+renamed, so an agent never loads half a checkpoint), prunes old versions, then announces the new one itself
+through its `announcer` (`streamer.transport.weights.Announcer`: to `<run>.policy`), if it has one (a replay
+with no agents listening has none). Non-finite weights are refused, never published.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from typing import Callable, Protocol
 import torch
 
 from learner.models.tokenizer import CharTokenizer
-from streamer.wire.schema import PolicyVersion
 from streamer.transport.weights import WeightStore
+from streamer.wire.schema import PolicyVersion
 
 
 class Publisher(Protocol):
@@ -33,10 +34,11 @@ def assert_finite(model: torch.nn.Module) -> None:
 
 
 class DirectoryPublisher:
-    def __init__(self, store: str | Path, announce: list[Callable[[PolicyVersion], None]] | None = None,
+    def __init__(self, store: str | Path, announcer: Callable[[PolicyVersion], None] | None = None,
                  keep: int = 0) -> None:
+        """`announcer`: an `Announcer` (or any callable taking the PolicyVersion); None announces nothing."""
         self.store = WeightStore(store)
-        self.announce = list(announce or [])
+        self.announcer = announcer
         self.keep = keep  # versions kept on disk (0: all)
 
     def versions(self) -> list[int]:
@@ -53,6 +55,6 @@ class DirectoryPublisher:
             CharTokenizer().save(side)
             pv = self.store.publish(model.state_dict(), version, step, side_files_from=side)
         self.store.prune(self.keep)
-        for fn in self.announce:
-            fn(pv)
+        if self.announcer is not None:
+            self.announcer(pv)
         return pv

@@ -11,8 +11,8 @@ non-finite values never reach the weights.
 
 Over several ranks (`shard`, see learner.trainer.ranks) the references are computed on the whole
 batch, each rank back-propagates its own rows weighted against the whole batch's token count, and
-metrics, gradients and the clip are reduced over the ranks before the finite check, so every rank
-takes the same decision.
+metrics, gradients and the clip are reduced over the ranks before the finite check (gradients and clip by the
+backend's `clip_grads`, see learner.backends.base), so every rank takes the same decision.
 
 With `loss.kl_coef > 0` the policy loss also carries kl_coef · agg(kl_penalty(pi, ref)), a KL penalty to
 the frozen initial policy (`Models.reference`, verl's use_kl_loss), aggregated and micro-batch weighted
@@ -26,8 +26,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from learner.algorithms import (aggregate, group_advantages, kl_penalty, loss_params, place_reward, policy_loss,
-                                sao_advantages, value_loss)
+from learner.algorithms import (
+    aggregate,
+    group_advantages,
+    kl_penalty,
+    loss_params,
+    place_reward,
+    policy_loss,
+    sao_advantages,
+    value_loss,
+)
 from learner.algorithms.masked import masked_mean
 from learner.config import LearnerConfig
 from learner.models.scoring import logprobs_and_entropy, token_logprobs, values
@@ -41,11 +49,26 @@ class Models:
     policy_opt: torch.optim.Optimizer
     value: torch.nn.Module | None = None
     value_opt: torch.optim.Optimizer | None = None
-    learner: object | None = None  # the MegatronLearner behind policy/value (backend megatron), else None
     reference: torch.nn.Module | None = None  # frozen initial policy for the KL penalty (loss.kl_coef > 0), else None
+    # the learner.backends.base.Backend holding these models (its gradient clip, export, ranks);
+    # None: plain torch in this process (build_optimizers alone, e.g. a benchmark of the step)
+    backend: object | None = None
+
+    def clip_grads(self, model: torch.nn.Module, max_norm: float) -> float:
+        """The global gradient norm of `model` (before clipping), its gradients clipped to `max_norm`."""
+        if self.backend is not None:
+            return self.backend.clip_grads(model, max_norm)
+        return clip_grad_norm(model, max_norm)
 
 
-def build_optimizers(cfg: LearnerConfig, policy: torch.nn.Module, value: torch.nn.Module | None) -> Models:
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+    """One process: torch's clip by the global L2 norm of all gradients; returns that norm."""
+    return float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+
+
+def build_optimizers(cfg: LearnerConfig, policy: torch.nn.Module, value: torch.nn.Module | None,
+                     backend: object | None = None) -> Models:
+    """AdamW over `policy` (and `value`) in this process; `backend`: the Backend the Models belong to."""
     o = cfg.optim
 
     def adamw(model: torch.nn.Module, lr: float) -> torch.optim.AdamW:
@@ -53,7 +76,8 @@ def build_optimizers(cfg: LearnerConfig, policy: torch.nn.Module, value: torch.n
         return torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(o.betas), weight_decay=o.weight_decay,
                                  fused=True)
 
-    return Models(policy, adamw(policy, o.lr), value, adamw(value, o.value_lr) if value is not None else None)
+    return Models(policy, adamw(policy, o.lr), value, adamw(value, o.value_lr) if value is not None else None,
+                  backend=backend)
 
 
 def state_values(value_model: torch.nn.Module, batch: Batch) -> torch.Tensor:
@@ -107,7 +131,8 @@ def prepare(cfg: LearnerConfig, models: Models, batch: Batch) -> dict[str, torch
                                                                           b.attention_mask, b.temperature))
     if cfg.loss.kl_coef > 0:  # the frozen reference policy, at each trajectory's sampling temperature
         if models.reference is None:
-            raise ValueError("loss.kl_coef > 0 needs Models.reference (build the models with learner.train.build_models)")
+            raise ValueError("loss.kl_coef > 0 needs Models.reference "
+                             "(build the models with learner.train.build_models)")
         out["ref_logp"] = _per_micro(cfg, batch, lambda b: token_logprobs(models.reference, b.input_ids,
                                                                          b.attention_mask, b.temperature))
     return out
@@ -166,14 +191,6 @@ def policy_backward(cfg: LearnerConfig, models: Models, batch: Batch, ref: dict,
     return total
 
 
-def _grad_norm(model: torch.nn.Module, clip: float) -> float:
-    if hasattr(model, "reduce_and_clip_grads"):  # megatron: all-reduce over the ranks, then the global norm
-        from learner.backends.megatron.hf_compat import clip_grad_norm
-
-        return clip_grad_norm(model, clip)
-    return float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
-
-
 def shard_batch(batch: Batch, ref: dict[str, torch.Tensor], shard: Shard) -> tuple[Batch, dict[str, torch.Tensor]]:
     """This rank's rows of the batch and its references; padding rows get a zero loss mask."""
     idx, real = shard.index.to(batch.loss_mask.device), shard.real.to(batch.loss_mask.device)
@@ -207,12 +224,12 @@ def update(cfg: LearnerConfig, models: Models, batch: Batch, ref: dict, train_po
     finite = True
     if models.value is not None:
         metrics.update(reduce(value_backward(cfg, models, batch, ref, norms["value"], scale)))
-        metrics["value_grad_norm"] = _grad_norm(models.value, cfg.optim.grad_clip)
+        metrics["value_grad_norm"] = models.clip_grads(models.value, cfg.optim.grad_clip)
         finite &= all(map(_finite, (metrics["value_loss"], metrics["value_grad_norm"])))
     if train_policy and finite:
         pm = reduce(policy_backward(cfg, models, batch, ref, norms["policy"], scale))
         metrics.update({("policy_loss" if k == "loss" else k): v for k, v in pm.items()})
-        metrics["grad_norm"] = _grad_norm(models.policy, cfg.optim.grad_clip)
+        metrics["grad_norm"] = models.clip_grads(models.policy, cfg.optim.grad_clip)
         finite &= all(map(_finite, (metrics["policy_loss"], metrics["grad_norm"])))
     if not finite:
         for o in opts:

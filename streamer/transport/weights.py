@@ -1,8 +1,8 @@
 """Policy propagation: a weight store of versioned safetensors checkpoints, and its announcements.
 
 Layout: `<root>/v000003/{model.safetensors, policy.json, config.json, sao_tokenizer.json}`. The learner
-calls `WeightStore.publish(...)` then `announce(producer, run, pv)`; each agent's `PolicyFollower`
-reads `<run>.policy` (every agent reads every announcement: no consumer group) and, between
+calls `WeightStore.publish(...)`, then its `Announcer` sends the version to `<run>.policy`; each agent's
+`PolicyFollower` reads `<run>.policy` (every agent reads every announcement: no consumer group) and, between
 rollouts, loads the newest version after checking its sha256. A corrupt checkpoint is refused with a log
 line naming it, and the agent keeps its weights; an unreadable one (a transient file-system error) is retried
 with a backoff, `READ_RETRIES` times, before it is refused. Announced URIs are confined to the agent's own
@@ -156,6 +156,17 @@ def announce(producer: Producer, run: str, pv: PolicyVersion, flush: bool = True
     producer.send(Topics(run).policy, pv, key="policy")
     if flush:
         producer.flush()
+
+
+class Announcer:
+    """The learner's side of `<run>.policy`: announces each published version at once (sent and flushed). The
+    producer stays the caller's (the learner shares it with its events and closes it)."""
+
+    def __init__(self, producer: Producer, run: str) -> None:
+        self.producer, self.run = producer, run
+
+    def __call__(self, pv: PolicyVersion) -> None:
+        announce(self.producer, self.run, pv)
 
 
 class PolicyFollower:

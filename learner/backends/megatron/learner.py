@@ -2,7 +2,8 @@
 
 Each rank of a torchrun/Ray job builds one `MegatronLearner` from the same HF-format weights and
 feeds it its own share of the batch (data parallel); experts are split over `expert_parallel`
-ranks. The trainer (`learner/train.py`, `--backend megatron`) calls:
+ranks. `sao learn --backend megatron` drives its models with the trainer's own step code through
+`megatron_backend` (learner.backends.megatron.backend); its own API (the parity checks, bench) is:
 
     lrn = make_megatron_learner(cfg, policy, value, MegatronOptions(expert_parallel=2))
     logp = lrn.forward_logprobs(ids, attn)                # [B, T], grad-enabled
@@ -29,7 +30,14 @@ import torch
 import torch.distributed as dist
 
 from learner.backends.megatron import convert, grads, parallel
-from learner.backends.megatron.model import MegatronValueModel, build_gpt
+from learner.backends.megatron.backend import MegatronBackend, check_expert_parallel
+from learner.backends.megatron.model import (
+    MegatronValueModel,
+    attention_mask_4d,
+    build_gpt,
+    megatron_logits,
+    position_ids,
+)
 
 PolicyLossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
 
@@ -56,25 +64,6 @@ class OptimSettings:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float | None = 1.0
-
-
-def attention_mask_4d(mask: torch.Tensor) -> torch.Tensor:
-    """[B, T] 1 = real token -> megatron's [B, 1, T, T] bool, True = may NOT attend.
-
-    Causal and key padding together, so either padding side works."""
-    t = mask.shape[1]
-    causal = torch.triu(torch.ones(t, t, dtype=torch.bool, device=mask.device), diagonal=1)
-    return causal[None, None] | ~mask.bool()[:, None, None, :]
-
-
-def position_ids(mask: torch.Tensor) -> torch.Tensor:
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)  # as learner.models.scoring
-
-
-def megatron_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
-    """[B, T, V] fp32 logits of a megatron policy."""
-    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-    return model(input_ids, position_ids(mask), attention_mask_4d(mask)).float()
 
 
 class MegatronLearner:
@@ -142,15 +131,6 @@ class MegatronLearner:
         (loss * loss_scale).backward()
         return {**stats, **_reduce_and_step(self.value, self.value_opt, self.optim_cfg.grad_clip)}
 
-    # ---- the torch trainer's view (learner.trainer.step drives these like HF models)
-    def hf_modules(self) -> tuple[torch.nn.Module, torch.nn.Module | None]:
-        """(policy, critic) wrappers answering learner.models.scoring's calls; their
-        `reduce_and_clip_grads(max_norm)` replaces torch's clip_grad_norm_ (see hf_compat)."""
-        from learner.backends.megatron.hf_compat import HFCompatPolicy, HFCompatValue
-
-        value = HFCompatValue(self.value, self.device) if self.value is not None else None
-        return HFCompatPolicy(self.policy, self.device), value
-
     # ---- weights out
     def policy_state_dict(self) -> dict[str, torch.Tensor]:
         """The full HF-format policy state dict on every rank (a collective over the EP group)."""
@@ -213,15 +193,19 @@ class MegatronLearner:
         return vm.float().eval()
 
 
-def megatron_trainer_models(cfg, hf_policy, hf_value=None, options: MegatronOptions | None = None):
-    """(learner.trainer.step.Models over megatron, the MegatronLearner) for `sao learn --backend
-    megatron`: the trainer's prepare/value_backward/policy_backward run on them unchanged; its
-    gradient clip must go through hf_compat.clip_grad_norm (reduces over ranks first)."""
-    from learner.trainer.step import Models
+def megatron_backend(cfg, hf_policy, hf_value=None) -> MegatronBackend:
+    """The backend of `sao learn --backend megatron` (cfg.backend: expert_parallel, dtype), every rank built from the
+    same HF weights; joins the ranks' process group, so every rank must call it."""
+    b = cfg.backend
+    check_expert_parallel(b.expert_parallel, hf_policy.config.num_experts, cfg.io.init or "model")
+    return MegatronBackend(make_megatron_learner(cfg, hf_policy, hf_value, MegatronOptions(b.expert_parallel, b.dtype)))
 
+
+def megatron_trainer_models(cfg, hf_policy, hf_value=None, options: MegatronOptions | None = None):
+    """(learner.trainer.step.Models over megatron, the MegatronLearner): the trainer's step code
+    (prepare, update) runs on them unchanged, clipping through their MegatronBackend."""
     lrn = make_megatron_learner(cfg, hf_policy, hf_value, options)
-    pol, val = lrn.hf_modules()
-    return Models(pol, lrn.opt, val, lrn.value_opt if val is not None else None, learner=lrn), lrn
+    return MegatronBackend(lrn).models, lrn
 
 
 def _to(batch: dict, device: torch.device) -> dict:

@@ -22,19 +22,10 @@ layer) plus `ValueHead`: final RMSNorm (HF `model.norm`) and a scalar linear hea
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from learner.backends.megatron import cpu_compat
-
-
-@dataclass
-class ParallelConfig:
-    """Model parallel sizes. Only expert parallelism is supported (TP = PP = 1)."""
-
-    expert_parallel: int = 1  # ranks that split the experts; world_size % expert_parallel == 0
 
 
 def check_supported(hf_cfg) -> None:
@@ -143,9 +134,23 @@ def positions(input_ids: torch.Tensor) -> torch.Tensor:
     return torch.arange(t, device=input_ids.device).unsqueeze(0).expand(b, t)
 
 
-def gpt_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
-    """`[B, T]` token ids -> `[B, T, V]` logits (causal attention; right padding only)."""
-    return model(input_ids, positions(input_ids), attention_mask=None)
+def attention_mask_4d(mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] 1 = real token -> megatron's [B, 1, T, T] bool, True = may NOT attend.
+
+    Causal and key padding together, so either padding side works."""
+    t = mask.shape[1]
+    causal = torch.triu(torch.ones(t, t, dtype=torch.bool, device=mask.device), diagonal=1)
+    return causal[None, None] | ~mask.bool()[:, None, None, :]
+
+
+def position_ids(mask: torch.Tensor) -> torch.Tensor:
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)  # as learner.models.scoring
+
+
+def megatron_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+    """[B, T, V] fp32 logits of a megatron policy."""
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    return model(input_ids, position_ids(mask), attention_mask_4d(mask)).float()
 
 
 class ValueHead(torch.nn.Module):

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from learner.backends.megatron import convert, parallel
-from learner.backends.megatron.learner import (MegatronLearner, OptimSettings, megatron_logits,
-                                               megatron_params)
+from learner.backends.megatron.learner import MegatronLearner, OptimSettings
+from learner.backends.megatron.model import megatron_logits
 
 B, T = 3, 14  # sequences per rank, tokens per sequence
 
@@ -228,10 +228,9 @@ def _trainer_batch(bs: list[dict]):
 
 def check_trainer_step(ep: int, out: dict) -> None:
     """The torch trainer's own step code (learner.trainer.step: prepare, value_backward,
-    policy_backward) on megatron via `hf_modules()`, vs its `update()` on the HF models over the
+    policy_backward) on megatron via its backend's models, vs its `update()` on the HF models over the
     concatenated batch. Both ranks' loss masks have the same token count, so the global token
     mean equals the mean over ranks of the rank means."""
-    from learner.backends.megatron.hf_compat import clip_grad_norm
     from learner.backends.megatron.learner import MegatronOptions, megatron_trainer_models
     from learner.config import LearnerConfig
     from learner.trainer import step as tstep
@@ -248,9 +247,9 @@ def check_trainer_step(ep: int, out: dict) -> None:
     lrn.opt.zero_grad(set_to_none=True)
     lrn.value_opt.zero_grad(set_to_none=True)
     tstep.value_backward(cfg, mm, local, ref)
-    vnorm = clip_grad_norm(val, cfg.optim.grad_clip)
+    vnorm = mm.clip_grads(val, cfg.optim.grad_clip)
     pm = tstep.policy_backward(cfg, mm, local, ref)
-    pnorm = clip_grad_norm(pol, cfg.optim.grad_clip)
+    pnorm = mm.clip_grads(pol, cfg.optim.grad_clip)
     lrn.value_opt.step()
     lrn.opt.step()
     after_p, after_v = lrn.export_hf_policy().state_dict(), lrn.export_hf_value().state_dict()

@@ -1,0 +1,70 @@
+"""The megatron backend: a `MegatronLearner` behind the trainer's `learner.backends.base.Backend` interface.
+
+The trainer's step code drives the learner's GPTModels through the HF-call wrappers (`hf_compat`) and steps the
+learner's own AdamWs. What differs from the torch backend: gradients are all-reduced over data and expert
+parallelism before the clip (`grads.reduce_and_clip`), weights leave and come back in HF format through the
+learner's converters (exporting gathers the experts: a collective), every rank is one member of a `RankGroup`,
+and shutting down leaves the process group (`parallel.shutdown`).
+
+The learner is handed in built (learner.backends.megatron.learner.megatron_backend builds both), so this module
+needs only the learner's methods, not its module.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from learner.backends.base import Backend
+from learner.backends.megatron import grads, parallel
+from learner.backends.megatron.hf_compat import HFCompatPolicy, HFCompatValue
+from learner.trainer.ranks import RankGroup
+from learner.trainer.step import Models
+from streamer.wire.config import ConfigError
+
+
+class MegatronBackend(Backend):
+    """The Backend over a MegatronLearner `lrn` (built on every rank)."""
+
+    def __init__(self, lrn) -> None:
+        self.lrn = lrn
+        self.device, self.hf_config = lrn.device, lrn.hf_config
+        self.group = RankGroup(lrn.device)
+        value = HFCompatValue(lrn.value, lrn.device) if lrn.value is not None else None
+        self.models = Models(HFCompatPolicy(lrn.policy, lrn.device), lrn.opt, value,
+                             lrn.value_opt if value is not None else None, backend=self)
+
+    def clip_grads(self, model: torch.nn.Module, max_norm: float) -> float:
+        return float(grads.reduce_and_clip(model, max_norm))
+
+    def export_hf(self, name: str) -> torch.nn.Module:
+        return self.lrn.export_hf_policy() if name == "policy" else self.lrn.export_hf_value()
+
+    def hf_target(self, name: str) -> torch.nn.Module:
+        return self.lrn.empty_hf_policy() if name == "policy" else self.lrn.empty_hf_value()
+
+    def import_hf(self, name: str, model: torch.nn.Module) -> None:
+        if name == "policy":
+            self.lrn.load_hf_policy(model)
+        else:
+            self.lrn.load_hf_value(model)
+
+    def layout(self) -> dict:
+        return {"backend": "megatron", "world_size": self.group.world,
+                "expert_parallel": self.lrn.options.expert_parallel}
+
+    def shutdown(self) -> None:
+        parallel.shutdown()
+
+
+def check_expert_parallel(expert_parallel: int, num_experts: int, source: str) -> None:
+    """ConfigError unless `expert_parallel` divides the world size (torchrun's WORLD_SIZE) and the experts of the
+    policy read from `source`; checked before joining the process group."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world % expert_parallel:
+        raise ConfigError(f"LearnerConfig.backend.expert_parallel: {expert_parallel} does not divide the world "
+                          f"size {world}; launch a multiple of it (--nproc / torchrun --nproc_per_node)")
+    if num_experts % expert_parallel:
+        raise ConfigError(f"LearnerConfig.backend.expert_parallel: {expert_parallel} does not divide the "
+                          f"{num_experts} experts of the policy ({source}); use a divisor of it")
