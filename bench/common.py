@@ -1,9 +1,9 @@
 """Shared pieces of the headline benchmarks (drift_algorithms, async_vs_sync, stability).
 
-Every run is the real pipeline: `streamer.launch.up.run(UpConfig(...))` (embedded broker, cached warm
+Every run is the real pipeline: `streamer.launch.up.run(RunConfig)` (embedded broker, cached warm
 start, metrics app, learner, agents, simulator as child processes, artifacts under <out>/runs/<run>/).
 `launch` adds only a watcher thread that ends the run once a budget is met (generated tokens or
-learner steps) by lowering the launcher's own `max_seconds`; the figures come from the run's
+learner steps) through the launcher's stop API (`streamer.launch.up.Stop`); the figures come from the run's
 artifacts through `streamer.runs.adaptation` (one definition of every metric: recovery, forgetting,
 collapse, ...). This module is plumbing only: scenarios, launching, reading, statistics and plots.
 """
@@ -109,39 +109,41 @@ def launch(algo: Algo, run: str, scenario: Path, runs_dir: Path, budget: Budget,
     """Run the pipeline once on `scenario`, warm-started from the `base` snapshot (`snapshot_base`);
     `evaluate`: also run the held-out evaluator role (eval/reward per concept: forgetting), which
     costs CPU; returns {run_dir, stopped, wall_s, rc}."""
-    from streamer.launch.up import UpConfig
+    from streamer.launch.run_config import is_derived, load_run_config, pin_derived
+    from streamer.launch.up import Stop
     from streamer.launch.up import run as up
 
-    cfg = UpConfig(scenario=str(scenario), run=run, runs_dir=str(runs_dir), agents=agents,
-                   group_size=algo.group_size, loss=algo.loss, sync=sync, sync_batch=sync_batch,
-                   dashboard=False, max_seconds=budget.max_seconds, realtime=realtime, eval=evaluate,
-                   pretrain=[f"scenario={base}", f"cache_dir={CACHE_DIR}", *pretrain],
-                   learner=[f"seed={seed}", *algo.sets, *extra_sets], agent=list(agent_sets))
+    sets = [f"pretrain.scenario={base}", f"pretrain.cache_dir={CACHE_DIR}", *(f"pretrain.{s}" for s in pretrain),
+            f"learner.seed={seed}", *(f"learner.{s}" for s in (*algo.sets, *extra_sets)),
+            *(f"agent.{s}" for s in agent_sets)]
+    launch = dict(scenario=str(scenario), run=run, runs_dir=str(runs_dir), agents=agents, group_size=algo.group_size,
+                  loss=algo.loss, sync=sync, sync_batch=sync_batch, dashboard=False, max_seconds=budget.max_seconds,
+                  realtime=realtime, eval=evaluate)
+    cfg = load_run_config(None, [s for s in sets if not is_derived(s.partition("=")[0])], launch)
+    cfg = pin_derived(cfg, [s for s in sets if is_derived(s.partition("=")[0])])
     run_dir = runs_dir / run
     if run_dir.exists():  # the launcher appends to a run directory: start clean
         import shutil
         shutil.rmtree(run_dir)
-    reason: list[str] = []
+    stop = Stop()
     done = threading.Event()
-    watcher = threading.Thread(target=_watch, args=(cfg, run_dir, budget, reason, done), daemon=True)
+    watcher = threading.Thread(target=_watch, args=(stop, run_dir, budget, done), daemon=True)
     watcher.start()
     t0 = time.monotonic()
     try:
-        rc = up(cfg)
+        rc = up(cfg, stop)
     finally:
         done.set()
         watcher.join(timeout=5)
         import signal
         signal.signal(signal.SIGINT, signal.default_int_handler)  # the launcher leaves SIGINT ignored
     summary = json.loads((run_dir / "summary.json").read_text())
-    stopped = str(summary.get("stopped", ""))
-    if reason and "1e-09" in stopped:  # our watcher, not the launcher's own cap, ended the run
-        stopped = reason[0]
+    stopped = stop.reason if stop.requested else str(summary.get("stopped", ""))
     return {"run_dir": str(run_dir), "stopped": stopped, "wall_s": time.monotonic() - t0, "rc": rc}
 
 
-def _watch(cfg, run_dir: Path, budget: Budget, reason: list[str], done: threading.Event) -> None:
-    """Ends the launcher's loop (it re-reads cfg.max_seconds every 0.5 s) once a budget is met."""
+def _watch(stop, run_dir: Path, budget: Budget, done: threading.Event) -> None:
+    """Asks the launcher to stop (`streamer.launch.up.Stop`) once a budget is met."""
     from streamer.runs.artifacts import read_learner, read_trajectories
 
     while not done.wait(2.0):
@@ -150,15 +152,14 @@ def _watch(cfg, run_dir: Path, budget: Budget, reason: list[str], done: threadin
                 traj = read_trajectories(run_dir)
                 tokens = int(traj["n_gen_tokens"].sum()) if len(traj) else 0
                 if tokens >= budget.gen_tokens:
-                    reason.append(f"token budget {budget.gen_tokens} reached ({tokens})")
-            if budget.learner_steps and not reason:
+                    stop.request(f"token budget {budget.gen_tokens} reached ({tokens})")
+            if budget.learner_steps and not stop.requested:
                 steps = len(read_learner(run_dir))
                 if steps >= budget.learner_steps:
-                    reason.append(f"{budget.learner_steps} learner steps reached ({steps})")
+                    stop.request(f"{budget.learner_steps} learner steps reached ({steps})")
         except Exception:  # a part being written: try again at the next tick
             continue
-        if reason:
-            cfg.max_seconds = 1e-9
+        if stop.requested:
             return
 
 

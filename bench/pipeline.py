@@ -23,9 +23,8 @@ reference included) on a batch of the run's own trajectory lengths; (3) the figu
 - learner busy share: `streamer.runs.adaptation.learner_busy_share` (1 − Σ idle ÷ the learner's wall time).
 
 Writes <out>/pipeline.json and <out>/pipeline.png (the run itself stays in <runs-dir>/<run>/, `sao up`'s output in
-<out>/up.log). The thread count of the pipeline's learner: the run's config.json (an explicit `--set threads=N`, or a
-learner entry with `threads` in a resource plan), else the launcher's printed plan, else `--learner-threads`
-(default 1).
+<out>/up.log). The thread count of the pipeline's learner: the learner section of the run's config.yaml (what the learner
+read), else config.json's resource plan, else the launcher's printed plan, else `--learner-threads` (default 1).
 
     .venv/bin/python bench/pipeline.py                              # 600 s of sao up (+ warm start, ~1 min more)
     .venv/bin/python bench/pipeline.py --seconds 300 --learner-threads 2 -- --agents 1   # after --: to sao up
@@ -76,7 +75,7 @@ MODES = {
     "full": Mode(600.0, 64, 5),
     # a 20-step warm start in its own cache, ~25 s of run: every output exists, the figures mean little
     "quick": Mode(25.0, 16, 2, dashboard=False, runs_dir="",
-                  up_args=["--pretrain", "steps=20", "--pretrain", "eval_every=0"]),
+                  up_args=["--set", "pretrain.steps=20", "--set", "pretrain.eval_every=0"]),
 }
 
 
@@ -139,12 +138,23 @@ def run_up(argv: list[str], log_path: Path, timeout_s: float) -> tuple[int, floa
 _PLAN_LINE = re.compile(r"learner\b[^\n]*?(?:(\d+)\s*(?:torch\s+)?threads?\b|threads?\s*[=:]\s*(\d+))", re.I)
 
 
+def _yaml_learner_threads(path: Path) -> int | None:
+    """The learner section's threads in the run's config.yaml (what the learner read)."""
+    import yaml
+
+    try:
+        threads = ((yaml.safe_load(path.read_text()) or {}).get("learner") or {}).get("threads")
+    except (OSError, yaml.YAMLError):
+        return None
+    return threads if isinstance(threads, int) else None
+
+
 def pipeline_threads(run_dir: Path, up_log: str) -> tuple[int | None, str]:
     """(torch threads of the pipeline's learner, where that came from) or (None, 'unknown')."""
+    threads = _yaml_learner_threads(run_dir / "config.yaml")
+    if threads is not None:
+        return threads, "config.yaml: learner.threads"
     cfg = art.read_config(run_dir) or {}
-    sets = [s for s in (cfg.get("up") or {}).get("learner") or [] if isinstance(s, str) and s.startswith("threads=")]
-    if sets:
-        return int(sets[-1].split("=", 1)[1]), "config.json: up.learner threads="
     planned = (cfg.get("plan") or {}).get("learner_threads")
     if isinstance(planned, int):
         return planned, "config.json: plan.learner_threads"

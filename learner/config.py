@@ -14,29 +14,38 @@ Build one with `streamer.wire.config.load_config(LearnerConfig, yaml_path, ["los
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
-from learner.algorithms import AGGS, GROUP_ESTIMATORS, KL_TYPES, POLICY_LOSSES
+from learner.algorithms import AGGS, KL_TYPES, POLICY_LOSSES
 from learner.models.config import ModelConfig
 from streamer.wire.config import ConfigError
 
-ESTIMATORS = ("gae",) + tuple(GROUP_ESTIMATORS)
+# Choice fields are Literal types (load_config refuses anything else and lists the choices); each equals the keys
+# of the registry it selects from (tests/test_config.py checks it)
+LossName = Literal["sao", "ppo", "dual_clip", "dapo", "gspo", "cispo", "decoupled_ppo"]  # algorithms.POLICY_LOSSES
+Estimator = Literal["gae", "grpo", "dr_grpo", "rloo"]  # gae, then algorithms.GROUP_ESTIMATORS
+KLType = Literal["k1", "k3"]  # algorithms.KL_TYPES
+Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]  # algorithms.AGGS
+BackendName = Literal["torch", "megatron"]
+BackendDtype = Literal["float32", "bfloat16"]
+ESTIMATORS = get_args(Estimator)
 
 
 @dataclass
 class LossConfig:
-    name: str = "sao"  # sao, ppo, dual_clip, dapo, gspo, cispo, decoupled_ppo
+    name: LossName = "sao"
     eps_low: float | None = None  # None: the algorithm's own default (0.2; GSPO 3e-4; CISPO 1.0)
     eps_high: float | None = None  # None: the algorithm's own default (0.2; DAPO/CISPO 0.28; GSPO 4e-4)
     clip_c: float = 3.0  # dual_clip only
     behav_cap: float = 5.0  # decoupled_ppo only: tokens with pi_prox/mu above it are dropped
-    agg: str | None = None  # token_mean, seq_mean_token_mean, seq_mean_token_sum; None: the loss's default
+    agg: Aggregation | None = None  # None: the loss's default
     # KL penalty to the frozen initial policy (io.init), verl's use_kl_loss: loss += kl_coef · agg(kl_type per
     # token). 0: off (no reference model is built). k1 = log pi - log ref; k3 = verl's low_var_kl
     # 0.1 by default: RL on a stationary stream sharpens the policy onto the concepts it is rewarded for, until a
     # drifted concept can no longer be sampled (no signal) and negative advantages push mass into garbage (the
     # lr-2e-4 collapse); the anchor keeps the warm start's alternatives alive (bench/online.py, docs/bench/)
     kl_coef: float = 0.1
-    kl_type: str = "k3"
+    kl_type: KLType = "k3"
 
     def params(self) -> dict[str, float | str]:
         """Keyword parameters for `policy_loss(name, ...)`: only those this loss takes."""
@@ -56,7 +65,7 @@ class LossConfig:
 
 @dataclass
 class AdvantageConfig:
-    estimator: str = "gae"  # gae (value model, single rollout) or grpo, dr_grpo, rloo (groups)
+    estimator: Estimator = "gae"  # gae (value model, single rollout) or grpo, dr_grpo, rloo (groups)
     gamma: float = 1.0
     lam_actor: float = 0.95  # fixed actor lambda (ignored when adaptive_alpha is set)
     lam_critic: float = 1.0  # 1.0: Monte-Carlo targets for the critic
@@ -87,7 +96,7 @@ class ValueConfig:
     # clipped value loss. The old values come from the same critic weights in `prepare`, so the clip binds only
     # from the second update on one batch (optim.updates_per_batch > 1); off by default, where it cannot bind
     value_clip: float | None = None
-    agg: str = "token_mean"
+    agg: Aggregation = "token_mean"
     rewarm_steps: int = 2  # critic-only steps after a value-loss spike, e.g. a drift the critic has not seen
     spike_factor: float = 3.0  # a spike: value loss > spike_factor x its running mean
     spike_ema: float = 0.9  # decay of that running mean
@@ -128,15 +137,14 @@ class IOConfig:
     events: str = ""  # LearnerEvent JSONL file; "" -> <checkpoint.dir>/events.jsonl
 
 
-BACKENDS = ("torch", "megatron")
-BACKEND_DTYPES = ("float32", "bfloat16")
+BACKENDS, BACKEND_DTYPES = get_args(BackendName), get_args(BackendDtype)
 
 
 @dataclass
 class BackendConfig:
-    name: str = "torch"  # torch: one process; megatron: megatron-core MoE, one process per rank (torchrun)
+    name: BackendName = "torch"  # torch: one process; megatron: megatron-core MoE, one process per rank (torchrun)
     expert_parallel: int = 1  # megatron: ranks the experts are split over (divides world size, num_experts)
-    dtype: str = "float32"  # megatron weights: float32 (CPU, parity) or bfloat16 (GPUs)
+    dtype: BackendDtype = "float32"  # megatron weights: float32 (CPU, parity) or bfloat16 (GPUs)
 
 
 @dataclass

@@ -14,7 +14,7 @@ min(cores, 4) unless a short probe, repeated every 30 s, finds several threads s
 The held-out evaluation (greedy, the agents' env loop) runs once at the end (`eval_every=N` adds one
 every N steps, `eval_tasks=0` none); a progress bar shows step, loss, speed and ETA.
 
-    sao pretrain [--scenario default] [--out DIR] [--force] [steps=800 lr=2e-3 ...]
+    sao pretrain [--scenario default] [--out DIR] [--force] [--config FILE] [--set steps=800 --set lr=2e-3 ...]
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from learner.models.packed import PackedBatch, packed_loss
 from simulator.latency import LatencyConfig
 from simulator.scenario import Scenario, load_scenario, resolve_path
 from simulator.warmstart import demos, held_out_tasks, segments
-from streamer.wire.config import ConfigError, load_config, to_dict
+from streamer.wire.config import ConfigError, add_config_args, load_config, to_dict
 from streamer.wire.settings import AgentSettings
 
 NO_LATENCY = LatencyConfig(mean_s=0.0, sleep=False)  # the held-out evaluation's tool calls answer at once
@@ -309,11 +309,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--scenario", help="scenario file or name (default: default)")
     p.add_argument("--out", help="policy directory (default: <cache_dir>/warmstart-<hash>)")
     p.add_argument("--force", action="store_true", help="train even if a cached result exists")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="PretrainConfig fields, e.g. steps=800")
+    add_config_args(p, "PretrainConfig", "steps=800")
     args = p.parse_args(argv)
     overrides = list(args.overrides) + ([f"scenario={args.scenario}"] if args.scenario else [])
     try:
-        cfg = load_config(PretrainConfig, None, overrides)
+        cfg = load_config(PretrainConfig, args.config, overrides, section="pretrain")
         out = pretrain(cfg, args.out, args.force)
     except (ConfigError, ValueError) as e:
         print(f"sao pretrain: {e}", file=sys.stderr)

@@ -2,8 +2,9 @@
 
     sao learn --trajectories runs/x/trajectories.jsonl --checkpoint-dir runs/x/ckpt   # replay a recording
     sao learn --run exp1 --bootstrap 127.0.0.1:9092 --weights-dir runs/exp1/weights     # live, from Kafka
-    sao learn --config learner.yaml loss.name=ppo batch.tokens=2048 --sync               # overrides
-    sao learn --backend megatron --nproc 2 backend.expert_parallel=2 --trajectories ...  # megatron, 2 ranks
+    sao learn --config learner.yaml --set loss.name=ppo --set batch.tokens=2048 --sync   # overrides
+    sao learn --config runs/x/config.yaml                                                # a run's learner section
+    sao learn --backend megatron --nproc 2 --set backend.expert_parallel=2 --trajectories ...  # megatron, 2 ranks
 
 Restarting with the same checkpoint directory resumes where the last checkpoint left off.
 
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 
 from learner.config import LearnerConfig
-from streamer.wire.config import ConfigError, load_config
+from streamer.wire.config import ConfigError, add_config_args, load_config
 
 log = logging.getLogger("learner.train")
 
@@ -40,7 +41,7 @@ FLAGS = {  # command-line flag -> config key
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="sao learn", description=__doc__.split("\n")[0])
-    p.add_argument("--config", help="YAML file with LearnerConfig fields")
+    add_config_args(p, "LearnerConfig", "optim.lr=1e-4")
     for flag in FLAGS:
         p.add_argument(f"--{flag.replace('_', '-')}", dest=flag, help=f"sets {FLAGS[flag]}")
     p.add_argument("--sync", action="store_true", help="synchronous: wait for a full batch of the current version")
@@ -48,8 +49,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=0,
                    help="megatron: run N ranks on this machine (re-executes under torchrun)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
-    p.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. loss.name=ppo")
-    return p.parse_intermixed_args(argv)  # overrides may sit between flags
+    return p.parse_args(argv)
 
 
 def build_config(args: argparse.Namespace) -> LearnerConfig:
@@ -58,9 +58,7 @@ def build_config(args: argparse.Namespace) -> LearnerConfig:
         overrides.append("batch.sync=true")
     if args.follow:
         overrides.append("io.follow=true")
-    # `backend=megatron` (as streamer.launch.ray_launch spells it) is short for backend.name=megatron
-    rest = [f"backend.name={o.split('=', 1)[1]}" if o.startswith("backend=") else o for o in args.overrides]
-    return load_config(LearnerConfig, args.config, overrides + rest)
+    return load_config(LearnerConfig, args.config, overrides + args.overrides, section="learner")
 
 
 def build_models(cfg: LearnerConfig):

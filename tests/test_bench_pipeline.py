@@ -60,7 +60,10 @@ def test_thread_count_of_the_pipelines_learner(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps(cfg))
         return tmp_path
 
-    assert bp.pipeline_threads(with_config({"up": {"learner": ["threads=3", "lr=1"]}}), "")[0] == 3
+    (tmp_path / "config.yaml").write_text("learner:\n  threads: 3\n  optim: {lr: 1.0}\n")
+    assert bp.pipeline_threads(with_config({"up": {}, "plan": {"learner_threads": 1}}), "") == (
+        3, "config.yaml: learner.threads")
+    (tmp_path / "config.yaml").unlink()
     assert bp.pipeline_threads(with_config({"up": {}, "plan": {"learner_threads": 1}}), "")[0] == 1
     line = "resource plan for 2 cores: learner 2 thread(s), 1 agent(s) x 1 thread(s)"
     assert bp.pipeline_threads(with_config({"up": {}}), line + "\n") == (2, "sao up output: " + line)

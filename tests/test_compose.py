@@ -328,11 +328,12 @@ def test_compose_pipeline_commands_run_on_the_embedded_broker(compose, kafka_bus
         return (logs / f"{service}.log").read_text()[-3000:]
 
     n_tasks = 8
-    pre = start("pretrain", "steps=2", "batch_size=8", "warmup_steps=1", "eval_every=0")
+    pre = start("pretrain", "--set", "steps=2", "--set", "batch_size=8", "--set", "warmup_steps=1",
+                "--set", "eval_every=0")
     assert pre.wait(180) == 0, tail("pretrain")
-    procs = {"metrics": start("metrics", "idle_flush_s=2"),
+    procs = {"metrics": start("metrics", "--set", "idle_flush_s=2"),
              "agent": start("agent", "--max-tasks", str(n_tasks)),
-             "learner": start("learner", "--max-steps", "1", "batch.max_trajectories=4")}
+             "learner": start("learner", "--max-steps", "1", "--set", "batch.max_trajectories=4")}
     try:
         sim = start("simulator", "--limit", str(n_tasks))
         assert sim.wait(120) == 0, tail("simulator")

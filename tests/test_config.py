@@ -49,3 +49,17 @@ def test_learner_config_refuses_an_infinite_learning_rate():
 
     with pytest.raises(ConfigError, match=r"LearnerConfig.optim.lr: inf is not a finite number"):
         load_config(LearnerConfig, None, ["optim.lr=.inf"])
+
+
+def test_choice_fields_are_literals_equal_to_their_registries_and_errors_list_the_choices():
+    from typing import get_args
+
+    from learner.algorithms import AGGS, GROUP_ESTIMATORS, KL_TYPES, POLICY_LOSSES
+    from learner.config import Aggregation, Estimator, KLType, LearnerConfig, LossName
+
+    assert get_args(LossName) == tuple(POLICY_LOSSES) and get_args(KLType) == tuple(KL_TYPES)
+    assert get_args(Estimator) == ("gae", *GROUP_ESTIMATORS) and get_args(Aggregation) == tuple(AGGS)
+    with pytest.raises(ConfigError, match="loss.kl_type: 'k2' is not one of k1, k3"):
+        load_config(LearnerConfig, None, ["loss.kl_type=k2"])
+    with pytest.raises(ConfigError, match="loss.agg: 'mean' is not one of token_mean"):  # an Optional choice
+        load_config(LearnerConfig, None, ["loss.agg=mean"])

@@ -33,6 +33,11 @@ TRAIN = MODEL + ["threads=1", "batch.max_trajectories=7", "batch.tokens=100000",
 LR = LearnerConfig().optim.lr  # the policy AdamW rate
 
 
+def as_sets(overrides: list[str]) -> list[str]:
+    """`sao learn` command-line overrides: --set KEY=VALUE each."""
+    return [arg for kv in overrides for arg in ("--set", kv)]
+
+
 # ---------------------------------------------------------------------- pure pieces
 
 def test_shard_rows_by_hand():
@@ -46,13 +51,12 @@ def test_shard_rows_by_hand():
 
 
 def test_backend_config_and_flags():
-    cfg = build_config(parse_args(["--backend", "megatron", "backend.expert_parallel=2", *MODEL]))
+    cfg = build_config(parse_args(["--backend", "megatron", *as_sets(["backend.expert_parallel=2", *MODEL])]))
     assert (cfg.backend.name, cfg.backend.expert_parallel) == ("megatron", 2)
-    # streamer.launch.ray_launch spells it `backend=megatron`
-    assert build_config(parse_args(["backend=megatron", *MODEL])).backend.name == "megatron"
+    assert build_config(parse_args(as_sets(["backend.name=megatron", *MODEL]))).backend.name == "megatron"
     with pytest.raises(ConfigError, match="backend.expert_parallel: 3 does not divide model.num_experts 4"):
         load_config(LearnerConfig, None, MODEL + ["backend.name=megatron", "backend.expert_parallel=3"])
-    with pytest.raises(ConfigError, match="backend.name: 'deepspeed' unknown"):
+    with pytest.raises(ConfigError, match="backend.name: 'deepspeed' is not one of torch, megatron"):
         load_config(LearnerConfig, None, ["backend.name=deepspeed"])
     with pytest.raises(ConfigError, match="need the megatron backend"):
         load_config(LearnerConfig, None, ["backend.expert_parallel=2"])
@@ -63,12 +67,12 @@ def test_backend_config_and_flags():
 def test_nproc_reexecutes_under_torchrun_and_needs_megatron(capsys):
     from learner.train import main
 
-    argv = ["--backend", "megatron", "--nproc", "2", "--max-steps", "3", "x=1"]
+    argv = ["--backend", "megatron", "--nproc", "2", "--max-steps", "3", "--set", "x=1"]
     cmd = torchrun_argv(argv, 2)
     assert cmd[1:5] == ["-m", "torch.distributed.run", "--nproc_per_node", "2"]
     assert cmd[cmd.index("streamer.launch.cli"):] == ["streamer.launch.cli", "learn", "--backend", "megatron", "--max-steps",
-                                               "3", "x=1"]  # the ranks do not re-execute again
-    assert main(["--nproc", "2", *MODEL]) == 2
+                                               "3", "--set", "x=1"]  # the ranks do not re-execute again
+    assert main(["--nproc", "2", *as_sets(MODEL)]) == 2
     assert "only the megatron backend runs as several ranks" in capsys.readouterr().err
 
 
@@ -96,8 +100,8 @@ def traj_file(tmp_path_factory) -> Path:
 
 def _learn(traj: Path, root: Path, max_steps: int) -> None:
     cmd = [sys.executable, "-m", "streamer.launch.cli", "learn", "--backend", "megatron", "--nproc", "2",
-           "backend.expert_parallel=2", "--trajectories", str(traj), "--checkpoint-dir", str(root / "ck"),
-           "--weights-dir", str(root / "w"), "--max-steps", str(max_steps), *TRAIN]
+           "--set", "backend.expert_parallel=2", "--trajectories", str(traj), "--checkpoint-dir", str(root / "ck"),
+           "--weights-dir", str(root / "w"), "--max-steps", str(max_steps), *as_sets(TRAIN)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -189,10 +189,10 @@ def test_dead_letter_keeps_the_original_bytes_and_reason():
 def test_parse_args_flags_win_and_bad_values_are_named(tmp_path):
     cfg = tmp_path / "m.yaml"
     cfg.write_text("window_s: 7\nrun: fromfile\nlateness_s: 2\n")
-    s = parse_args(["--config", str(cfg), "--run", "demo", "idle_flush_s=4"])
+    s = parse_args(["--config", str(cfg), "--run", "demo", "--set", "idle_flush_s=4"])
     assert (s.run, s.window_s, s.lateness_s, s.idle_flush_s) == ("demo", 7.0, 2.0, 4.0)
     with pytest.raises(ConfigError, match="window_s"):
-        parse_args(["--run", "x", "window_s=-1"])
+        parse_args(["--run", "x", "--set", "window_s=-1"])
     with pytest.raises(ConfigError, match="run"):
         parse_args(["--run", "a.b"])
 

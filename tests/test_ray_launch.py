@@ -121,7 +121,7 @@ def test_actors_train_and_a_killed_actor_resumes_with_no_trajectory_lost(local_r
     bind_init(run_cfg, tiny_policy_dir)
     run_dir.mkdir(parents=True)
     write_yaml(run_cfg, run_dir / "config.yaml")
-    plan = roles(run_cfg, run_dir / "config.yaml", run_dir)
+    plan = roles(run_cfg, run_dir / "config.yaml", run_dir, bootstrap)
     actors = [r for r in plan if r.argv[0] in ("learn", "agent")]  # metrics and simulator are not under test
     for r in actors:
         if r.argv[0] == "agent":

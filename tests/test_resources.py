@@ -52,7 +52,7 @@ def test_pacing_that_would_deadlock_or_go_stale_is_refused():
 
 def test_up_passes_one_staleness_bound_to_learner_and_agents():
     cfg = parse_args(["--run", "r", "--cores", "2", "--batch", "32", "--staleness", "3"])
-    by_name = {r.name: r for r in roles(cfg, Path("runs/r/config.yaml"), Path("runs/r"))}
+    by_name = {r.name: r for r in roles(cfg, Path("runs/r/config.yaml"), Path("runs/r"), "127.0.0.1:1")}
     assert set(by_name) == {"metrics", "learner", "agent-0", "dashboard", "simulator"}  # no evaluator on 2 cores
     assert all(by_name[n].argv[1:3] == ["--config", "runs/r/config.yaml"] for n in ("metrics", "learner", "agent-0"))
     lb, agent = cfg.learner.batch, cfg.agent  # what each role reads from its section of config.yaml

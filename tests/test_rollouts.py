@@ -173,7 +173,7 @@ def test_sao_up_passes_agent_settings_to_every_agent(tmp_path):
 
     cfg = up_args(["--agents", "2", "--set", "agent.concurrency=8", "--sync", "--sync-batch", "32", "--seed", "3"])
     write_yaml(cfg, tmp_path / "config.yaml")
-    agents = [r for r in roles(cfg, tmp_path / "config.yaml", tmp_path) if r.name.startswith("agent")]
+    agents = [r for r in roles(cfg, tmp_path / "config.yaml", tmp_path, "127.0.0.1:1") if r.name.startswith("agent")]
     assert len(agents) == 2
     seeds = []
     for r in agents:  # each agent reads the agent section of the run's config.yaml

@@ -413,7 +413,7 @@ def test_half_written_checkpoint_is_ignored(tmp_path, policy0):
 def test_cli_config_errors_and_print(capsys):
     from learner.train import main
 
-    assert main(["loss.name=nope"]) == 2
+    assert main(["--set", "loss.name=nope"]) == 2
     assert "loss.name" in capsys.readouterr().err
     assert main(["--print-config", "--loss", "cispo", "--sync"]) == 0
     out = capsys.readouterr().out

@@ -7,6 +7,7 @@ expert width 256, tied embeddings (~3.4M parameters, ~1.0M active per token).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from transformers import Qwen3MoeConfig
 
@@ -32,7 +33,7 @@ class ModelConfig:
     # called with labels AND output_router_logits=True; our helpers never do, so the trainer adds
     # `router_aux_loss_coef * load_balancing_loss(...)` explicitly if it wants one (0 disables).
     router_aux_loss_coef: float = 0.001
-    attn_implementation: str = "sdpa"  # "sdpa" or "eager"; both fp32 exact to ~1e-6
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"  # both fp32 exact to ~1e-6
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:

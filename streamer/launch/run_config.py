@@ -167,6 +167,19 @@ def derive(cfg: RunConfig, given: set[str] = frozenset()) -> None:
     cfg.learner.validate()
 
 
+def is_derived(key: str) -> bool:
+    section, _, rest = key.partition(".")
+    return rest in DERIVED.get(section, ())
+
+
+def pin_derived(cfg: RunConfig, overrides: list[str]) -> RunConfig:
+    """A copy of `cfg` with derived keys set by hand, for benchmarks that pin them on purpose (tables measured
+    before learner-paced admission). Users go through `load_run_config`, which refuses them."""
+    from streamer.wire.config import to_dict
+
+    return load_config(RunConfig, None, list(overrides), base=to_dict(cfg))
+
+
 def bind_init(cfg: RunConfig, init: Path) -> None:
     """The warm start every role starts from (known once `sao pretrain` ran or was found in the cache)."""
     cfg.learner.io.init = cfg.agent.model = str(init)

@@ -16,6 +16,7 @@ config.json, the tables (Parquet), checkpoints and summary.json.
 from __future__ import annotations
 
 import argparse
+import math
 import signal
 import sys
 import threading
@@ -83,7 +84,9 @@ def warm_start(cfg: RunConfig) -> Path:
     return pretrain(cfg.pretrain, log=lambda line: print(line, flush=True))
 
 
-def roles(cfg: RunConfig, config_file: Path, run_dir: Path) -> list[Role]:
+def roles(cfg: RunConfig, config_file: Path, run_dir: Path, bootstrap: str) -> list[Role]:
+    """The child processes of a run: metrics app, learner and agents read their sections of `config_file`
+    (Kafka from $SAO_BOOTSTRAP); evaluator, dashboard and simulator take flags."""
     up, plan = cfg.launch, cfg.launch.plan()
     common = ["--config", str(config_file)]
     side = {"env": thread_env(1), "nice": SIDE_NICE}
@@ -95,7 +98,7 @@ def roles(cfg: RunConfig, config_file: Path, run_dir: Path) -> list[Role]:
         if up.seed >= 0:
             agent += ["--set", f"seed={seed_of(up, 1 + i, cfg.agent.seed)}"]
         out.append(Role(f"agent-{i}", agent, env=thread_env(plan.agent_threads), nice=AGENT_NICE))
-    run = ["--run", up.run]
+    run = ["--run", up.run, "--bootstrap", bootstrap]
     if plan.eval:
         out.append(Role("eval", ["eval", *run, "--scenario", up.scenario, "--model", cfg.agent.model,
                                  "--weights-dir", cfg.agent.weights_dir, "--threads", "1", "--min-interval",
@@ -227,7 +230,7 @@ def run(cfg: RunConfig, stop: Stop | None = None) -> int:
                                                                    "plan": asdict(up.plan()), "admission": asdict(adm)})
         tap_thread = threading.Thread(target=tap.run, name="tap", daemon=True)
         tap_thread.start()
-        plan = roles(cfg, config_file, run_dir)
+        plan = roles(cfg, config_file, run_dir, bootstrap)
         for role in plan[:-1]:
             sup.start(role)
         if up.realtime and not up.ray:

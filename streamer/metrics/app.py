@@ -26,11 +26,11 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from streamer.transport.bus import DLQ_MAX_VALUE_BYTES
 from streamer.wire.schema import DeadLetter
-from streamer.wire.config import ConfigError, load_config
+from streamer.wire.config import ConfigError, add_config_args, load_config
 from streamer.metrics.windows import ClosedWindow, TumblingWindows, observe, window_points
 from streamer.wire.schema import LearnerEvent, MetricPoint, SchemaError, Trajectory, decode, encode
 from streamer.wire.topics import Topics, check_run, partitions_by_topic
@@ -53,7 +53,7 @@ class MetricsSettings:
     max_clock_skew_s: float = 300.0  # a trajectory that finished further ahead of this clock goes to the DLQ
     web_port: int = 0  # faust's web server; 0: off (several workers may share a machine)
     web_host: str = "127.0.0.1"  # where faust's web server binds when on (faust's own default: every interface)
-    loglevel: str = "WARNING"
+    loglevel: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "WARNING"
 
     def validate(self) -> None:
         if not self.window_s > 0:
@@ -264,10 +264,9 @@ def parse_args(argv: list[str]) -> MetricsSettings:
     ap.add_argument("--bootstrap", default="", help="Kafka bootstrap servers (default: $SAO_BOOTSTRAP or 127.0.0.1:9092)")
     ap.add_argument("--run", default=os.environ.get(RUN_ENV, "") or None, help="run prefix of the topics (default: $SAO_RUN)")
     ap.add_argument("--window", type=float, default=None, help="tumbling window in seconds (default 5)")
-    ap.add_argument("--config", default=None, help="YAML file with MetricsSettings fields")
-    ap.add_argument("overrides", nargs="*", help="key=value overrides of MetricsSettings, e.g. lateness_s=2")
+    add_config_args(ap, "MetricsSettings", "lateness_s=2")
     args = ap.parse_args(argv)
-    settings = load_config(MetricsSettings, args.config, args.overrides)
+    settings = load_config(MetricsSettings, args.config, args.overrides, section="metrics")
     flags = {k: v for k, v in (("bootstrap", args.bootstrap), ("run", args.run), ("window_s", args.window)) if v}
     settings = dataclasses.replace(settings, **flags)  # explicit flags win over the YAML file
     settings.validate()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
@@ -85,6 +86,31 @@ def read_yaml(path: str | Path, section: str | None = None) -> dict[str, Any]:
     return loaded
 
 
+_ENUM = re.compile(r"Invalid enum value (?P<value>.+) - at `\$\.(?P<path>[\w.]+)`")
+
+
+def _field_type(cls: type, path: str) -> Any:
+    hint: Any = cls
+    for key in path.split("."):
+        hints = typing.get_type_hints(hint) if dataclasses.is_dataclass(hint) else {}
+        if key not in hints:
+            return None
+        hint = hints[key]
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if typing.get_origin(hint) is not typing.Literal and len(args) == 1:
+            hint = args[0]  # Optional[X] -> X
+    return hint
+
+
+def _explain(cls: type, message: str) -> str:
+    """msgspec's "Invalid enum value 'x' - at `$.a.b`", with the choices a Literal field allows."""
+    m = _ENUM.fullmatch(message)
+    choices = typing.get_args(_field_type(cls, m["path"])) if m else ()
+    if not choices:
+        return message
+    return f"{m['path']}: {m['value']} is not one of {', '.join(map(str, choices))}"
+
+
 def load_config(cls: type[C], yaml_path: str | Path | None = None, overrides: list[str] = (),
                 base: dict[str, Any] | None = None, section: str | None = None) -> C:
     """Defaults of `cls`, then `base`, then the YAML file (its `section` if it is a run file), then `key=value`
@@ -103,7 +129,7 @@ def load_config(cls: type[C], yaml_path: str | Path | None = None, overrides: li
     try:
         cfg = msgspec.convert(data, cls, strict=False)
     except msgspec.ValidationError as e:
-        raise ConfigError(f"{where}: {e}") from None
+        raise ConfigError(f"{where}: {_explain(cls, str(e))}") from None
     _check_finite(cfg, where)
     validate = getattr(cfg, "validate", None)
     if validate is not None:
