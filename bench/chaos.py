@@ -43,9 +43,15 @@ if __package__ in (None, ""):  # `python bench/chaos.py`
 from bench.common import machine, save_json  # noqa: E402
 from streamer.runs import artifacts as art  # noqa: E402
 from streamer.transport.broker import EmbeddedBroker  # noqa: E402
-from streamer.transport.bus import KafkaBus, read_topic  # noqa: E402
-from streamer.wire.schema import DeadLetter  # noqa: E402
-from streamer.wire.schema import SchemaError, Task, Trajectory, decode, decode_json  # noqa: E402
+from streamer.transport.kafka_bus import KafkaBus, read_topic  # noqa: E402
+from streamer.wire.schema import (  # noqa: E402
+    DeadLetter,  # noqa: E402
+    SchemaError,
+    Task,
+    Trajectory,
+    decode,
+    decode_json,
+)
 from streamer.wire.settings import BrokerSettings, ClientSettings  # noqa: E402
 from streamer.wire.topics import Topics, partitions_by_topic  # noqa: E402
 

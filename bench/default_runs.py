@@ -22,7 +22,6 @@ if __package__ in (None, ""):  # `python bench/default_runs.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
 
 from bench.common import machine, pyplot, save_figure, save_json  # noqa: E402
 from streamer.runs.adaptation import in_stream_order  # noqa: E402

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from streamer.transport.broker import EmbeddedBroker
-from streamer.transport.bus import KafkaBus
+from streamer.transport.kafka_bus import KafkaBus
 from streamer.wire.schema import MetricPoint, Trajectory
 from streamer.wire.settings import BrokerSettings
 from streamer.wire.topics import Topics, partitions_by_topic

@@ -32,9 +32,9 @@ from learner.train import build_models  # noqa: E402
 from learner.trainer.loop import Trainer  # noqa: E402
 from simulator.generator import generate  # noqa: E402
 from simulator.scenario import load_scenario, resolve_path  # noqa: E402
-from streamer.wire.config import load_config  # noqa: E402
 from streamer.agent.rollouts import run_tasks  # noqa: E402
 from streamer.runs.adaptation import drift_recoveries  # noqa: E402
+from streamer.wire.config import load_config  # noqa: E402
 from streamer.wire.schema import DriftEvent, Task  # noqa: E402
 from streamer.wire.settings import AgentSettings  # noqa: E402
 

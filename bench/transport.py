@@ -23,13 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import msgspec
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from streamer.transport.broker import EmbeddedBroker  # noqa: E402
-from streamer.transport.bus import KafkaBus, compression_type  # noqa: E402
+from streamer.transport.kafka_bus import KafkaBus, compression_type  # noqa: E402
 from streamer.wire.schema import Task, Trajectory, decode, encode  # noqa: E402
 from streamer.wire.settings import BrokerSettings, ClientSettings  # noqa: E402
 from streamer.wire.topics import Topics, partitions_by_topic  # noqa: E402

@@ -46,7 +46,7 @@ def check_reachable(bootstrap: str, timeout: float = 2.0) -> None:
 
 def kafka_consumer_factory(bootstrap: str, run: str):
     """A consumer of the run's three topics, from their start, with no group (read-only tap)."""
-    from streamer.transport.bus import KafkaBus
+    from streamer.transport.kafka_bus import KafkaBus
     from streamer.wire.topics import Topics
 
     check_reachable(bootstrap)

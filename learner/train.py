@@ -86,7 +86,7 @@ def build_source(cfg: LearnerConfig):
 
     if cfg.io.trajectories:
         return FileSource(cfg.io.trajectories, follow=cfg.io.follow)
-    from streamer.transport.bus import KafkaBus
+    from streamer.transport.kafka_bus import KafkaBus
     from streamer.wire.schema import Trajectory
     from streamer.wire.topics import Topics, partitions_by_topic
 
@@ -131,7 +131,7 @@ def build_outputs(cfg: LearnerConfig):
         sinks.append(lambda e: table.add(learner_row(e)))
         closers.append(table.flush)
     if not cfg.io.trajectories:  # live: announce versions and events on the run's topics
-        from streamer.transport.bus import KafkaBus
+        from streamer.transport.kafka_bus import KafkaBus
         from streamer.transport.weights import Announcer
         from streamer.wire.topics import Topics
 

@@ -11,11 +11,11 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from streamer.wire.schema import Task
 from simulator.families import get_family
 from simulator.families.tools import episode_reward, observe
 from simulator.latency import LatencyConfig, latency_from_dict, sample_latency
-from simulator.text import clean_answer, rejected, to_text
+from simulator.text import clean_answer, to_text
+from streamer.wire.schema import Task
 
 CALL_OPEN, CALL_CLOSE, OBS_OPEN, OBS_CLOSE = "<call>", "</call>", "<obs>", "</obs>"
 

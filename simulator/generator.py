@@ -11,11 +11,11 @@ import random
 import time
 from collections.abc import Iterator
 
-from streamer.wire.schema import DriftEvent, Task
 from simulator.drift import block_concepts, block_of, concept_for, final_concepts
 from simulator.families import FAMILIES
 from simulator.latency import LatencyConfig
 from simulator.scenario import Phase, Scenario
+from streamer.wire.schema import DriftEvent, Task
 
 
 @dataclasses.dataclass

@@ -14,9 +14,9 @@ from typing import Any
 
 import msgspec
 
-from streamer.wire.schema import DriftEvent, SchemaError, Task, from_dict, to_dict
 from simulator.families import FAMILIES
 from simulator.text import in_alphabet
+from streamer.wire.schema import DriftEvent, SchemaError, Task, from_dict, to_dict
 
 TASK_FIELDS = ("v", "task_id", "family", "concept", "phase", "prompt", "answer", "spec", "seq", "created_at")
 TABLE_COLUMNS = ("kind",) + TASK_FIELDS + ("event",)

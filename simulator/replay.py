@@ -21,9 +21,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from streamer.wire.schema import DriftEvent, Task
 from simulator.records import RowError, message_from_row, parse_json_line
 from simulator.sinks import TaskSink, file_sink
+from streamer.wire.schema import DriftEvent, Task
 
 INT_COLUMNS = ("v", "phase", "seq")
 MAX_GAP_S = 3600.0  # default bound on the recorded time between two consecutive rows

@@ -15,10 +15,10 @@ import json
 import sys
 import time
 
-from streamer.wire.schema import DriftEvent
 from simulator.generator import generate
 from simulator.scenario import Scenario, ScenarioError, load_scenario
 from simulator.sinks import TaskSink, file_sink
+from streamer.wire.schema import DriftEvent
 
 
 def simulate(scn: Scenario, sink: TaskSink, seed: int | None = None, limit: int | None = None,

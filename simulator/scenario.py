@@ -14,9 +14,9 @@ from typing import Any, Literal
 
 import yaml
 
-from streamer.wire.config import ConfigError, load_config
 from simulator.families import FAMILIES
 from simulator.latency import LatencyConfig
+from streamer.wire.config import ConfigError, load_config
 
 SCENARIO_DIR = Path(__file__).parent / "scenarios"
 Schedule = Literal["abrupt", "gradual", "recurring", "incremental"]

@@ -11,8 +11,8 @@ from typing import Protocol, runtime_checkable
 
 import msgspec
 
-from streamer.wire.schema import DriftEvent, Task
 from simulator.records import TABLE_COLUMNS, drift_row, table_row, task_row
+from streamer.wire.schema import DriftEvent, Task
 
 
 @runtime_checkable

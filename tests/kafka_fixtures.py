@@ -12,7 +12,7 @@ import os
 import pytest
 
 from streamer.transport.broker import EmbeddedBroker
-from streamer.transport.bus import KafkaBus
+from streamer.transport.kafka_bus import KafkaBus
 from streamer.wire.settings import BrokerSettings, ClientSettings
 
 _runs = itertools.count()

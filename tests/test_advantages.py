@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from learner.algorithms import (
-    adaptive_lambda, dr_grpo, gae, group_advantages, grpo, masked_whiten, place_reward, rloo,
+    adaptive_lambda,
+    dr_grpo,
+    gae,
+    group_advantages,
+    grpo,
+    masked_whiten,
+    place_reward,
+    rloo,
     sao_advantages,
 )
 

@@ -5,16 +5,16 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from kafka_fixtures import scenario_tasks
+
 from learner.engines import Engine, Generation, make_engine
 from learner.models.tokenizer import EOS_ID, CharTokenizer
 from streamer.agent.agent import build_agent, main
 from streamer.agent.rollouts import rollout
-from streamer.transport.bus import MemoryBus, MemoryProducer
+from streamer.transport.memory_bus import MemoryBus, MemoryProducer
+from streamer.transport.sinks import KafkaTaskSink
 from streamer.wire.schema import Task, Trajectory, decode
 from streamer.wire.settings import AgentSettings
-from streamer.transport.sinks import KafkaTaskSink
 from streamer.wire.topics import Topics, partitions_by_topic
 
 

@@ -13,14 +13,14 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
-
 from kafka_fixtures import scenario_tasks
+
 from learner.models import load_policy
-from streamer.transport.bus import KafkaBus
+from streamer.transport.kafka_bus import KafkaBus
+from streamer.transport.weights import WeightStore, announce
 from streamer.wire.schema import Task, Trajectory
 from streamer.wire.settings import ClientSettings
 from streamer.wire.topics import Topics, partitions_by_topic
-from streamer.transport.weights import WeightStore, announce
 
 pytestmark = pytest.mark.kafka
 

@@ -15,9 +15,9 @@ from kafka.structs import TopicPartition
 
 from simulator.run import main as simulate_main
 from streamer.transport.backpressure import DEFAULT_BATCH_TASKS, LagGate, default_max_lag
-from streamer.transport.bus import MemoryBus
-from streamer.wire.schema import Task
+from streamer.transport.memory_bus import MemoryBus
 from streamer.transport.sinks import KafkaTaskSink
+from streamer.wire.schema import Task
 
 PHASES, PER_PHASE = 3, 40
 SCENARIO = "name: bp\nphases:\n" + "".join(

@@ -12,9 +12,8 @@ from learner.trainer.checkpoint import latest_checkpoint
 from learner.trainer.loop import Trainer
 from learner.trainer.source import BusSource
 from learner.trainer.synthetic import TINY_OVERRIDES, synthetic_trajectories, tiny_model_config
-from streamer.wire.schema import DeadLetter
 from streamer.wire.config import load_config
-from streamer.wire.schema import LearnerEvent, Trajectory
+from streamer.wire.schema import DeadLetter, LearnerEvent, Trajectory
 
 
 @pytest.mark.kafka
@@ -93,7 +92,8 @@ def test_a_send_the_broker_never_confirms_raises_instead_of_returning(tmp_path):
     """kafka-python's flush() returned although the records failed, and the agent then committed its task offsets
     (issue 14, finding 3). Here the broker dies between send and flush."""
     from streamer.transport.broker import EmbeddedBroker
-    from streamer.transport.bus import KafkaBus, SendError
+    from streamer.transport.bus import SendError
+    from streamer.transport.kafka_bus import KafkaBus
     from streamer.wire.settings import BrokerSettings, ClientSettings
 
     broker = EmbeddedBroker(BrokerSettings(port=0, log_path=str(tmp_path / "tansu.log"))).start()
@@ -152,8 +152,8 @@ def test_dead_letters_are_not_sent_again_when_a_restarted_consumer_reads_them_ag
 def test_kafka_security_settings_reach_every_client_from_config_or_environment(monkeypatch, tmp_path):
     """Only an open PLAINTEXT Kafka worked: no SASL/TLS for any client; faust's web server bound 0.0.0.0
     (issue 14, finding 9)."""
-    from streamer.wire.config import ConfigError
     from streamer.metrics.app import MetricsSettings, build_app
+    from streamer.wire.config import ConfigError
     from streamer.wire.settings import KafkaSecurity
 
     for env in ("SAO_KAFKA_SECURITY_PROTOCOL", "SAO_KAFKA_SASL_MECHANISM", "SAO_KAFKA_SASL_USERNAME",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from streamer.transport.broker import BrokerError, EmbeddedBroker, free_port, probe
-from streamer.transport.bus import KafkaBus
+from streamer.transport.kafka_bus import KafkaBus
 from streamer.wire.schema import Task
 from streamer.wire.settings import BrokerSettings
 

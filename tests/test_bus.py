@@ -8,8 +8,8 @@ import msgspec
 import pytest
 from kafka.structs import TopicPartition
 
-from streamer.transport.bus import MemoryBus
-from streamer.wire.schema import SCHEMA_VERSION, DeadLetter, Task, Trajectory, decode, encode
+from streamer.transport.memory_bus import MemoryBus
+from streamer.wire.schema import SCHEMA_VERSION, DeadLetter, Task, Trajectory, decode
 from streamer.wire.settings import ClientSettings
 from streamer.wire.topics import TYPES, Topics, kind_of, partitions_by_topic, topic
 
@@ -105,7 +105,7 @@ def test_memory_group_splits_partitions_and_seek_rewinds():
 @pytest.mark.kafka
 @pytest.mark.parametrize("kind", ["tasks", "trajectories", "policy", "learner"])
 def test_bad_messages_on_each_consumed_topic_land_in_the_dlq(kafka_run, bootstrap, kind):
-    from streamer.transport.bus import KafkaBus
+    from streamer.transport.kafka_bus import KafkaBus
 
     settings = ClientSettings(max_message_bytes=64 * 1024, client_id="sao-test")
     bus = KafkaBus(bootstrap, settings)

@@ -239,8 +239,10 @@ def test_service_command_is_a_sao_command_whose_help_lists_its_flags(compose, se
 
 def test_compose_settings_resolve_for_learner_agent_and_metrics(compose, tmp_path):
     """Each long-running role turns its compose command (defaults and a GRPO-style override) into a valid config."""
-    from learner.train import build_config, parse_args as learn_args
-    from streamer.agent.agent import parse_args as agent_args, settings_from_args
+    from learner.train import build_config
+    from learner.train import parse_args as learn_args
+    from streamer.agent.agent import parse_args as agent_args
+    from streamer.agent.agent import settings_from_args
     from streamer.metrics.app import parse_args as metrics_args
 
     env = {"SAO_RUN": "exp3", "SAO_LOSS": "dapo", "SAO_GROUP_SIZE": "8", "SAO_METRICS_WINDOW": "2.5"}

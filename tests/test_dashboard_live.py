@@ -9,7 +9,7 @@ from streamlit.testing.v1 import AppTest
 
 from dashboard import data
 from dashboard.live import LiveTap, close_all, wait_for
-from streamer.transport.bus import MemoryBus
+from streamer.transport.memory_bus import MemoryBus
 from streamer.wire.schema import DriftEvent, LearnerEvent, MetricPoint
 from streamer.wire.topics import Topics, partitions_by_topic
 
@@ -110,7 +110,7 @@ def test_app_tails_live_topics_on_the_embedded_broker(kafka_bus, bootstrap, kafk
 def test_tap_survives_a_broker_restart(tmp_path, kafka_run):
     from dashboard.browser import free_port
     from streamer.transport.broker import EmbeddedBroker
-    from streamer.transport.bus import KafkaBus
+    from streamer.transport.kafka_bus import KafkaBus
     from streamer.wire.settings import BrokerSettings
 
     port = free_port()

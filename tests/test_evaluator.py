@@ -9,13 +9,13 @@ import time
 from pathlib import Path
 
 import pytest
-
 from kafka_fixtures import TINY
+
 from simulator.scenario import load_scenario
 from streamer.agent.evaluator import held_out_set, scenario_concepts
+from streamer.transport.weights import WeightStore, announce
 from streamer.wire.schema import MetricPoint
 from streamer.wire.topics import Topics, partitions_by_topic
-from streamer.transport.weights import WeightStore, announce
 
 # Two families, three phases: arith drifts add7 -> sub7 (gradual), string reverse -> sort -> reverse
 # (recurring), format is never in phase 0's mix but comes in with phase 1; incremental lists each step.
@@ -74,10 +74,10 @@ def test_evaluator_skips_intermediate_versions_and_waits_out_the_interval(tiny_p
     """In-process on the in-memory bus: the newest announced version only, and not before --min-interval."""
     from learner.models import ModelConfig, build_policy
     from streamer.agent.agent import load_engine
-    from streamer.transport.bus import MemoryBus
     from streamer.agent.evaluator import Evaluator, parse_args, settings_from_args
-    from streamer.wire.schema import PolicyVersion
+    from streamer.transport.memory_bus import MemoryBus
     from streamer.transport.weights import PolicyFollower
+    from streamer.wire.schema import PolicyVersion
 
     run = "evalunit"
     s = settings_from_args(parse_args(["--run", run, "--model", str(tiny_policy_dir), "--max-new-tokens", "2",

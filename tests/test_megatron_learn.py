@@ -21,8 +21,8 @@ from learner.trainer.publish import DirectoryPublisher
 from learner.trainer.ranks import shard_rows
 from learner.trainer.source import FileSource, write_trajectories
 from learner.trainer.synthetic import TINY_OVERRIDES, synthetic_trajectories
-from streamer.wire.config import ConfigError, load_config
 from streamer.transport.weights import WeightStore
+from streamer.wire.config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 # megatron-core refuses top-1 routing with renormalised gates: the tiny model with 4 experts, top-2

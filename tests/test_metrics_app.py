@@ -14,13 +14,19 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from streamer.wire.config import ConfigError
-from streamer.metrics.windows import (
-    Aggregate, ClosedWindow, Observation, TumblingWindows, fold, levels, values, window_points,
-)
-from streamer.wire.schema import DeadLetter
 from streamer.metrics.app import MetricsSettings, MetricsState, dead_letter, parse_args
-from streamer.wire.schema import LearnerEvent, MetricPoint, Trajectory, decode, encode
+from streamer.metrics.windows import (
+    Aggregate,
+    ClosedWindow,
+    Observation,
+    TumblingWindows,
+    fold,
+    levels,
+    values,
+    window_points,
+)
+from streamer.wire.config import ConfigError
+from streamer.wire.schema import DeadLetter, LearnerEvent, MetricPoint, Trajectory, decode, encode
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,8 +9,19 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from learner.models import (
-    CharTokenizer, ModelConfig, ValueModel, build_policy, count_params, expert_counts, load_policy,
-    logprobs_and_entropy, router_logits, save_policy, token_entropy, token_logprobs, values,
+    CharTokenizer,
+    ModelConfig,
+    ValueModel,
+    build_policy,
+    count_params,
+    expert_counts,
+    load_policy,
+    logprobs_and_entropy,
+    router_logits,
+    save_policy,
+    token_entropy,
+    token_logprobs,
+    values,
 )
 
 V = CharTokenizer().vocab_size

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import msgspec
 import pytest
-
 from kafka_fixtures import scenario_tasks
+
 from streamer.wire.config import ConfigError
 from streamer.wire.schema import LearnerEvent, Trajectory
 from streamer.wire.topics import Topics, partitions_by_topic

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from streamer.wire.config import ConfigError
+from streamer.launch.resources import AGENT_NICE, SIDE_NICE, check_pacing, paced_admission, plan_resources, thread_env
 from streamer.launch.up import parse_args, roles
-from streamer.launch.resources import (AGENT_NICE, SIDE_NICE, check_pacing, paced_admission, plan_resources, thread_env)
+from streamer.wire.config import ConfigError
 
 
 @pytest.mark.parametrize("cores, learner, agents, agent_threads, ev", [
@@ -75,8 +75,8 @@ def test_up_refuses_overrides_that_would_break_the_pacing(capsys):
 
 def test_progress_shows_the_newest_concept_of_each_family(tmp_path):
     from streamer.runs.artifacts import RunWriter
-    from streamer.wire.schema import Trajectory
     from streamer.runs.tap import Tap
+    from streamer.wire.schema import Trajectory
 
     def traj(i, family, concept, reward):
         return Trajectory(traj_id=f"t{i}", task_id=f"t{i}", family=family, concept=concept, phase=0, tokens=[1, 2],

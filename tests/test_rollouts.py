@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-
 from kafka_fixtures import scenario_tasks
+
 from learner.engines import Engine, Generation
 from learner.models.tokenizer import EOS_ID, CharTokenizer
 from streamer.agent.agent import build_agent
-from streamer.transport.bus import MemoryBus
 from streamer.agent.rollouts import Rollouts, rollout
+from streamer.transport.memory_bus import MemoryBus
+from streamer.transport.sinks import KafkaTaskSink
 from streamer.wire.schema import Trajectory, decode
 from streamer.wire.settings import AgentSettings, TopicSettings
-from streamer.transport.sinks import KafkaTaskSink
 from streamer.wire.topics import Topics, partitions_by_topic
 
 

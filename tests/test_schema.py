@@ -1,8 +1,17 @@
 import msgspec
 import pytest
 
-from streamer.wire.schema import (SCHEMA_VERSION, DriftEvent, SchemaError, Task, Trajectory, decode, decode_json,
-                             encode, encode_json)
+from streamer.wire.schema import (
+    SCHEMA_VERSION,
+    DriftEvent,
+    SchemaError,
+    Task,
+    Trajectory,
+    decode,
+    decode_json,
+    encode,
+    encode_json,
+)
 
 
 def _traj(**kw):

@@ -9,8 +9,10 @@ import time
 import pytest
 
 from simulator.generator import generate
-from simulator.replay import ReplayError, main as replay_main, replay
-from simulator.run import main as simulate_main, simulate
+from simulator.replay import ReplayError, replay
+from simulator.replay import main as replay_main
+from simulator.run import main as simulate_main
+from simulator.run import simulate
 from simulator.scenario import Phase, Scenario, validate_scenario
 from simulator.sinks import JsonlSink, QueueSink, file_sink
 from streamer.wire.schema import DriftEvent, Task, to_dict

@@ -14,8 +14,8 @@ from collections import Counter
 import msgspec
 import pytest
 import torch
-
 from kafka_fixtures import scenario_tasks
+
 from learner.config import LearnerConfig
 from learner.engines.torch_sampler import TorchSampler
 from learner.models import CharTokenizer, build_policy, logprobs_and_entropy
@@ -25,8 +25,8 @@ from learner.trainer.batching import collate
 from learner.trainer.staleness import Admission
 from learner.trainer.step import policy_backward, prepare, shard_batch
 from learner.trainer.synthetic import TINY_OVERRIDES, synthetic_trajectories, tiny_model_config
-from streamer.wire.config import load_config
 from streamer.agent.rollouts import run_tasks
+from streamer.wire.config import load_config
 from streamer.wire.schema import Trajectory, decode, decode_json, encode, encode_json
 from streamer.wire.settings import AgentSettings
 

@@ -20,10 +20,10 @@ from learner.trainer.source import BusSource, FileSource, write_trajectories
 from learner.trainer.staleness import Admission
 from learner.trainer.step import _micro, prepare, update
 from learner.trainer.synthetic import TINY_OVERRIDES, synthetic_trajectories, tiny_model_config
-from streamer.transport.bus import MemoryBus
+from streamer.transport.memory_bus import MemoryBus
+from streamer.transport.weights import WeightStore
 from streamer.wire.config import ConfigError, load_config
 from streamer.wire.schema import Trajectory
-from streamer.transport.weights import WeightStore
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ of a run that was never interrupted.
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess

@@ -13,8 +13,16 @@ from safetensors.torch import save_file
 
 from learner.engines import make_engine
 from learner.engines.base import resolve_stop
-from learner.engines.vllm import (VLLMSettings, VLLMUnavailable, WorkerExtension, check_weight_names, sample_logprob,
-                                  sampling_kwargs, settings_from_env, to_generation)
+from learner.engines.vllm import (
+    VLLMSettings,
+    VLLMUnavailable,
+    WorkerExtension,
+    check_weight_names,
+    sample_logprob,
+    sampling_kwargs,
+    settings_from_env,
+    to_generation,
+)
 from learner.models import CharTokenizer, ModelConfig, build_policy, save_policy, token_logprobs
 from streamer.wire.config import ConfigError
 

@@ -11,7 +11,7 @@ import torch
 
 from learner.engines import make_engine
 from learner.models import load_policy
-from streamer.transport.bus import MemoryBus
+from streamer.transport.memory_bus import MemoryBus
 from streamer.transport.weights import Announcer, CheckpointError, PolicyFollower, WeightStore, announce
 from streamer.wire.schema import PolicyVersion
 from streamer.wire.topics import Topics

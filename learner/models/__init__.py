@@ -3,11 +3,11 @@
 from learner.models.config import ModelConfig, from_hf_config, to_hf_config
 from learner.models.policy import build_policy, count_params, load_policy, save_policy
 from learner.models.scoring import (
+    entropy_from_logits,
     expert_counts,
     load_balancing_loss,
     logprobs_and_entropy,
     logprobs_from_logits,
-    entropy_from_logits,
     policy_logits,
     position_ids_from_mask,
     router_logits,

@@ -10,9 +10,9 @@ import random
 import re
 from typing import Any
 
-from streamer.wire.schema import Task
 from simulator.families.base import need, option
 from simulator.text import Verdict, clean_answer, rejected, tagged
+from streamer.wire.schema import Task
 
 OPS = {
     "add": lambda a, b: a + b,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 from typing import Any, Protocol
 
-from streamer.wire.schema import Task
 from simulator.text import Verdict
+from streamer.wire.schema import Task
 
 
 class Family(Protocol):

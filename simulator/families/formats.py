@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from streamer.wire.schema import Task
 from simulator.families.base import need, option
 from simulator.text import Verdict, clean_answer, rejected, tagged
+from streamer.wire.schema import Task
 
 WRAPPERS = {
     "brackets": ("[", "]"),

@@ -6,9 +6,9 @@ import random
 import string
 from typing import Any
 
-from streamer.wire.schema import Task
 from simulator.families.base import need, option
 from simulator.text import Verdict, clean_answer, rejected, tagged
+from streamer.wire.schema import Task
 
 RULES = {
     "reverse": lambda w: w[::-1],

@@ -14,9 +14,9 @@ import re
 from functools import lru_cache
 from typing import Any
 
-from streamer.wire.schema import Task
 from simulator.families.base import need, option
 from simulator.text import Verdict, clean_answer, rejected, tagged
+from streamer.wire.schema import Task
 
 TOOLS = ("look", "find", "get", "ask", "query", "fetch")
 ARG_FORMATS = {"plain": "{}", "key": "k={}", "quoted": "'{}'"}

@@ -27,14 +27,15 @@ from typing import Any
 
 from kafka.errors import KafkaError
 
-from streamer.transport.bus import Consumer, KafkaBus, MemoryBus, Producer, SendError
-from streamer.wire.schema import DeadLetter
-from streamer.wire.config import ConfigError, add_config_args, load_config
 from streamer.agent.rollouts import ROLLOUT_ERRORS, EngineError, Finished, Rollouts
-from streamer.wire.schema import PolicyVersion, Task, Trajectory, encode
+from streamer.transport.bus import Consumer, Producer, SendError
+from streamer.transport.kafka_bus import KafkaBus
+from streamer.transport.memory_bus import MemoryBus
+from streamer.transport.weights import CheckpointError, PolicyFollower, WeightStore
+from streamer.wire.config import ConfigError, add_config_args, load_config
+from streamer.wire.schema import DeadLetter, PolicyVersion, Task, Trajectory, encode
 from streamer.wire.settings import AgentSettings
 from streamer.wire.topics import Topics, partitions_by_topic
-from streamer.transport.weights import CheckpointError, PolicyFollower, WeightStore
 
 log = logging.getLogger("sao.agent")
 
@@ -248,8 +249,8 @@ def build_agent(s: AgentSettings, bus: KafkaBus | MemoryBus, engine: Any, tokeni
 def run_offline(s: AgentSettings, engine: Any, tokenizer: Any, tasks_file: str, out: str) -> AgentStats:
     """Answer a task file (JSONL, Parquet, CSV) with no broker and no learner: an in-memory bus in between."""
     from simulator.replay import replay
-    from streamer.wire.schema import encode_json
     from streamer.transport.sinks import KafkaTaskSink
+    from streamer.wire.schema import encode_json
 
     bus = MemoryBus(s.client)
     bus.create_topics(partitions_by_topic(s.run, s.topics))

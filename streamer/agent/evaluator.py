@@ -181,7 +181,7 @@ def main(argv: list[str]) -> int:
 
     from simulator.scenario import load_scenario
     from streamer.agent.agent import load_engine
-    from streamer.transport.bus import KafkaBus
+    from streamer.transport.kafka_bus import KafkaBus
     from streamer.transport.weights import CheckpointError, PolicyFollower, WeightStore
     from streamer.wire.topics import partitions_by_topic
 

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from streamer.wire.config import ConfigError, load_config
 from streamer.launch.processes import Role, Supervisor
 from streamer.launch.ray_actor import SAO, RoleActor
+from streamer.wire.config import ConfigError, load_config
 
 Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 RAY_ROLES = ("agent", "learn")  # `sao <cmd>` roles that run as actors; the rest stay local

@@ -20,8 +20,14 @@ from pathlib import Path
 from learner.config import LearnerConfig
 from learner.pretrain import PretrainConfig
 from streamer.launch.ray_launch import RayConfig
-from streamer.launch.resources import (Admission, ResourcePlan, available_cores, check_pacing, paced_admission,
-                                       plan_resources)
+from streamer.launch.resources import (
+    Admission,
+    ResourcePlan,
+    available_cores,
+    check_pacing,
+    paced_admission,
+    plan_resources,
+)
 from streamer.metrics.app import MetricsSettings
 from streamer.wire.config import ConfigError, load_config, read_yaml
 from streamer.wire.settings import AgentSettings

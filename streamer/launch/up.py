@@ -29,7 +29,6 @@ from streamer.launch.resources import AGENT_NICE, SIDE_NICE, thread_env
 from streamer.launch.run_config import RunConfig, UpConfig, bind_init, load_run_config, max_lag_default, seed_of
 from streamer.wire.config import ConfigError, add_config_args, write_yaml
 
-
 FLAGS = {  # flag -> (type, help); each sets the launch field of the same name (defaults: UpConfig)
     "scenario": (str, "scenario file or name under simulator/scenarios/"),
     "run": (str, "run name (topic prefix, directory under --runs-dir)"),
@@ -178,9 +177,9 @@ def _interrupt(signum, frame) -> None:
 def run(cfg: RunConfig, stop: Stop | None = None) -> int:
     """The whole pipeline; `stop.request(reason)` from another thread ends it as Ctrl-C does."""
     from streamer.runs.artifacts import summarize, write_json
-    from streamer.transport.broker import BrokerSettings, EmbeddedBroker
-    from streamer.transport.bus import KafkaBus
     from streamer.runs.tap import close_tap, open_tap
+    from streamer.transport.broker import BrokerSettings, EmbeddedBroker
+    from streamer.transport.kafka_bus import KafkaBus
     from streamer.wire.topics import partitions_by_topic
 
     up = cfg.launch

@@ -28,11 +28,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from streamer.transport.bus import DLQ_MAX_VALUE_BYTES
-from streamer.wire.schema import DeadLetter
-from streamer.wire.config import ConfigError, add_config_args, load_config
 from streamer.metrics.windows import ClosedWindow, TumblingWindows, observe, window_points
-from streamer.wire.schema import LearnerEvent, MetricPoint, SchemaError, Trajectory, decode, encode
+from streamer.transport.bus import DLQ_MAX_VALUE_BYTES
+from streamer.wire.config import ConfigError, add_config_args, load_config
+from streamer.wire.schema import DeadLetter, LearnerEvent, MetricPoint, SchemaError, Trajectory, decode, encode
 from streamer.wire.topics import Topics, check_run, partitions_by_topic
 
 log = logging.getLogger("sao.metrics")
@@ -243,7 +242,7 @@ def run(settings: MetricsSettings) -> int:
     settings.validate()
     import faust
 
-    from streamer.transport.bus import KafkaBus
+    from streamer.transport.kafka_bus import KafkaBus
 
     bus = KafkaBus(settings.bootstrap or None)
     # Create the run's topics with the project's partition counts before faust would guess them.

@@ -18,7 +18,8 @@ import time
 from collections import Counter
 from typing import Any
 
-from streamer.transport.bus import Consumer, KafkaBus
+from streamer.transport.bus import Consumer
+from streamer.transport.kafka_bus import KafkaBus
 from streamer.wire.schema import DriftEvent, Task
 from streamer.wire.settings import ClientSettings
 from streamer.wire.topics import Topics

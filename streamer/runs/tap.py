@@ -81,7 +81,7 @@ class Tap:
 
 
 def open_tap(bootstrap: str | None, run: str, run_dir: str, config: dict | None = None) -> Tap:
-    from streamer.transport.bus import KafkaBus
+    from streamer.transport.kafka_bus import KafkaBus
 
     t = Topics(run)
     types = {t.tasks: Task, t.trajectories: Trajectory, t.drift: DriftEvent, t.metrics: MetricPoint,

@@ -7,7 +7,8 @@ With `max_lag` > 0 every message first waits until the agents' group has fewer t
 
 from __future__ import annotations
 
-from streamer.transport.bus import KafkaBus, Producer
+from streamer.transport.bus import Producer
+from streamer.transport.kafka_bus import KafkaBus
 from streamer.wire.schema import DriftEvent, Task
 from streamer.wire.settings import ClientSettings, TopicSettings
 from streamer.wire.topics import Topics, partitions_by_topic

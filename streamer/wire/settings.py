@@ -92,9 +92,9 @@ class KafkaSecurity:
         r = self.resolved()
         if r.security_protocol == "PLAINTEXT":
             return None
-        import faust
-
         import ssl
+
+        import faust
 
         ssl_context = None
         if r.security_protocol.endswith("SSL"):
