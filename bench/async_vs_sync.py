@@ -217,10 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     c.save_json(result, out / "async_vs_sync.json")
     (out / "async_vs_sync.md").write_text(markdown(result) + "\n")
     for r in rows:
-        print(f"{r['mode']:>5}: {r['trained_per_s']} trained/s, {r['trajectories_per_s']} generated/s, idle {r['learner_idle_fraction']}, "
+        print(f"{r['mode']:>5}: {r['trained_per_s']} trained/s, {r['trajectories_per_s']} generated/s, "
+              f"idle {r['learner_idle_fraction']}, "
               f"staleness {r['staleness_histogram']} (max {r['staleness_max']}, bound {mode.max_staleness}), "
               f"stopped: {r['stopped']}")
-    print(f"speedup {trained_speedup} trained/s, {speedup} generated/s (goal {GOAL_SPEEDUP}); wrote {out / 'async_vs_sync.json'} and {png}")
+    print(f"speedup {trained_speedup} trained/s, {speedup} generated/s (goal {GOAL_SPEEDUP}); "
+          f"wrote {out / 'async_vs_sync.json'} and {png}")
     return 0
 
 

@@ -192,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         broker.stop()
     r = result
     r["goals"] = {"lost": len(r["lost"]) == 0, "trained_twice": not r["trained_twice"],
-                  "stale_drops": r["stale_drops"] == 0, "letters_sent_twice": r["letters_sent_twice"] == 0, "kills": len(kills) >= a.kills,
+                  "stale_drops": r["stale_drops"] == 0, "letters_sent_twice": r["letters_sent_twice"] == 0,
+                  "kills": len(kills) >= a.kills,
                   "malformed_dead_lettered": r["malformed_dead_lettered"] == r["malformed_published"]}
     r["goals_met"] = all(r["goals"].values())
     save_json(r, out / "chaos.json")

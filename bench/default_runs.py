@@ -1,9 +1,10 @@
 """`sao up` on its defaults for several seeds: does the main job recover every drift of the default scenario?
 
-Each seed is one `sao up --seed S` (dashboard included, as `make up` runs it) (the task stream, the learner and the agents seeded; the warm
-start is shared and cached). Per seed it keeps summary.json, and it draws the reward of every concept by phase
-(windowed over each family's trajectories in stream order, drift positions marked) into one PNG. The verdict per
-drift event and family is `streamer.runs.adaptation.drift_recoveries`' status, the one definition of the project.
+Each seed is one `sao up --seed S` (dashboard included, as `make up` runs it) (the task stream, the learner and the
+agents seeded; the warm start is shared and cached). Per seed it keeps summary.json, and it draws the reward of every
+concept by phase (windowed over each family's trajectories in stream order, drift positions marked) into one PNG. The
+verdict per drift event and family is `streamer.runs.adaptation.drift_recoveries`' status, the one definition of the
+project.
 
     .venv/bin/python bench/default_runs.py --seeds 0,1,2 --out docs/runs/default
 """
@@ -34,8 +35,8 @@ def run_seed(seed: int, runs_dir: Path, extra: list[str]) -> Path:
     run = f"default-seed{seed}"
     if (runs_dir / run).exists():
         shutil.rmtree(runs_dir / run)
-    cmd = [sys.executable, "-m", "streamer.launch.cli", "up", "--seed", str(seed), "--run", run, "--runs-dir", str(runs_dir),
-           *extra]
+    cmd = [sys.executable, "-m", "streamer.launch.cli", "up", "--seed", str(seed), "--run", run,
+           "--runs-dir", str(runs_dir), *extra]
     print("$ " + " ".join(cmd[2:]), flush=True)
     subprocess.run(cmd, check=False)
     return runs_dir / run

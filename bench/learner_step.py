@@ -179,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         "bare_times_s": bare_times, "sao_times_s": sao_times,
     }
     print(f"tokens/step {tokens}  bare fwd+bwd {tokens / t_bare:,.0f} tok/s ({t_bare:.3f} s)  "
-          f"SAO step {tokens / t_sao:,.0f} tok/s ({t_sao:.3f} s)  ratio {t_sao / t_bare:.3f} (goal <= 1.25)", flush=True)
+          f"SAO step {tokens / t_sao:,.0f} tok/s ({t_sao:.3f} s)  ratio {t_sao / t_bare:.3f} (goal <= 1.25)",
+          flush=True)
     if args.lengths_from:
         row = learner_row(run_lengths(args.lengths_from, args.batch), args.repeats, args.lengths_from)
         result["learner"] = row

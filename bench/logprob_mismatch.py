@@ -52,9 +52,9 @@ def learner_logprobs(model, prompts: list[list[int]], gens: list[list[int]], chu
 
 
 def mismatch(engine_lp: list[float], learner_lp: list[float], eps_low: float, eps_high: float) -> dict[str, float]:
-    e, l = torch.tensor(engine_lp, dtype=torch.float64), torch.tensor(learner_lp, dtype=torch.float64)
-    d = e - l
-    log_r = l - e
+    e, learner = torch.tensor(engine_lp, dtype=torch.float64), torch.tensor(learner_lp, dtype=torch.float64)
+    d = e - learner
+    log_r = learner - e
     r = log_r.exp()
     outside = (r < 1 - eps_low) | (r > 1 + eps_high)
     return {

@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         bus.create_topics(partitions_by_topic(run))
         produce_s = produce(bus, topics.trajectories, args.n, args.tokens)
         started = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "streamer.launch.cli", "metrics", "--bootstrap", broker.bootstrap,
+        proc = subprocess.Popen([sys.executable, "-m", "streamer.launch.cli", "metrics",
+                                 "--bootstrap", broker.bootstrap,
                                  "--run", run, "--window", str(args.window), "lateness_s=5", "idle_flush_s=1"])
         try:
             seen = watch(bus, topics.metrics, args.n, args.timeout, started)

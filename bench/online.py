@@ -58,7 +58,8 @@ def online_run(init: str, scenario: str, learner_sets: list[str], agent_sets: li
         engine.load_state_dict(history[0], version=trainer.step - len(history) + 1)
         trajs = [t for ts in run_tasks(engine, tok, tasks[i:i + batch], agent) for t in ts]
         for t in trajs:
-            rows.append({"seq": len(rows), "phase": t.phase, "response": tok.decode(t.tokens[t.prompt_len:]), "family": t.family, "concept": t.concept,
+            rows.append({"seq": len(rows), "phase": t.phase, "response": tok.decode(t.tokens[t.prompt_len:]),
+                         "family": t.family, "concept": t.concept,
                          "reward": t.reward, "success": t.success, "step": trainer.step,
                          "n_gen": sum(t.loss_mask), "policy_version": t.policy_version, "created_at": t.created_at})
         event = trainer.train_on(trajs)

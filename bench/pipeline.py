@@ -23,8 +23,9 @@ reference included) on a batch of the run's own trajectory lengths; (3) the figu
 - learner busy share: `streamer.runs.adaptation.learner_busy_share` (1 − Σ idle ÷ the learner's wall time).
 
 Writes <out>/pipeline.json and <out>/pipeline.png (the run itself stays in <runs-dir>/<run>/, `sao up`'s output in
-<out>/up.log). The thread count of the pipeline's learner: the learner section of the run's config.yaml (what the learner
-read), else config.json's resource plan, else the launcher's printed plan, else `--learner-threads` (default 1).
+<out>/up.log). The thread count of the pipeline's learner: the learner section of the run's config.yaml (what the
+learner read), else config.json's resource plan, else the launcher's printed plan, else `--learner-threads`
+(default 1).
 
     .venv/bin/python bench/pipeline.py                              # 600 s of sao up (+ warm start, ~1 min more)
     .venv/bin/python bench/pipeline.py --seconds 300 --learner-threads 2 -- --agents 1   # after --: to sao up

@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     t = time.perf_counter()
     simulate(long_scenario(args.tasks, args.rate), file_sink(src), seed=0, t0=1_000_000.0)
     gen_s = time.perf_counter() - t
-    cmd = [sys.executable, "-m", "streamer.launch.cli", "replay", str(src), "--speed", str(args.speed), "--out", str(out)]
+    cmd = [sys.executable, "-m", "streamer.launch.cli", "replay", str(src), "--speed", str(args.speed),
+           "--out", str(out)]
     t = time.perf_counter()
     proc = subprocess.run(cmd, check=True, capture_output=True, text=True)
     wall = time.perf_counter() - t

@@ -55,7 +55,8 @@ def frames(n: int, seed: int = 0, t0: float = 1_000_000.0, rate: float = 50.0, t
                             "staleness_max": 1.0, "task_ids": ["[]"] * n_steps,
                             "learner/clip_frac_low": 0.01 + 0.01 * np.sin(s / 7) ** 2,
                             "learner/clip_frac_high": 0.02 + 0.01 * np.cos(s / 9) ** 2,
-                            "learner/value_loss": 1.0 / (1 + s / 50), "learner/explained_variance": 1 - 1 / (1 + s / 50),
+                            "learner/value_loss": 1.0 / (1 + s / 50),
+                            "learner/explained_variance": 1 - 1 / (1 + s / 50),
                             "learner/kl": 0.001 * (1 + np.sin(s / 11) ** 2), "learner/entropy": 1.5 / (1 + s / 200),
                             "perf/idle_s": 0.05 + 0.02 * (s % 5)})
     drift = [DriftEvent(phase=ph, prev_phase=ph - 1, name=f"phase{ph}", schedule="abrupt", families=list(FAMILIES),

@@ -31,7 +31,8 @@ def minmax_indices(y: np.ndarray, max_points: int = MAX_POINTS) -> np.ndarray:
     return np.unique(keep)
 
 
-def downsample(df: pd.DataFrame, y: str, by: str | list[str] | None = None, max_points: int = MAX_POINTS) -> pd.DataFrame:
+def downsample(df: pd.DataFrame, y: str, by: str | list[str] | None = None,
+               max_points: int = MAX_POINTS) -> pd.DataFrame:
     """Min/max-bucket downsampling of `df[y]`, per group of `by` (each group gets
     max_points / number of groups points, at least 100); rows keep their order within a group."""
     if len(df) <= max_points:

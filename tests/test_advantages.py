@@ -65,7 +65,8 @@ def test_sao_advantages_decoupled_lambda():
     # normalised: A over generated = [0.1, 0.2, 0.2], mean 0.5/3, population std sqrt(2/900)
     adv, _ = sao_advantages(REWARDS, VALUES, MASK, lam_actor=0.0, normalize=True)
     std = math.sqrt(((0.1 - 1 / 6) ** 2 + 2 * (0.2 - 1 / 6) ** 2) / 3)
-    assert adv[0].tolist() == pytest.approx([0.0, (0.1 - 1 / 6) / std, (0.2 - 1 / 6) / std, 0.0, (0.2 - 1 / 6) / std], rel=1e-6)
+    assert adv[0].tolist() == pytest.approx([0.0, (0.1 - 1 / 6) / std, (0.2 - 1 / 6) / std, 0.0, (0.2 - 1 / 6) / std],
+                                            rel=1e-6)
 
 
 def test_adaptive_lambda():

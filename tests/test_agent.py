@@ -93,7 +93,8 @@ def test_multi_turn_tool_episode_masks_observations():
 
     task = next(t for t in scenario_tasks(20) if t.family == "tool")
     demo = get_family("tool").demonstrate(task)  # "<call>look(zir)</call><obs>35</obs>35"
-    call, obs, answer = demo.partition("</call>")[0] + "</call>", "<obs>" + demo.split("<obs>")[1].split("</obs>")[0] + "</obs>", task.answer
+    call, obs, answer = (demo.partition("</call>")[0] + "</call>",
+                         "<obs>" + demo.split("<obs>")[1].split("</obs>")[0] + "</obs>", task.answer)
     s = AgentSettings(max_new_tokens=16, max_turns=4)
     [tr] = rollout(ScriptedEngine({task.prompt: demo}), CharTokenizer(), task, s)
     tok = CharTokenizer()

@@ -344,8 +344,9 @@ def test_compose_pipeline_commands_run_on_the_embedded_broker(compose, kafka_bus
         cons = kafka_bus.consumer({names.metrics: MetricPoint, names.trajectories: Trajectory,
                                    names.learner: LearnerEvent})
         got, deadline = [], time.monotonic() + 60
-        total = lambda: sum(p.count for p in got if isinstance(p, MetricPoint) and p.name == "metrics/reward"
-                            and p.labels == {})
+        def total():
+            return sum(p.count for p in got if isinstance(p, MetricPoint) and p.name == "metrics/reward"
+                       and p.labels == {})
         while total() < n_tasks and time.monotonic() < deadline:
             got += [m.msg for m in cons.poll(max_records=500, timeout=0.5)]
     finally:

@@ -70,8 +70,8 @@ def test_nproc_reexecutes_under_torchrun_and_needs_megatron(capsys):
     argv = ["--backend", "megatron", "--nproc", "2", "--max-steps", "3", "--set", "x=1"]
     cmd = torchrun_argv(argv, 2)
     assert cmd[1:5] == ["-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    assert cmd[cmd.index("streamer.launch.cli"):] == ["streamer.launch.cli", "learn", "--backend", "megatron", "--max-steps",
-                                               "3", "--set", "x=1"]  # the ranks do not re-execute again
+    assert cmd[cmd.index("streamer.launch.cli"):] == ["streamer.launch.cli", "learn", "--backend", "megatron",
+                                               "--max-steps", "3", "--set", "x=1"]  # the ranks do not re-execute again
     assert main(["--nproc", "2", *as_sets(MODEL)]) == 2
     assert "only the megatron backend runs as several ranks" in capsys.readouterr().err
 

@@ -284,8 +284,9 @@ def test_faust_app_aggregates_equal_pandas(kafka_bus, kafka_run, tmp_path):
         prod.flush()
         want = expected_frame(trajs)
         n_windows = want.index.get_level_values("end").nunique()
-        done = lambda g: sum(p.name == "metrics/reward" and p.labels == {} for p in g) >= n_windows and \
-            any(p.name == "metrics/dlq" and p.value == 4 for p in g)
+        def done(g):
+            return sum(p.name == "metrics/reward" and p.labels == {} for p in g) >= n_windows and \
+                any(p.name == "metrics/dlq" and p.value == 4 for p in g)
         got += read_points(cons, done, 60)
     finally:
         proc.send_signal(signal.SIGINT)
@@ -294,7 +295,8 @@ def test_faust_app_aggregates_equal_pandas(kafka_bus, kafka_run, tmp_path):
 
     windowed = [p for p in got if p.window == W]
     assert {p.name for p in windowed} == {f"metrics/{m}" for m in
-                                         ("reward", "success_rate", "length", "staleness", "staleness_max", "throughput")}
+                                         ("reward", "success_rate", "length", "staleness", "staleness_max",
+                                          "throughput")}
     seen = {}
     for p in windowed:
         key = (p.time, tuple(sorted(p.labels.items(), key=lambda kv: kv[0] != "family")), p.name)

@@ -37,7 +37,8 @@ class ToolDemoEngine(Engine):
             call, _, rest = demo.partition("</call>")
             ids = self.tok.encode(call + "</call>") if "<obs>" not in text else \
                 self.tok.encode(rest.partition("</obs>")[2]) + [EOS_ID]
-            out.append(Generation(ids, [-0.5] * len(ids), [-0.5] * len(ids), "stop", self.version, self.tok.decode(ids)))
+            out.append(Generation(ids, [-0.5] * len(ids), [-0.5] * len(ids), "stop", self.version,
+                                  self.tok.decode(ids)))
         return out
 
     def load_state_dict(self, state_dict, version=None):

@@ -137,7 +137,8 @@ def test_bad_times_and_a_malformed_csv_row_are_rejected_not_slept_on(tmp_path):
     got = {r["row"]: (r["field"], r["error"]) for r in map(json.loads, rej.read_text().splitlines())}
     assert got[tasks[3] + 1][0] == "created_at" and "s after the previous row's time (more than --max-gap 3600 s)" \
         in got[tasks[3] + 1][1]
-    assert got[tasks[5] + 1][0] == "created_at" and got[drift + 1] == ("time", "field 'time': not a finite time >= 0: -5.0")
+    assert got[tasks[5] + 1][0] == "created_at" and \
+        got[drift + 1] == ("time", "field 'time': not a finite time >= 0: -5.0")
     with pytest.raises(ReplayError, match=rf"row {tasks[3] + 1}: field 'created_at'"):
         replay(src, QueueSink(), speed=100.0)
 

@@ -82,7 +82,8 @@ def test_validation_errors_name_file_phase_and_field(tmp_path, patch, where):
 
 
 def test_duration_in_seconds_needs_a_rate(tmp_path):
-    text = GOOD.replace("rate: 10", "rate: 0").replace("duration_tasks: 50\n    families", "duration_s: 5\n    families")
+    text = GOOD.replace("rate: 10", "rate: 0").replace("duration_tasks: 50\n    families",
+                                                       "duration_s: 5\n    families")
     with pytest.raises(ScenarioError, match=r"phase 0 \('a'\) field 'duration_s': needs the scenario's rate"):
         load_scenario(_write(tmp_path, text))
 

@@ -207,7 +207,8 @@ def _gpu_engine(policy, tmp_path):
 
     save_policy(policy, tmp_path / "p", TOK)
     # float32 so that vLLM's log-probs can be held to the learner's to 1e-3 (bf16 mismatch: bench/logprob_mismatch.py)
-    return VLLMEngine(tmp_path / "p", TOK, VLLMSettings(dtype="float32", enforce_eager=True, gpu_memory_utilization=0.2))
+    return VLLMEngine(tmp_path / "p", TOK,
+                      VLLMSettings(dtype="float32", enforce_eager=True, gpu_memory_utilization=0.2))
 
 
 def _learner_logprobs(policy, prompt: list[int], gen: list[int]) -> list[float]:

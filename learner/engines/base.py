@@ -122,7 +122,8 @@ def load_into(model: Qwen3MoeForCausalLM, state_dict: dict[str, torch.Tensor]) -
     missing, unexpected = model.load_state_dict(state_dict, strict=False)
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
     if unexpected or set(missing) - tied:
-        raise ValueError(f"load weights: missing {sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}")
+        raise ValueError(f"load weights: missing {sorted(set(missing) - tied)[:5]}, "
+                         f"unexpected {sorted(unexpected)[:5]}")
 
 
 class Engine(ABC):

@@ -34,13 +34,15 @@ class HFEngine(Engine):
             mask[i, P - len(p):] = 1
         greedy = temperature == 0
         stop_ids = sorted(spec.token_ids | ({spec.eos_id} - {None}))
-        sampling = {} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": 0}  # HF's default top_k=50 off
+        # HF's default top_k=50 off
+        sampling = {} if greedy else {"temperature": temperature, "top_p": top_p, "top_k": 0}
         with torch.random.fork_rng(devices=[]):
             if seed is not None:
                 torch.manual_seed(seed)
             out = self.model.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=0,
-                do_sample=not greedy, **sampling, eos_token_id=stop_ids or None, pad_token_id=pad, output_logits=True, output_scores=True,
+                do_sample=not greedy, **sampling, eos_token_id=stop_ids or None, pad_token_id=pad,
+                output_logits=True, output_scores=True,
                 return_dict_in_generate=True, use_cache=True,
             )
         new = out.sequences[:, P:]

@@ -48,7 +48,8 @@ class TorchSampler(Engine):
             for i, t, a, b in zip(alive, token.tolist(), lp.tolist(), slp.tolist()):
                 if reasons[i] is None:  # finished rows ride along until the next compaction; ignore them
                     toks[i].append(t), lps[i].append(a), slps[i].append(b)
-            candidates = alive if spec.strings else [alive[j] for j in torch.isin(token, stop_ids).nonzero().flatten().tolist()]
+            candidates = alive if spec.strings else [
+                alive[j] for j in torch.isin(token, stop_ids).nonzero().flatten().tolist()]
             for i in candidates:
                 if reasons[i] is None:
                     reasons[i] = spec.reason_at(toks[i], self.tokenizer)
@@ -59,7 +60,8 @@ class TorchSampler(Engine):
                 idx = torch.tensor(keep)
                 cache.select_rows(idx)
                 token, next_pos, alive = token[idx], next_pos[idx], [alive[j] for j in keep]
-            logits = forward_step(pw, cache, token[:, None], next_pos, torch.ones(len(alive), 1, dtype=torch.bool), rope)
+            logits = forward_step(pw, cache, token[:, None], next_pos, torch.ones(len(alive), 1, dtype=torch.bool),
+                                  rope)
             next_pos = next_pos + 1
         out = []
         for i in range(B):

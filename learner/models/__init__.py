@@ -20,7 +20,8 @@ from learner.models.value import ValueModel
 
 __all__ = [
     "CharTokenizer", "ModelConfig", "ValueModel", "build_policy", "count_params", "entropy_from_logits",
-    "expert_counts", "from_hf_config", "hf_tokenizer", "save_hf_tokenizer", "load_balancing_loss", "load_policy", "logprobs_and_entropy",
+    "expert_counts", "from_hf_config", "hf_tokenizer", "save_hf_tokenizer", "load_balancing_loss", "load_policy",
+    "logprobs_and_entropy",
     "logprobs_from_logits", "policy_logits", "position_ids_from_mask", "router_logits", "save_policy",
     "to_hf_config", "token_entropy", "token_logprobs", "values",
 ]

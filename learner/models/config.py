@@ -37,11 +37,14 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"ModelConfig.hidden_size={self.hidden_size} is not a multiple of num_heads={self.num_heads}")
+            raise ValueError(f"ModelConfig.hidden_size={self.hidden_size} "
+                             f"is not a multiple of num_heads={self.num_heads}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"ModelConfig.num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+            raise ValueError(f"ModelConfig.num_heads={self.num_heads} "
+                             f"is not a multiple of num_kv_heads={self.num_kv_heads}")
         if not 1 <= self.experts_per_token <= self.num_experts:
-            raise ValueError(f"ModelConfig.experts_per_token={self.experts_per_token} must be in 1..num_experts={self.num_experts}")
+            raise ValueError(f"ModelConfig.experts_per_token={self.experts_per_token} "
+                             f"must be in 1..num_experts={self.num_experts}")
         if self.attn_implementation not in ("sdpa", "eager"):
             raise ValueError(f"ModelConfig.attn_implementation={self.attn_implementation!r}: use 'sdpa' or 'eager'")
 

@@ -73,7 +73,8 @@ def pack_weights(model: Qwen3MoeForCausalLM) -> PackedWeights:
             raise ValueError("pack_weights: attention_bias=True is not supported")
     rope = model.model.rotary_emb
     return PackedWeights(
-        embed=model.model.embed_tokens.weight.detach().clone(), layers=layers, final_norm=model.model.norm.weight.detach().clone(),
+        embed=model.model.embed_tokens.weight.detach().clone(), layers=layers,
+        final_norm=model.model.norm.weight.detach().clone(),
         lm_head=model.lm_head.weight.detach().clone(), inv_freq=rope.inv_freq.detach().float(),
         rope_scale=float(rope.attention_scaling), num_heads=cfg.num_attention_heads,
         num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.hidden_size // cfg.num_attention_heads,

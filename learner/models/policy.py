@@ -17,7 +17,8 @@ from learner.models.config import ModelConfig, to_hf_config
 from learner.models.tokenizer import CharTokenizer, save_hf_tokenizer
 
 
-def build_policy(cfg: ModelConfig | None = None, vocab_size: int | None = None, seed: int | None = 0) -> Qwen3MoeForCausalLM:
+def build_policy(cfg: ModelConfig | None = None, vocab_size: int | None = None,
+                 seed: int | None = 0) -> Qwen3MoeForCausalLM:
     """A freshly initialised fp32 policy; `vocab_size` defaults to the char tokenizer's."""
     cfg = cfg or ModelConfig()
     vocab_size = vocab_size or CharTokenizer().vocab_size

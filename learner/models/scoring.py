@@ -34,7 +34,8 @@ def _check(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torc
     if attention_mask is None:
         return torch.ones_like(input_ids)
     if attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} does not match input_ids {tuple(input_ids.shape)}")
+        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} "
+                         f"does not match input_ids {tuple(input_ids.shape)}")
     return attention_mask
 
 
@@ -116,7 +117,8 @@ def logprobs_and_entropy(model: Qwen3MoeForCausalLM, input_ids: torch.Tensor,
             entropy_from_logits(logits, mask, temperature))
 
 
-def values(value_model: ValueModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+def values(value_model: ValueModel, input_ids: torch.Tensor,
+           attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """[B, T]: V(prefix ending at token t); 0 at padding."""
     mask = _check(input_ids, attention_mask)
     v = value_model(input_ids, mask, position_ids_from_mask(mask))
@@ -152,7 +154,8 @@ def expert_counts(router: list[torch.Tensor], top_k: int, attention_mask: torch.
     return torch.stack(counts)
 
 
-def load_balancing_loss(router: list[torch.Tensor], top_k: int, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+def load_balancing_loss(router: list[torch.Tensor], top_k: int,
+                        attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Switch/Qwen3-MoE auxiliary loss E * sum_e f_e * P_e over real tokens (transformers' formula)."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 

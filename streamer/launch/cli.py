@@ -6,7 +6,8 @@ import importlib
 import sys
 
 COMMANDS = {
-    "up": ("streamer.launch.up", "run the whole pipeline on the embedded default (broker, simulator, agents, learner, metrics, dashboard)"),
+    "up": ("streamer.launch.up",
+           "run the whole pipeline on the embedded default (broker, simulator, agents, learner, metrics, dashboard)"),
     "broker": ("streamer.transport.broker", "run the embedded Kafka-protocol broker in the foreground"),
     "simulate": ("simulator.run", "generate a task stream from a drift scenario (to a file, a queue or Kafka)"),
     "replay": ("simulator.replay", "replay a recorded task stream (JSONL, Parquet, CSV) with its timing"),
@@ -14,7 +15,8 @@ COMMANDS = {
     "pretrain": ("learner.pretrain", "supervised warm start of the tiny policy"),
     "agent": ("streamer.agent.agent", "single-rollout agent: tasks -> trajectories"),
     "learn": ("learner.train", "continuous SAO learner: trajectories -> policy versions"),
-    "eval": ("streamer.agent.evaluator", "held-out greedy eval of each policy version -> eval/reward per (family, concept)"),
+    "eval": ("streamer.agent.evaluator",
+             "held-out greedy eval of each policy version -> eval/reward per (family, concept)"),
     "tap": ("streamer.runs.tap", "record a run's topics into its run directory (trajectories, drift, metrics)"),
     "metrics": ("streamer.metrics.app", "faust metrics app: windowed aggregates -> <run>.metrics"),
     "dashboard": ("dashboard.launch", "Streamlit dashboard"),

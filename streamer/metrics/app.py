@@ -260,8 +260,10 @@ def run(settings: MetricsSettings) -> int:
 def parse_args(argv: list[str]) -> MetricsSettings:
     ap = argparse.ArgumentParser(prog="sao metrics", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--bootstrap", default="", help="Kafka bootstrap servers (default: $SAO_BOOTSTRAP or 127.0.0.1:9092)")
-    ap.add_argument("--run", default=os.environ.get(RUN_ENV, "") or None, help="run prefix of the topics (default: $SAO_RUN)")
+    ap.add_argument("--bootstrap", default="",
+                    help="Kafka bootstrap servers (default: $SAO_BOOTSTRAP or 127.0.0.1:9092)")
+    ap.add_argument("--run", default=os.environ.get(RUN_ENV, "") or None,
+                    help="run prefix of the topics (default: $SAO_RUN)")
     ap.add_argument("--window", type=float, default=None, help="tumbling window in seconds (default 5)")
     add_config_args(ap, "MetricsSettings", "lateness_s=2")
     args = ap.parse_args(argv)
