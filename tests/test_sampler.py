@@ -151,7 +151,7 @@ def test_factory_and_bad_input(policy, tmp_path):
         make_engine("jax", policy, TOK)
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         engine.generate([[1, 5], []], 4)
-    with pytest.raises(ValueError, match=f"prompt 0 has token ids outside"):
+    with pytest.raises(ValueError, match="prompt 0 has token ids outside"):
         engine.generate([[1, V + 3]], 4)
     with pytest.raises(ValueError, match="top_p"):
         engine.generate([[1]], 4, top_p=0.0)
