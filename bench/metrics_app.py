@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         proc = subprocess.Popen([sys.executable, "-m", "streamer.launch.cli", "metrics",
                                  "--bootstrap", broker.bootstrap,
-                                 "--run", run, "--window", str(args.window), "lateness_s=5", "idle_flush_s=1"])
+                                 "--run", run, "--window", str(args.window), "--set", "lateness_s=5",
+                                 "--set", "idle_flush_s=1"])
         try:
             seen = watch(bus, topics.metrics, args.n, args.timeout, started)
         finally:

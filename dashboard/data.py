@@ -19,9 +19,9 @@ import numpy as np
 import pandas as pd
 
 from dashboard.downsample import downsample
-from streamer.metrics.reductions import reduce_values
 from streamer.runs import adaptation as ad
 from streamer.runs import artifacts as art
+from streamer.wire.reductions import reduce_values
 
 X_AXES = {"wall time (s)": "x_time", "trajectories": "x_traj", "learner steps": "x_step"}
 

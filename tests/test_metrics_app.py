@@ -263,9 +263,9 @@ def test_faust_app_aggregates_equal_pandas(kafka_bus, kafka_run, tmp_path):
     # lateness covers the whole stream: the two partitions interleave arbitrarily, so every window
     # closes by the idle flush and none is late.
     proc = subprocess.Popen([sys.executable, "-m", "streamer.launch.cli", "metrics", "--bootstrap", kafka_bus.bootstrap,
-                             "--run", kafka_run, "--window", str(W), "lateness_s=100", "idle_flush_s=2",
-                             "max_message_bytes=100000",
-                             "loglevel=INFO"], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+                             "--run", kafka_run, "--window", str(W), "--set", "lateness_s=100",
+                             "--set", "idle_flush_s=2", "--set", "max_message_bytes=100000", "--set", "loglevel=INFO"],
+                            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
         cons = kafka_bus.consumer({names.metrics: MetricPoint})
         # wait until the app has the learner version, so staleness is deterministic

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from streamer.metrics.reductions import REDUCTIONS, UnknownMetric, reduce_values, reduction
 from streamer.metrics.windows import METRICS
+from streamer.wire.reductions import REDUCTIONS, UnknownMetric, reduce_values, reduction
 
 
 def test_each_reduction_by_hand():

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from streamer.wire.reductions import reduction
 from streamer.wire.schema import Trajectory, decode_json, encode_json
 
 
@@ -86,16 +87,18 @@ class RankGroup:
         return [decode_json(line, Trajectory) for line in bytes(buf.cpu().numpy()).split(b"\n") if line]
 
     def reduce_metrics(self, m: dict[str, float]) -> dict[str, float]:
-        """Per-rank weighted sums -> whole-batch values: weighted keys summed / W, n_tokens summed,
-        *_max maxed. Every rank must pass the same keys (the same loss function does)."""
+        """Per-rank weighted sums -> whole-batch values by each key's declared reduction
+        (streamer.wire.reductions): means summed / W, sums summed, maxima maxed. Every rank must pass the same
+        keys (the same loss function does)."""
         keys = sorted(m)
-        mx = [k for k in keys if k.endswith("_max")]
-        rest = [k for k in keys if not k.endswith("_max")]
+        mx = [k for k in keys if reduction(f"learner/{k}") == "max"]
+        rest = [k for k in keys if k not in mx]
         out: dict[str, float] = {}
         if rest:
             t = torch.tensor([m[k] for k in rest], dtype=torch.float64, device=self.device)
             dist.all_reduce(t)
-            out.update({k: float(v) if k == "n_tokens" else float(v) / self.world for k, v in zip(rest, t.tolist())})
+            out.update({k: float(v) if reduction(f"learner/{k}") == "sum" else float(v) / self.world
+                        for k, v in zip(rest, t.tolist())})
         if mx:
             t = torch.tensor([m[k] for k in mx], dtype=torch.float64, device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)

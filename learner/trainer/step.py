@@ -41,6 +41,7 @@ from learner.config import LearnerConfig
 from learner.models.scoring import logprobs_and_entropy, token_logprobs, values
 from learner.trainer.batching import Batch, group_key
 from learner.trainer.ranks import Shard
+from streamer.wire.reductions import reduction
 
 
 @dataclass
@@ -139,10 +140,13 @@ def prepare(cfg: LearnerConfig, models: Models, batch: Batch) -> dict[str, torch
 
 
 def _accumulate(total: dict[str, float], metrics: dict[str, float], w: float, empty: bool = False) -> None:
+    """Micro-batch metrics into the batch's, by each metric's declared reduction (streamer.wire.reductions):
+    max, sum, or a mean weighted by the micro-batch's share `w`."""
     for k, v in metrics.items():
-        if k.endswith("_max"):  # an all-padding micro-batch (they come last) keeps the max
+        how = reduction(f"learner/{k}")
+        if how == "max":  # an all-padding micro-batch (they come last) keeps the max
             total[k] = v if k not in total else total[k] if empty else max(total[k], v)
-        elif k == "n_tokens":
+        elif how == "sum":
             total[k] = total.get(k, 0.0) + v
         else:
             total[k] = total.get(k, 0.0) + w * v

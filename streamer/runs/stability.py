@@ -5,7 +5,7 @@ mean entropy of the last tenth of policy steps below 10% of the first tenth's; n
 fewer than 10 policy steps). The reward of the first and last windows and the largest KL (k3)
 between learner and behaviour policy are reported, not judged: drifts lower the reward by design,
 and at high staleness the KL is large by construction. Policy steps leave out critic warm-up.
-Each learner metric reduces over the run as `streamer.metrics.reductions` declares.
+Each learner metric reduces over the run as `streamer.wire.reductions` declares.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from streamer.metrics.reductions import reduce_values
+from streamer.wire.reductions import reduce_values
 from streamer.runs.reward import mean_or_nan
 
 CLIP_METRICS = ("learner/clip_frac", "learner/clip_frac_low", "learner/clip_frac_high")

@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 import pandas as pd
 
-from streamer.metrics.reductions import reduce_values
+from streamer.wire.reductions import reduce_values
 from streamer.runs import adaptation as ad
 from streamer.runs.layout import finite
 from streamer.runs.readers import read_drift, read_learner, read_trajectories

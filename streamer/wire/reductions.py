@@ -61,7 +61,7 @@ class UnknownMetric(KeyError):
 
     def __str__(self) -> str:
         return (f"metric {self.args[0]!r} has no declared reduction: add it to "
-                f"streamer.metrics.reductions.REDUCTIONS (mean, sum, max or last)")
+                f"streamer.wire.reductions.REDUCTIONS (mean, sum, max or last)")
 
 
 def reduction(name: str) -> Reduction:
