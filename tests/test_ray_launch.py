@@ -280,8 +280,10 @@ def test_megatron_learner_gang_resumes_after_a_rank_dies_and_trains_each_traject
     traj_file = write_trajectories(tmp_path / "trajs.jsonl", trajs[:24], append=False)
     ck = tmp_path / "ck"
     argv = ["learn", "--backend", "megatron", "--follow", "--trajectories", str(traj_file), "--checkpoint-dir",
-            str(ck), *TINY_OVERRIDES, "model.experts_per_token=2", "backend.expert_parallel=2", "threads=1",
-            "loss.kl_coef=0", "batch.tokens=100000", "batch.max_trajectories=4", "checkpoint.every=2"]
+            str(ck)]
+    argv += [arg for kv in [*TINY_OVERRIDES, "model.experts_per_token=2", "backend.expert_parallel=2", "threads=1",
+                            "loss.kl_coef=0", "batch.tokens=100000", "batch.max_trajectories=4", "checkpoint.every=2"]
+             for arg in ("--set", kv)]
     cfg = ray_config("", ["learner_workers=2", "learner.num_cpus=0.5", "stop_timeout_s=15"])
     sup = RaySupervisor(tmp_path / "logs", {}, cfg)
     events = ck / "events.jsonl"

@@ -54,7 +54,7 @@ def effective_events(path: Path) -> tuple[list[LearnerEvent], int]:
 
 def learn(traj_file: Path, ckpt_dir: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "learner.train", "--trajectories", str(traj_file),
-           "--checkpoint-dir", str(ckpt_dir), *OVERRIDES]
+           "--checkpoint-dir", str(ckpt_dir), *[arg for kv in OVERRIDES for arg in ("--set", kv)]]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
