@@ -29,7 +29,7 @@ from streamer.launch.resources import (
     plan_resources,
 )
 from streamer.metrics.app import MetricsSettings
-from streamer.wire.config import ConfigError, load_config, read_yaml
+from streamer.wire.config import ConfigError, load_config, read_yaml, to_dict
 from streamer.wire.settings import AgentSettings
 
 # a batch must close at --batch trajectories, not at a token budget: agents generate exactly one batch per version
@@ -181,8 +181,6 @@ def is_derived(key: str) -> bool:
 def pin_derived(cfg: RunConfig, overrides: list[str]) -> RunConfig:
     """A copy of `cfg` with derived keys set by hand, for benchmarks that pin them on purpose (tables measured
     before learner-paced admission). Users go through `load_run_config`, which refuses them."""
-    from streamer.wire.config import to_dict
-
     return load_config(RunConfig, None, list(overrides), base=to_dict(cfg))
 
 
