@@ -2,7 +2,7 @@
 
     sao up --ray                                        # a local Ray instance (ray.init())
     sao up --ray-address auto --bootstrap kafka:9092    # join the cluster this node belongs to
-    sao up --ray-address ray://head:10001 --bootstrap kafka:9092 --ray-set agent.num_cpus=2
+    sao up --ray-address ray://head:10001 --bootstrap kafka:9092 --set ray.agent.num_cpus=2
 
 Each agent, and each learner rank, is one `streamer.launch.ray_actor.RoleActor`: it runs the very `sao <argv>` the local
 launcher would run, as a child process of the actor (its log in `<run>/logs/<role>.log` on the
@@ -187,7 +187,7 @@ class ActorRole:
         self.warned = True
         free = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "GPU")}
         print(f"warning: {self.name} has not started after 60 s: it asks for {self.demand}, the cluster has {free} "
-              "free (lower it with --ray-set, e.g. agent.num_cpus=0.5)", file=sys.stderr, flush=True)
+              "free (lower it with --set ray.agent.num_cpus=0.5)", file=sys.stderr, flush=True)
 
     def restart_gang(self) -> None:
         import ray

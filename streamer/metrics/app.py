@@ -1,7 +1,7 @@
 """The faust metrics app: `<run>.trajectories` + `<run>.learner` -> windowed `MetricPoint`s on `<run>.metrics`.
 
 Values travel as raw bytes and are decoded with msgspec (`streamer.wire.schema.decode`), never with
-faust's codecs. Bad messages go to `<run>.dlq` as a `streamer.transport.bus.DeadLetter` (reason + original
+faust's codecs. Bad messages go to `<run>.dlq` as a `streamer.wire.schema.DeadLetter` (reason + original
 bytes) and are counted (`metrics/dlq`). The aggregation lives in `streamer.metrics.windows` (pure);
 `MetricsState` joins it to the learner version (no I/O); `build_app` wires both to faust.
 At-least-once processing (faust's exactly-once needs idempotent producers, which Tansu lacks).
@@ -69,7 +69,7 @@ class MetricsSettings:
 
 def dead_letter(topic: str, partition: int, offset: int, key: bytes | None, value: bytes | None,
                 reason: str, expected: str) -> bytes:
-    """The DLQ record every consumer of the project writes (`streamer.transport.bus.DeadLetter`), msgpack-encoded."""
+    """The DLQ record every consumer of the project writes (`streamer.wire.schema.DeadLetter`), msgpack-encoded."""
     value = value or b""
     return encode(DeadLetter(topic=topic, partition=partition, offset=offset, key=key,
                              value=value[:DLQ_MAX_VALUE_BYTES], value_len=len(value), reason=reason,

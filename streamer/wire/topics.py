@@ -11,7 +11,7 @@ from streamer.wire.settings import TopicSettings
 KINDS = ("tasks", "trajectories", "policy", "learner", "metrics", "drift", "dlq")
 _RUN_RE = re.compile(r"^[A-Za-z0-9_-]{1,200}$")  # a topic name allows [A-Za-z0-9._-]; '.' separates the kind
 
-# The message type of each topic kind (the DLQ carries streamer.transport.bus.DeadLetter).
+# The message type of each topic kind (the DLQ carries streamer.wire.schema.DeadLetter).
 TYPES: dict[str, type] = {
     "tasks": Task,
     "trajectories": Trajectory,
