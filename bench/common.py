@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 
 from streamer.runs import adaptation as ad
+from streamer.runs.layout import finite  # NaN/inf -> null, numpy scalars -> Python, recursively
 
 BASE_SCENARIO = "benchmark"
 CACHE_DIR = "runs/bench/cache"  # warm starts shared by the three benchmarks (keyed by their config)
@@ -175,12 +176,6 @@ def read_run(run_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, list[dict
     return traj, read_learner(run_dir), [msgspec.to_builtins(e) for e in read_drift(run_dir)]
 
 
-def read_summary(run_dir: str | Path) -> dict[str, Any] | None:
-    from streamer.runs.artifacts import read_summary as _read
-
-    return _read(run_dir)
-
-
 def token_prefix(traj: pd.DataFrame, budget: int) -> pd.DataFrame:
     """The trajectories, in finish order, whose cumulative generated tokens stay within `budget`."""
     if not len(traj) or budget <= 0:
@@ -218,21 +213,6 @@ def mean_ci(values) -> dict[str, float]:
 
 def machine() -> dict[str, Any]:
     return {"cpus": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2), "platform": platform.platform()}
-
-
-def finite(obj: Any) -> Any:
-    """NaN/inf -> None, numpy scalars -> Python, recursively (JSON has no NaN)."""
-    if isinstance(obj, dict):
-        return {str(k): finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [finite(v) for v in obj]
-    if obj is pd.NA:
-        return None
-    if hasattr(obj, "item") and callable(obj.item):
-        obj = obj.item()
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    return obj
 
 
 def save_json(obj: Any, path: Path) -> Path:

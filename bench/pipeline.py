@@ -57,6 +57,7 @@ if __package__ in (None, ""):  # `python bench/pipeline.py`
 from bench import common as c  # noqa: E402
 from streamer.runs import adaptation as ad  # noqa: E402
 from streamer.runs import artifacts as art  # noqa: E402
+from streamer.wire.config import ConfigError, read_yaml  # noqa: E402
 
 GOAL_TOKENS_RATIO = 0.5
 GOAL_TRAINED = 0.9
@@ -141,11 +142,9 @@ _PLAN_LINE = re.compile(r"learner\b[^\n]*?(?:(\d+)\s*(?:torch\s+)?threads?\b|thr
 
 def _yaml_learner_threads(path: Path) -> int | None:
     """The learner section's threads in the run's config.yaml (what the learner read)."""
-    import yaml
-
     try:
-        threads = ((yaml.safe_load(path.read_text()) or {}).get("learner") or {}).get("threads")
-    except (OSError, yaml.YAMLError):
+        threads = (read_yaml(path).get("learner") or {}).get("threads")
+    except ConfigError:  # no config.yaml (a run from before it), or not YAML
         return None
     return threads if isinstance(threads, int) else None
 

@@ -22,7 +22,7 @@ from learner.trainer.ranks import shard_rows
 from learner.trainer.source import FileSource, write_trajectories
 from learner.trainer.synthetic import TINY_OVERRIDES, synthetic_trajectories
 from streamer.transport.weights import WeightStore
-from streamer.wire.config import ConfigError, load_config
+from streamer.wire.config import ConfigError, load_config, set_args
 
 REPO = Path(__file__).resolve().parents[1]
 # megatron-core refuses top-1 routing with renormalised gates: the tiny model with 4 experts, top-2
@@ -31,11 +31,6 @@ MODEL = TINY_OVERRIDES + ["model.num_experts=4", "model.experts_per_token=2", "l
 TRAIN = MODEL + ["threads=1", "batch.max_trajectories=7", "batch.tokens=100000", "batch.micro_batch=2",
                  "checkpoint.every=1", "value.warmup_steps=0"]  # policy updates from the first step
 LR = LearnerConfig().optim.lr  # the policy AdamW rate
-
-
-def as_sets(overrides: list[str]) -> list[str]:
-    """`sao learn` command-line overrides: --set KEY=VALUE each."""
-    return [arg for kv in overrides for arg in ("--set", kv)]
 
 
 # ---------------------------------------------------------------------- pure pieces
@@ -51,9 +46,9 @@ def test_shard_rows_by_hand():
 
 
 def test_backend_config_and_flags():
-    cfg = build_config(parse_args(["--backend", "megatron", *as_sets(["backend.expert_parallel=2", *MODEL])]))
+    cfg = build_config(parse_args(["--backend", "megatron", *set_args(["backend.expert_parallel=2", *MODEL])]))
     assert (cfg.backend.name, cfg.backend.expert_parallel) == ("megatron", 2)
-    assert build_config(parse_args(as_sets(["backend.name=megatron", *MODEL]))).backend.name == "megatron"
+    assert build_config(parse_args(set_args(["backend.name=megatron", *MODEL]))).backend.name == "megatron"
     with pytest.raises(ConfigError, match="backend.expert_parallel: 3 does not divide model.num_experts 4"):
         load_config(LearnerConfig, None, MODEL + ["backend.name=megatron", "backend.expert_parallel=3"])
     with pytest.raises(ConfigError, match="backend.name: 'deepspeed' is not one of torch, megatron"):
@@ -72,7 +67,7 @@ def test_nproc_reexecutes_under_torchrun_and_needs_megatron(capsys):
     assert cmd[1:5] == ["-m", "torch.distributed.run", "--nproc_per_node", "2"]
     assert cmd[cmd.index("streamer.launch.cli"):] == ["streamer.launch.cli", "learn", "--backend", "megatron",
                                                "--max-steps", "3", "--set", "x=1"]  # the ranks do not re-execute again
-    assert main(["--nproc", "2", *as_sets(MODEL)]) == 2
+    assert main(["--nproc", "2", *set_args(MODEL)]) == 2
     assert "only the megatron backend runs as several ranks" in capsys.readouterr().err
 
 
@@ -101,7 +96,7 @@ def traj_file(tmp_path_factory) -> Path:
 def _learn(traj: Path, root: Path, max_steps: int) -> None:
     cmd = [sys.executable, "-m", "streamer.launch.cli", "learn", "--backend", "megatron", "--nproc", "2",
            "--set", "backend.expert_parallel=2", "--trajectories", str(traj), "--checkpoint-dir", str(root / "ck"),
-           "--weights-dir", str(root / "w"), "--max-steps", str(max_steps), *as_sets(TRAIN)]
+           "--weights-dir", str(root / "w"), "--max-steps", str(max_steps), *set_args(TRAIN)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]

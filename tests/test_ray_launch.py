@@ -14,7 +14,7 @@ import msgspec
 import pytest
 from kafka_fixtures import scenario_tasks
 
-from streamer.wire.config import ConfigError
+from streamer.wire.config import ConfigError, set_args
 from streamer.wire.schema import LearnerEvent, Trajectory
 from streamer.wire.topics import Topics, partitions_by_topic
 
@@ -281,9 +281,8 @@ def test_megatron_learner_gang_resumes_after_a_rank_dies_and_trains_each_traject
     ck = tmp_path / "ck"
     argv = ["learn", "--backend", "megatron", "--follow", "--trajectories", str(traj_file), "--checkpoint-dir",
             str(ck)]
-    argv += [arg for kv in [*TINY_OVERRIDES, "model.experts_per_token=2", "backend.expert_parallel=2", "threads=1",
-                            "loss.kl_coef=0", "batch.tokens=100000", "batch.max_trajectories=4", "checkpoint.every=2"]
-             for arg in ("--set", kv)]
+    argv += set_args([*TINY_OVERRIDES, "model.experts_per_token=2", "backend.expert_parallel=2", "threads=1",
+                      "loss.kl_coef=0", "batch.tokens=100000", "batch.max_trajectories=4", "checkpoint.every=2"])
     cfg = ray_config("", ["learner_workers=2", "learner.num_cpus=0.5", "stop_timeout_s=15"])
     sup = RaySupervisor(tmp_path / "logs", {}, cfg)
     events = ck / "events.jsonl"

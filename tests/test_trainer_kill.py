@@ -28,7 +28,7 @@ from learner.trainer.checkpoint import latest_checkpoint
 from learner.trainer.loop import Trainer
 from learner.trainer.source import BusSource, FileSource, write_trajectories
 from learner.trainer.synthetic import TINY_OVERRIDES, synthetic_trajectories, tiny_model_config
-from streamer.wire.config import load_config
+from streamer.wire.config import load_config, set_args
 from streamer.wire.schema import LearnerEvent, Trajectory
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +54,7 @@ def effective_events(path: Path) -> tuple[list[LearnerEvent], int]:
 
 def learn(traj_file: Path, ckpt_dir: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "learner.train", "--trajectories", str(traj_file),
-           "--checkpoint-dir", str(ckpt_dir), *[arg for kv in OVERRIDES for arg in ("--set", kv)]]
+           "--checkpoint-dir", str(ckpt_dir), *set_args(OVERRIDES)]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from streamer.launch.processes import Role, Supervisor
 from streamer.launch.resources import AGENT_NICE, SIDE_NICE, thread_env
 from streamer.launch.run_config import RunConfig, UpConfig, bind_init, load_run_config, max_lag_default, seed_of
-from streamer.wire.config import ConfigError, add_config_args, write_yaml
+from streamer.wire.config import ConfigError, add_config_args, set_args, write_yaml
 
 FLAGS = {  # flag -> (type, help); each sets the launch field of the same name (defaults: UpConfig)
     "scenario": (str, "scenario file or name under simulator/scenarios/"),
@@ -95,7 +95,7 @@ def roles(cfg: RunConfig, config_file: Path, run_dir: Path, bootstrap: str) -> l
     for i in range(plan.agents):
         agent = ["agent", *common, "--status-file", str(run_dir / f"agent-{i}.json")]
         if up.seed >= 0:
-            agent += ["--set", f"seed={seed_of(up, 1 + i, cfg.agent.seed)}"]
+            agent += set_args([f"seed={seed_of(up, 1 + i, cfg.agent.seed)}"])
         out.append(Role(f"agent-{i}", agent, env=thread_env(plan.agent_threads), nice=AGENT_NICE))
     run = ["--run", up.run, "--bootstrap", bootstrap]
     if plan.eval:

@@ -145,6 +145,11 @@ def write_yaml(cfg: Any, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
 
+def set_args(overrides: list[str]) -> list[str]:
+    """`KEY=VALUE` overrides as command-line arguments: `--set KEY=VALUE` each."""
+    return [arg for kv in overrides for arg in ("--set", kv)]
+
+
 def add_config_args(parser, what: str, example: str) -> None:
     """The one override syntax of every command: `--config FILE` then `--set KEY=VALUE`, repeatable."""
     parser.add_argument("--config", default=None,
