@@ -18,6 +18,7 @@ import time
 from simulator.generator import generate
 from simulator.scenario import Scenario, ScenarioError, load_scenario
 from simulator.sinks import TaskSink, file_sink
+from streamer.wire.config import ConfigError, read_yaml
 from streamer.wire.schema import DriftEvent
 
 
@@ -68,12 +69,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="with --bootstrap: publish only while fewer than N tasks are uncommitted by --group "
                         "(0: no back-pressure; file sinks ignore it)")
     p.add_argument("--group", default="", help="consumer group whose commits --max-lag watches (default <run>.agents)")
+    p.add_argument("--run-config", metavar="FILE",
+                   help="a run's config.yaml (`sao up --prepare`): its scenario, seed and derived back-pressure "
+                        "bound (launch section) replace --scenario, --seed and --max-lag")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a scenario field")
     args = p.parse_args(argv)
+    if args.run_config:
+        try:
+            launch = read_yaml(args.run_config, "launch")
+        except ConfigError as e:
+            p.error(str(e))
+        args.scenario, args.max_lag = launch.get("scenario", args.scenario), int(launch.get("max_lag", args.max_lag))
+        args.seed = launch["seed"] if launch.get("seed", -1) >= 0 else args.seed
     if bool(args.out) == bool(args.bootstrap):
         p.error("give exactly one of --out FILE, --bootstrap SERVERS")
     if args.max_lag < 0:
-        p.error("--max-lag: must be >= 0 (0: no back-pressure)")
+        p.error(f"--max-lag {args.max_lag}: must be >= 0 (0: no back-pressure)"
+                + (f"; {args.run_config} was not written by `sao up --prepare`" if args.run_config else ""))
     return args
 
 

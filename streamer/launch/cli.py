@@ -9,6 +9,7 @@ COMMANDS = {
     "up": ("streamer.launch.up",
            "run the whole pipeline on the embedded default (broker, simulator, agents, learner, metrics, dashboard)"),
     "broker": ("streamer.transport.broker", "run the embedded Kafka-protocol broker in the foreground"),
+    "topics": ("streamer.launch.topics", "create a run's topics with the project's partition counts"),
     "simulate": ("simulator.run", "generate a task stream from a drift scenario (to a file, a queue or Kafka)"),
     "replay": ("simulator.replay", "replay a recorded task stream (JSONL, Parquet, CSV) with its timing"),
     "record": ("streamer.runs.record", "tap a topic into a task-stream file"),

@@ -4,6 +4,7 @@
     sao up --scenario benchmark --agents 3 --loss ppo
     sao up --bootstrap kafka:9092 --no-dashboard --batch 32 --staleness 4 --set learner.optim.lr=1e-4
     sao up --config my-run.yaml --set agent.concurrency=8 --set pretrain.steps=600
+    sao up --prepare --runs-dir /app/runs    # warm start and config.yaml only (docker compose's `prepare` step)
 
 Warms up the tiny policy (cached under runs/cache), starts the embedded broker (unless
 --bootstrap) and creates the run's topics, then runs the metrics app, the learner, the agents, the
@@ -61,8 +62,13 @@ SWITCHES = {  # flag -> (field, value, help)
 }
 
 
+PREPARE_HELP = ("warm start (cached) and write <runs-dir>/<run>/config.yaml, then exit: the roles started "
+                "elsewhere (docker compose) read their sections of it")
+
+
 def parse_args(argv: list[str]) -> RunConfig:
     p = argparse.ArgumentParser(prog="sao up", description=__doc__.split("\n")[0])
+    p.add_argument("--prepare", action="store_true", help=PREPARE_HELP)
     add_config_args(p, "run (sections launch, pretrain, learner, agent, metrics, ray)", "learner.optim.lr=1e-4")
     for name, (kind, help_) in FLAGS.items():
         p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=argparse.SUPPRESS, help=help_)
@@ -70,6 +76,7 @@ def parse_args(argv: list[str]) -> RunConfig:
         p.add_argument(f"--{name.replace('_', '-')}", dest=dest, action="store_const", const=value,
                        default=argparse.SUPPRESS, help=help_)
     args = vars(p.parse_args(argv))
+    args.pop("prepare")  # read by main
     path, overrides = args.pop("config"), args.pop("overrides")
     try:
         return load_run_config(path, overrides, args)
@@ -81,6 +88,23 @@ def warm_start(cfg: RunConfig) -> Path:
     from learner.pretrain import pretrain
 
     return pretrain(cfg.pretrain, log=lambda line: print(line, flush=True))
+
+
+def prepare(cfg: RunConfig) -> Path:
+    """The plan, the warm start, then runs/<run>/config.yaml (the run configuration every role reads)."""
+    up = cfg.launch
+    adm, (batch, staleness) = up.admission(), up.pacing()
+    print(f"{up.plan().describe()}\nadmission: learner batch {batch}, staleness "
+          f"<= {staleness}; each agent starts {adm.tasks_per_version} task(s) per version, "
+          f"{adm.versions_ahead} version(s) ahead", flush=True)
+    print("[1/4] warm start of the tiny policy (supervised, cached under runs/cache); nothing else runs meanwhile",
+          flush=True)
+    bind_init(cfg, warm_start(cfg))  # before the broker: the 2 cores of a small machine are the warm start's alone
+    up.max_lag = max_lag_default(cfg)  # for a simulator started elsewhere (`sao simulate --run-config`)
+    config_file = Path(up.runs_dir) / up.run / "config.yaml"
+    config_file.parent.mkdir(parents=True, exist_ok=True)
+    write_yaml(cfg, config_file)
+    return config_file
 
 
 def roles(cfg: RunConfig, config_file: Path, run_dir: Path, bootstrap: str) -> list[Role]:
@@ -187,15 +211,10 @@ def run(cfg: RunConfig, stop: Stop | None = None) -> int:
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     for stale in run_dir.glob("agent-*.json"):  # a restarted agent resumes from its status: not an older run's
         stale.unlink()
-    adm, (batch, staleness) = up.admission(), up.pacing()
-    print(f"{up.plan().describe()}\nadmission: learner batch {batch}, staleness "
-          f"<= {staleness}; each agent starts {adm.tasks_per_version} task(s) per version, "
-          f"{adm.versions_ahead} version(s) ahead", flush=True)
-    print("[1/4] warm start of the tiny policy (supervised, cached under runs/cache); nothing else runs meanwhile",
-          flush=True)
+    adm = up.admission()
     try:
-        init = warm_start(cfg)  # before the broker: the 2 cores of a small machine are the warm start's alone
-        bind_init(cfg, init)
+        config_file = prepare(cfg)
+        init = Path(cfg.agent.model)
     except KeyboardInterrupt:
         print("stopping: interrupted during the warm start (nothing else was started)", flush=True)
         return 130
@@ -206,8 +225,6 @@ def run(cfg: RunConfig, stop: Stop | None = None) -> int:
         print(f"      embedded Tansu at {broker.bootstrap}", flush=True)
     bootstrap = up.bootstrap or broker.bootstrap
     env = {"SAO_BOOTSTRAP": bootstrap, "SAO_RUN": up.run}
-    config_file = run_dir / "config.yaml"
-    write_yaml(cfg, config_file)  # every role reads its section of it
     if up.ray:  # agents and learner as Ray actors; broker, simulator, metrics, dashboard stay local
         from streamer.launch.ray_launch import RaySupervisor
 
@@ -280,7 +297,11 @@ def run(cfg: RunConfig, stop: Stop | None = None) -> int:
 
 
 def main(argv: list[str]) -> int:
-    return run(parse_args(argv))
+    cfg = parse_args(argv)
+    if "--prepare" in argv:
+        print(f"sao up --prepare: wrote {prepare(cfg)}", flush=True)
+        return 0
+    return run(cfg)
 
 
 if __name__ == "__main__":

@@ -114,7 +114,8 @@ class EmbeddedBroker:
 
     def command(self) -> list[str]:
         url = f"tcp://{self.settings.host}:{self.port}"
-        return [tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url,
+        advertised = f"tcp://{self.settings.advertised}" if self.settings.advertised else url
+        return [tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", advertised,
                 "--storage-engine", "memory://tansu/"]
 
     def start(self) -> "EmbeddedBroker":
@@ -163,9 +164,12 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="sao broker", description="Run the embedded Tansu broker (memory storage).")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=9092, help="0 picks a free port")
+    ap.add_argument("--advertised", default="", metavar="HOST:PORT",
+                    help="address clients are told to use, e.g. kafka:9092 in a container (default: host:port)")
     ap.add_argument("--log", default="", help="broker log file (default: a temporary file)")
     args = ap.parse_args(argv)
-    broker = EmbeddedBroker(BrokerSettings(host=args.host, port=args.port, log_path=args.log))
+    broker = EmbeddedBroker(BrokerSettings(host=args.host, port=args.port, advertised=args.advertised,
+                                           log_path=args.log))
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:  # entered before the broker starts: a signal at any point still stops the child
         broker.start()

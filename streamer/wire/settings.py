@@ -25,6 +25,7 @@ def default_bootstrap() -> str:
 class BrokerSettings:
     host: str = "127.0.0.1"  # loopback only: the embedded broker has no authentication
     port: int = 9092  # 0 picks a free port
+    advertised: str = ""  # HOST:PORT clients are told to use (a container's service name); "" -> host:port
     log_path: str = ""  # broker stdout/stderr; "" -> a temporary file
     start_timeout_s: float = 15.0  # until it answers a Kafka Metadata request
     stop_timeout_s: float = 5.0  # after SIGINT, then SIGKILL
