@@ -68,3 +68,45 @@ def test_sao_broker_runs_in_the_foreground_until_sigint(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_advertised_address_is_what_clients_are_told(tmp_path):
+    """In a container the broker listens on 0.0.0.0 and tells clients the service name (`sao broker --advertised`)."""
+    broker = EmbeddedBroker(BrokerSettings(host="0.0.0.0", advertised="kafka:9092"))
+    broker.port = 9092  # as start() sets it
+    cmd = broker.command()
+    assert cmd[cmd.index("--listener-url") + 1] == "tcp://0.0.0.0:9092"
+    assert cmd[cmd.index("--advertised-listener-url") + 1] == "tcp://kafka:9092"
+    broker = EmbeddedBroker(BrokerSettings())
+    broker.port = 9093
+    plain = broker.command()
+    assert plain[plain.index("--advertised-listener-url") + 1] == "tcp://127.0.0.1:9093"
+
+
+def test_sao_topics_creates_the_runs_topics_with_the_project_counts(kafka_bus, kafka_run, capsys):
+    from kafka import KafkaAdminClient
+
+    from streamer.launch.topics import main
+    from streamer.wire.topics import partitions_by_topic
+
+    assert main(["--bootstrap", kafka_bus.bootstrap, "--run", kafka_run]) == 0
+    assert main(["--bootstrap", kafka_bus.bootstrap, "--run", kafka_run]) == 0  # existing topics: fine
+    out = capsys.readouterr().out
+    assert out.count("created") == len(partitions_by_topic(kafka_run))  # the first call only
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bus.bootstrap)
+    try:
+        topics = admin.describe_topics(list(partitions_by_topic(kafka_run)))
+        described = {t.get("topic", t.get("name")): len(t["partitions"]) for t in topics}
+    finally:
+        admin.close()
+    assert described == partitions_by_topic(kafka_run)
+
+
+def test_sao_topics_gives_up_with_the_address_when_no_broker_answers(capsys):
+    from streamer.launch.topics import main
+
+    port = free_port()
+    assert main(["--bootstrap", f"127.0.0.1:{port}", "--run", "x", "--wait", "1"]) == 1
+    assert f"no broker answered at 127.0.0.1:{port} within 1 s" in capsys.readouterr().err
+    assert main(["--run", "bad.name", "--wait", "0"]) == 1
+    assert "run name 'bad.name'" in capsys.readouterr().err

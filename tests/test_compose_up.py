@@ -80,7 +80,8 @@ class Stack:
         out = subprocess.run(self.cmd + list(args), cwd=ROOT, env=self.env, capture_output=True, text=True,
                              timeout=timeout)
         if check and out.returncode != 0:
-            raise AssertionError(f"{' '.join(args)} exited {out.returncode}:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+            raise AssertionError(f"{' '.join(args)} exited {out.returncode}:\n{out.stdout[-3000:]}\n"
+                                 f"{out.stderr[-3000:]}")
         return out
 
     def sh(self, service: str, script: str) -> str:
