@@ -39,7 +39,7 @@ RUN --mount=type=secret,id=ca --mount=type=bind,source=docker/wheels,target=/tmp
 
 WORKDIR /src
 # The dependencies (from pyproject.toml alone) before the sources: editing the code rebuilds only the last layers
-COPY pyproject.toml README.md ./
+COPY pyproject.toml ./
 RUN --mount=type=secret,id=ca --mount=type=bind,source=docker/wheels,target=/tmp/wheels \
     if [ -s /run/secrets/ca ]; then export PIP_CERT=/run/secrets/ca; fi; \
     python -c "import sys, tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
@@ -47,6 +47,7 @@ extras = [e for e in sys.argv[1].split(',') if e]; \
 print('\n'.join(p['dependencies'] + [d for e in extras for d in p['optional-dependencies'][e]]))" "${EXTRAS}" \
         > /tmp/requirements.txt \
     && pip install --find-links /tmp/wheels -r /tmp/requirements.txt
+COPY README.md ./
 COPY simulator simulator
 COPY streamer streamer
 COPY learner learner

@@ -3,8 +3,8 @@
 Builds the image with `docker/build-local.sh` (no image registry here) and runs the stack with the embedded-broker
 override on the default scenario, as a user would; reads the run from the `runs` volume's directory on the host
 (no `docker exec` while it runs, so the measurement shares the cores with nothing else); stops the stack when the
-learner has trained every full batch of the scenario (or after --max-minutes), then keeps summary.json and the
-figures in JSON.
+learner has trained every full batch of the scenario (or after --max-minutes), then keeps the figures and the run's
+summary.json (recoveries) in one JSON.
 
     .venv/bin/python bench/compose_up.py --out docs/bench/compose.json
 """
@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -85,18 +86,19 @@ def main(argv: list[str]) -> int:
         up.wait(60)
         compose("stop", env=env, check=False)  # the tap writes summary.json
         prepare_log = compose("logs", "--no-color", "prepare", env=env, check=False).stdout
-        keep = Path(args.out).with_suffix("")
-        shutil.rmtree(keep, ignore_errors=True)
+        keep = Path(tempfile.mkdtemp(prefix="compose-run-")) / RUN  # checkpoints and weights: hundreds of MB
         compose("cp", f"tap:/app/runs/{RUN}", str(keep), env=env, check=False)
     finally:
         compose("down", "-v", env=env, check=False)
     summary = json.loads((keep / "summary.json").read_text()) if (keep / "summary.json").exists() else {}
+    steps = steps_in(keep)
+    shutil.rmtree(keep.parent, ignore_errors=True)
     warm = [line.split("|", 1)[-1].strip() for line in prepare_log.splitlines() if "warm start:" in line]
     result = {"machine": machine(), "image": "sao-lab:latest", "image_mb": round(size / 1e6),
               "build_seconds": round(build_s, 1), "build": built.stderr.strip().splitlines()[-1],
               "warm_start": warm, "up_to_first_trained_step_s": round(first_step_s or -1, 1),
               "up_to_last_full_batch_s": round(run_s, 1), "scenario_tasks": total,
-              "learner_steps": steps_in(keep), "summary": {k: summary.get(k) for k in
+              "learner_steps": steps, "summary": {k: summary.get(k) for k in
                                                         ("n_trajectories", "n_learner_steps", "recoveries")}}
     save_json(result, Path(args.out))
     print(json.dumps({k: v for k, v in result.items() if k not in ("machine", "summary")}, indent=1))

@@ -281,3 +281,10 @@ def test_prepared_config_resolves_for_learner_agent_metrics_and_simulator(compos
     assert (metrics.run, metrics.window_s) == ("exp3", 2.5)
     sim = simulate_args(argv("simulator"))
     assert sim.max_lag == cfg.launch.max_lag > 0 and sim.scenario == "default"
+
+
+def test_compose_warm_start_steps_default_to_the_projects(compose):
+    from learner.pretrain import PretrainConfig
+
+    prepare = command(compose, "prepare")
+    assert prepare[prepare.index("--set") + 1] == f"pretrain.steps={PretrainConfig().steps}"
