@@ -205,7 +205,7 @@ def _probe(threads: int, reps: int = 12) -> float:
 
 
 class Threads:
-    """`threads=0`: min(cores, 4), but 1 whenever a probe finds that faster. With another busy process on the
+    """`threads=0`: min(cores, 4), but 1 whenever a probe finds one thread faster. With another busy process on the
     cores each OpenMP region waits for a time slice (measured: steps 40x slower on 2 threads than on 1). The probe
     runs every `every` seconds, and at once after a step 3x slower per token than the best so far."""
 
@@ -221,7 +221,10 @@ class Threads:
     def check(self, step: int) -> None:
         if self.auto and self.max > 1 and time.perf_counter() - self.checked >= self.every:
             one, many = _probe(1), _probe(self.max)
-            self.now = self.max if many < 0.8 * one else 1
+            # 1 only when many threads are slower than one: busy cores make them 40x slower, while on quiet cores
+            # a probe can show them merely 1.1-1.3x faster (measured: a stricter rule fell back to 1 thread on a
+            # quiet 2-core machine for half of a warm start, which then took 40% longer)
+            self.now = 1 if many > one else self.max
             torch.set_num_threads(self.now)
             self.checked = time.perf_counter()
         if not self.history or self.history[-1][1] != self.now:

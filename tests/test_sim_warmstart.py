@@ -188,6 +188,14 @@ def test_threads_auto_falls_back_to_one_when_the_probe_says_so(monkeypatch):
         monkeypatch.setattr(lp, "_probe", lambda n: 1.0 if n == 1 else 9.0)
         t.check(9)
         assert torch.get_num_threads() == 1 and t.history[-1] == [9, 1]
+        monkeypatch.setattr(lp, "_probe", lambda n: 1.0 if n == 1 else 0.95)  # quiet but barely faster: keep 4
+        t.checked -= 31
+        t.check(11)
+        assert torch.get_num_threads() == 4 and t.history[-1] == [11, 4]
+        monkeypatch.setattr(lp, "_probe", lambda n: 1.0 if n == 1 else 1.05)  # slower than one: 1
+        t.checked -= 31
+        t.check(12)
+        assert torch.get_num_threads() == 1 and t.history[-1] == [12, 1]
         monkeypatch.setattr(lp, "_probe", lambda n: pytest.fail("threads=N is not probed"))
         Threads(2).check(0)
         assert torch.get_num_threads() == 2
