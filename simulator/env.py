@@ -11,7 +11,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from simulator.families import get_family
+from simulator.families import family_of
 from simulator.families.tools import episode_reward, observe
 from simulator.latency import LatencyConfig, latency_from_dict, sample_latency
 from simulator.text import clean_answer, to_text
@@ -35,8 +35,8 @@ class Env:
 
     def __init__(self, task: Task, latency: LatencyConfig | None = None) -> None:
         self.task = task
-        self.family = get_family(task.family)
         try:
+            self.family = family_of(task)
             self.family.check_spec(task.spec)
             self.latency = latency or latency_from_dict(task.spec.get("latency")) or LatencyConfig()
         except (ValueError, TypeError) as e:

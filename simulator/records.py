@@ -3,10 +3,17 @@
 One row per message. JSONL: the message's fields plus `"kind": "task"|"drift"` (rows without a kind
 are tasks). Tabular files (Parquet, CSV) have the columns of TABLE_COLUMNS; `spec` and a drift
 event's body (`event`) are JSON text there.
+
+A recorded production stream uses the open row format instead (a row with a `verifier` key, PRODUCTION_FIELDS):
+`prompt` (or `messages`, a chat as [{role, content}]), `reference`, `verifier` and its `params`
+(`simulator.verifiers`), `tags` (`source` becomes the task's family and `concept` its concept, so runs are analysed
+per tag as simulated ones per family), `time` (seconds; optional) and `task_id` (optional: a hash of the row's
+content). In CSV and Parquet, `messages`, `params` and `tags` are JSON text.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -14,13 +21,16 @@ from typing import Any
 
 import msgspec
 
-from simulator.families import FAMILIES
-from simulator.text import in_alphabet
+from simulator import verifiers
+from simulator.families import FAMILIES, family_of
+from simulator.text import ALPHABET, in_alphabet
 from streamer.wire.schema import DriftEvent, SchemaError, Task, from_dict, to_dict
 
 TASK_FIELDS = ("v", "task_id", "family", "concept", "phase", "prompt", "answer", "spec", "seq", "created_at")
 TABLE_COLUMNS = ("kind",) + TASK_FIELDS + ("event",)
 MAX_PROMPT_CHARS = 200
+ALPHABET_SYMBOLS = ALPHABET[36:]
+PRODUCTION_FIELDS = ("task_id", "prompt", "messages", "reference", "verifier", "params", "tags", "time", "tools")
 
 
 class RowError(ValueError):
@@ -74,6 +84,10 @@ def message_from_row(row: dict[str, Any], tabular: bool = False) -> Task | Drift
             raise RowError(_schema_field(e), str(e)) from None
     if kind != "task":
         raise RowError("kind", f"expected 'task' or 'drift', got {kind!r}")
+    if "verifier" in row:
+        task = production_task(row)
+        check_task(task)
+        return task
     data = {k: row[k] for k in TASK_FIELDS if k in row and row[k] is not None}
     if tabular and isinstance(data.get("spec"), str):
         try:
@@ -88,19 +102,78 @@ def message_from_row(row: dict[str, Any], tabular: bool = False) -> Task | Drift
     return task
 
 
+def _json_cell(row: dict[str, Any], key: str, default: Any) -> Any:
+    value = row.get(key)
+    if value is None:
+        return default
+    if isinstance(value, str) and key != "prompt":
+        try:
+            return json.loads(value)
+        except ValueError as e:
+            raise RowError(key, f"not JSON: {e}") from None
+    return value
+
+
+def render_chat(messages: object) -> str:
+    """A chat as plain text, one `role: content` line per message, for a model without a chat template (the
+    embedded character model)."""
+    if not isinstance(messages, list) or not messages:
+        raise RowError("messages", "expected a non-empty list of {role, content}")
+    lines = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise RowError(f"messages[{i}]", "expected {role: str, content: str}")
+        lines.append(f"{m['role']}: {m['content']}")
+    return "\n".join(lines)
+
+
+def production_task(row: dict[str, Any]) -> Task:
+    """A Task from a row of the open production format (see the module docstring); raises RowError."""
+    unknown = sorted(set(row) - set(PRODUCTION_FIELDS) - {"kind"})
+    if unknown:
+        raise RowError(unknown[0], f"unknown field (a production row has {', '.join(PRODUCTION_FIELDS)})")
+    if row.get("tools") is not None:
+        raise RowError("tools", "tool environments for recorded streams are not supported yet")
+    has_prompt, has_chat = row.get("prompt") is not None, row.get("messages") is not None
+    if has_prompt == has_chat:
+        raise RowError("prompt", "give exactly one of prompt, messages")
+    prompt = row["prompt"] if has_prompt else render_chat(_json_cell(row, "messages", None))
+    if not isinstance(prompt, str):
+        raise RowError("prompt", f"expected text, got {type(prompt).__name__}")
+    if row.get("reference") is None:
+        raise RowError("reference", "missing")
+    params, tags = _json_cell(row, "params", {}), _json_cell(row, "tags", {})
+    try:
+        verifiers.check(row["verifier"], params)
+    except verifiers.VerifierError as e:
+        raise RowError("verifier" if str(e).startswith("verifier") else "params", str(e)) from None
+    if not isinstance(tags, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tags.items()):
+        raise RowError("tags", "expected an object of text values")
+    try:
+        when = float(row.get("time") if row.get("time") is not None else 0.0)
+    except (TypeError, ValueError):
+        raise RowError("time", f"expected a number, got {row.get('time')!r}") from None
+    task_id = row.get("task_id") or "t-" + hashlib.sha256(
+        json.dumps([prompt, str(row["reference"]), when], ensure_ascii=False).encode()).hexdigest()[:16]
+    return Task(task_id=str(task_id), family=tags.get("source", "stream"), concept=tags.get("concept", "default"),
+                prompt=prompt, answer=str(row["reference"]), created_at=when,
+                spec={"verifier": row["verifier"], "params": params, "tags": tags})
+
+
 def check_task(task: Task) -> None:
     """What the schema cannot say: a known family, a valid spec, a usable prompt and timestamp."""
-    family = FAMILIES.get(task.family)
-    if family is None:
-        raise RowError("family", f"unknown family '{task.family}' (known: {', '.join(FAMILIES)})")
+    if task.family not in FAMILIES and "verifier" not in task.spec:
+        raise RowError("family", f"unknown family '{task.family}' (known: {', '.join(FAMILIES)}; a recorded "
+                                 f"stream's rows name a verifier instead)")
     try:
-        family.check_spec(task.spec)
+        family_of(task).check_spec(task.spec)
     except ValueError as e:
         raise RowError(str(e).split(":")[0], str(e)) from None
     if not task.task_id:
         raise RowError("task_id", "empty")
     if not task.prompt or len(task.prompt) > MAX_PROMPT_CHARS or not in_alphabet(task.prompt):
-        raise RowError("prompt", "empty, too long or outside the tokenizer alphabet")
+        raise RowError("prompt", f"empty, over {MAX_PROMPT_CHARS} characters or outside the embedded model's "
+                                 f"alphabet (lowercase letters, digits and {ALPHABET_SYMBOLS!r})")
     if not math.isfinite(task.created_at) or task.created_at < 0:
         raise RowError("created_at", f"not a finite time >= 0: {task.created_at}")
 

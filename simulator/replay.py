@@ -5,7 +5,8 @@ file's size. Every row is validated (schema, family, spec, prompt, a time no mor
 recorded seconds after the previous row's, so one bad stamp cannot put the replay to sleep for months);
 a bad row stops the replay with its row number and field, or with `--skip-bad` goes to a side
 file (`FILE.rejects.jsonl`) and is counted. Row numbers are 1-based: JSONL lines, data rows of
-a CSV (header excluded) or of a Parquet file.
+a CSV (header excluded) or of a Parquet file. Rows are the project's messages or, for a recorded production
+stream, the open row format of `simulator.records` (prompt or chat, reference, verifier and parameters, tags, time).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from simulator import verifiers
 from simulator.records import RowError, message_from_row, parse_json_line
 from simulator.sinks import TaskSink, file_sink
 from streamer.wire.schema import DriftEvent, Task
@@ -202,6 +204,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rejects", help="side file for bad rows (default: FILE.rejects.jsonl)")
     p.add_argument("--restamp", action="store_true", help="set created_at to the time each task is sent")
     p.add_argument("--limit", type=int, default=None, help="stop after this many tasks")
+    p.add_argument("--verifier", action="append", default=[], metavar="NAME",
+                   help="enable a user verifier (entry point NAME in group sao_lab.verifiers) that rows may name")
     p.add_argument("--chunk-rows", type=int, default=10_000, help="rows read at a time (Parquet)")
     p.add_argument("--max-gap", type=float, default=MAX_GAP_S,
                    help="recorded seconds a row's time may lie after the previous row's (a larger jump is a bad row)")
@@ -219,6 +223,11 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if not Path(args.file).is_file():
         print(f"sao replay: {args.file}: no such file", file=sys.stderr)
+        return 2
+    try:
+        verifiers.enable(args.verifier)
+    except verifiers.VerifierError as e:
+        print(f"sao replay: {e}", file=sys.stderr)
         return 2
     if args.bootstrap:
         from simulator.run import kafka_sink

@@ -303,6 +303,9 @@ def main(argv: list[str]) -> int:
         s = settings_from_args(a)
         if bool(a.tasks) != bool(a.out):
             raise ConfigError("agent: --tasks and --out go together")
+        from simulator import verifiers
+
+        verifiers.enable(s.verifiers)
     except ValueError as e:  # ConfigError, or a bad run name
         print(f"sao agent: {e}", file=sys.stderr)
         return 2

@@ -170,6 +170,8 @@ class AgentSettings:
     seed: int = 0
     device: str = "cpu"
     threads: int = 1
+    # user verifiers of recorded streams to enable, by entry-point name (group sao_lab.verifiers; simulator.verifiers)
+    verifiers: list[str] = field(default_factory=list)
     client: ClientSettings = field(default_factory=ClientSettings)
     topics: TopicSettings = field(default_factory=TopicSettings)
 
