@@ -204,6 +204,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rejects", help="side file for bad rows (default: FILE.rejects.jsonl)")
     p.add_argument("--restamp", action="store_true", help="set created_at to the time each task is sent")
     p.add_argument("--limit", type=int, default=None, help="stop after this many tasks")
+    p.add_argument("--max-lag", type=int, default=0, metavar="N",
+                   help="with --bootstrap: publish only while fewer than N tasks are uncommitted by the agents' "
+                        "group (0: no back-pressure)")
     p.add_argument("--verifier", action="append", default=[], metavar="NAME",
                    help="enable a user verifier (entry point NAME in group sao_lab.verifiers) that rows may name")
     p.add_argument("--chunk-rows", type=int, default=10_000, help="rows read at a time (Parquet)")
@@ -232,7 +235,7 @@ def main(argv: list[str]) -> int:
     if args.bootstrap:
         from simulator.run import kafka_sink
 
-        sink = kafka_sink(args.bootstrap, args.run)
+        sink = kafka_sink(args.bootstrap, args.run, args.max_lag)
     else:
         sink = file_sink(args.out)
     try:

@@ -63,6 +63,8 @@ class UpConfig:
     limit: int = 0  # stop the simulator after this many tasks (0: the whole scenario)
     realtime: bool = False  # publish tasks at the scenario's rate instead of as fast as the agents answer
     max_lag: int = -1  # simulator back-pressure: tasks published ahead of the agents (-1: derived, 0: none)
+    stream: str = ""  # replay this recorded task stream (JSONL, Parquet, CSV) instead of simulating the scenario
+    speed: float = 0.0  # with stream: time scale of its recorded arrivals (0: as fast as back-pressure lets)
     dashboard: bool = True
     eval: bool | None = None  # held-out greedy evaluation of each policy version; None: on above 2 cores
     eval_interval: float = 30.0  # seconds between evaluations (each costs about 16 s of one core)
@@ -95,6 +97,12 @@ class UpConfig:
                               f"{self.staleness} >= 0")
         if self.agents < 0:
             raise ConfigError(f"launch.agents: {self.agents}; need at least one agent (0: from the resource plan)")
+        if self.stream and not Path(self.stream).is_file():
+            raise ConfigError(f"launch.stream: {self.stream}: no such file")
+        if self.stream and self.realtime:
+            raise ConfigError("launch.realtime paces the simulator; a --stream is paced by --speed")
+        if self.speed < 0:
+            raise ConfigError(f"launch.speed: {self.speed} must be >= 0 (0: no waiting)")
 
 
 @dataclass

@@ -45,6 +45,9 @@ FLAGS = {  # flag -> (type, help); each sets the launch field of the same name (
     "sync_batch": (int, "with --sync: trajectories per version"),
     "limit": (int, "stop the simulator after this many tasks"),
     "max_lag": (int, "simulator back-pressure: tasks published ahead of the agents (-1: derived, 0: none)"),
+    "stream": (str, "replay this recorded task stream (JSONL, Parquet, CSV; production rows too) instead of the "
+                    "scenario's simulator; the scenario still defines the warm start"),
+    "speed": (float, "with --stream: time scale of its recorded arrivals (0: as fast as back-pressure lets)"),
     "eval_interval": (float, "seconds between held-out evaluations"),
     "dashboard_port": (int, "the dashboard's port"),
     "max_seconds": (float, "stop after this long (0: at the scenario's end)"),
@@ -129,15 +132,25 @@ def roles(cfg: RunConfig, config_file: Path, run_dir: Path, bootstrap: str) -> l
     if up.dashboard:
         out.append(Role("dashboard", ["dashboard", "--runs", up.runs_dir, "--port", str(up.dashboard_port), *run],
                         required=False, **side))
-    simulate = ["simulate", "--scenario", up.scenario, *run, "--max-lag", str(max_lag_default(cfg))]
+    # a restart would publish the stream again
+    out.append(Role("simulator", task_source(cfg, run, run_dir), restartable=False, **side))
+    return out
+
+
+def task_source(cfg: RunConfig, run: list[str], run_dir: Path) -> list[str]:
+    """The command that publishes the tasks: the scenario's simulator, or a replay of --stream (its bad rows set
+    aside into the run directory, the agents' user verifiers enabled for its validation)."""
+    up = cfg.launch
+    common = [*run, "--max-lag", str(max_lag_default(cfg))] + (["--limit", str(up.limit)] if up.limit else [])
+    if up.stream:
+        return ["replay", up.stream, *common, "--speed", str(up.speed), "--skip-bad", "--rejects",
+                str(run_dir / "rejects.jsonl"), *[f"--verifier={v}" for v in cfg.agent.verifiers]]
+    simulate = ["simulate", "--scenario", up.scenario, *common]
     if up.seed >= 0:
         simulate += ["--seed", str(up.seed)]
-    if up.limit:
-        simulate += ["--limit", str(up.limit)]
     if up.realtime:
         simulate.append("--realtime")
-    out.append(Role("simulator", simulate, restartable=False, **side))  # a restart would publish the stream again
-    return out
+    return simulate
 
 
 def progress_line(t0: float, tap) -> str:
@@ -249,7 +262,7 @@ def run(cfg: RunConfig, stop: Stop | None = None) -> int:
         plan = roles(cfg, config_file, run_dir, bootstrap)
         for role in plan[:-1]:
             sup.start(role)
-        if up.realtime and not up.ray:
+        if (up.realtime or up.stream and up.speed > 0) and not up.ray:
             wait_for_agents(up, sup, run_dir)
         sup.start(plan[-1])  # the simulator
         if up.dashboard:
