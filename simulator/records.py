@@ -29,7 +29,7 @@ from streamer.wire.schema import DriftEvent, SchemaError, Task, from_dict, to_di
 TASK_FIELDS = ("v", "task_id", "family", "concept", "phase", "prompt", "answer", "spec", "seq", "created_at")
 TABLE_COLUMNS = ("kind",) + TASK_FIELDS + ("event",)
 MAX_PROMPT_CHARS = 200
-ALPHABET_SYMBOLS = ALPHABET[36:]
+ALPHABET_SYMBOLS = "".join(c for c in ALPHABET if not c.isalnum())
 PRODUCTION_FIELDS = ("task_id", "prompt", "messages", "reference", "verifier", "params", "tags", "time", "tools")
 
 
@@ -106,7 +106,7 @@ def _json_cell(row: dict[str, Any], key: str, default: Any) -> Any:
     value = row.get(key)
     if value is None:
         return default
-    if isinstance(value, str) and key != "prompt":
+    if isinstance(value, str):
         try:
             return json.loads(value)
         except ValueError as e:
