@@ -146,7 +146,7 @@ def production_task(row: dict[str, Any]) -> Task:
     try:
         verifiers.check(row["verifier"], params)
     except verifiers.VerifierError as e:
-        raise RowError("verifier" if str(e).startswith("verifier") else "params", str(e)) from None
+        raise RowError(e.field, str(e)) from None
     if not isinstance(tags, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tags.items()):
         raise RowError("tags", "expected an object of text values")
     try:

@@ -25,7 +25,11 @@ _NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 
 
 class VerifierError(ValueError):
-    pass
+    """What is wrong, and with which field of a row: `verifier`, `params` or `params.<key>`."""
+
+    def __init__(self, field: str, msg: str) -> None:
+        super().__init__(msg)
+        self.field = field
 
 
 def exact(answer: str, reference: str, params: dict[str, Any]) -> float:
@@ -104,11 +108,11 @@ def enable(names: list[str]) -> None:
         if name in BUILTIN:
             continue
         if name not in found:
-            raise VerifierError(f"verifier '{name}': no entry point '{name}' in group {GROUP} "
+            raise VerifierError("verifier", f"verifier '{name}': no entry point '{name}' in group {GROUP} "
                                 f"(installed: {', '.join(sorted(found)) or 'none'})")
         fn = found[name].load()
         if not callable(fn):
-            raise VerifierError(f"verifier '{name}': entry point {found[name].value} is not callable")
+            raise VerifierError("verifier", f"verifier '{name}': entry point {found[name].value} is not callable")
         _enabled[name] = fn
 
 
@@ -119,23 +123,23 @@ def known() -> list[str]:
 def check(name: object, params: object) -> None:
     """Raise VerifierError naming what is wrong with a row's verifier and parameters."""
     if not isinstance(name, str) or name not in BUILTIN and name not in _enabled:
-        raise VerifierError(f"verifier {name!r}: unknown (known: {', '.join(known())}; user verifiers are enabled "
-                            f"by name in the run's config)")
+        raise VerifierError("verifier", f"verifier {name!r}: unknown (known: {', '.join(known())}; user verifiers "
+                                        f"are enabled by name in the run's config)")
     if not isinstance(params, dict):
-        raise VerifierError(f"params: expected an object, got {type(params).__name__}")
+        raise VerifierError("params", f"params: expected an object, got {type(params).__name__}")
     if name in BUILTIN:
         extra = set(params) - PARAMS[name]
         if extra:
-            raise VerifierError(f"params: {name} takes {sorted(PARAMS[name]) or 'no parameters'}, "
+            raise VerifierError("params", f"params: {name} takes {sorted(PARAMS[name]) or 'no parameters'}, "
                                 f"not {sorted(extra)}")
         missing = REQUIRED.get(name, set()) - set(params)
         if missing:
-            raise VerifierError(f"params: {name} needs {sorted(missing)}")
+            raise VerifierError("params", f"params: {name} needs {sorted(missing)}")
         if name == "regex":
             try:
                 re.compile(str(params.get("pattern", "")))
             except re.error as e:
-                raise VerifierError(f"params.pattern: not a regular expression: {e}") from None
+                raise VerifierError("params.pattern", f"params.pattern: not a regular expression: {e}") from None
 
 
 def score(name: str, answer: str, reference: str, params: dict[str, Any]) -> float:

@@ -255,14 +255,15 @@ def test_prepared_config_resolves_for_learner_agent_metrics_and_simulator(compos
     from streamer.agent.agent import parse_args as agent_args
     from streamer.agent.agent import settings_from_args
     from streamer.launch.run_config import bind_init, max_lag_default
-    from streamer.launch.up import parse_args as up_args
+    from streamer.launch.up import parse_command
     from streamer.metrics.app import parse_args as metrics_args
     from streamer.wire.config import write_yaml
 
     env = {"SAO_RUN": "exp3", "SAO_LOSS": "dapo", "SAO_GROUP_SIZE": "8", "SAO_AGENTS": "2", "SAO_CORES": "4",
            "SAO_METRICS_WINDOW": "2.5"}
     prepare = container_paths(command(compose, "prepare", env), tmp_path, "b:1")
-    cfg = up_args([a for a in prepare[1:] if a != "--prepare"])
+    cfg, only_prepare = parse_command(prepare[1:])
+    assert only_prepare
     bind_init(cfg, tmp_path / "init")
     cfg.launch.max_lag = max_lag_default(cfg)
     (tmp_path / "runs" / "exp3").mkdir(parents=True)

@@ -90,15 +90,14 @@ class RankGroup:
         """Per-rank weighted sums -> whole-batch values by each key's declared reduction
         (streamer.wire.reductions): means summed / W, sums summed, maxima maxed. Every rank must pass the same
         keys (the same loss function does)."""
-        keys = sorted(m)
-        mx = [k for k in keys if reduction(f"learner/{k}") == "max"]
-        rest = [k for k in keys if k not in mx]
+        how = {k: reduction(f"learner/{k}") for k in sorted(m)}
+        mx = [k for k, red in how.items() if red == "max"]
+        rest = [k for k, red in how.items() if red != "max"]
         out: dict[str, float] = {}
         if rest:
             t = torch.tensor([m[k] for k in rest], dtype=torch.float64, device=self.device)
             dist.all_reduce(t)
-            out.update({k: float(v) if reduction(f"learner/{k}") == "sum" else float(v) / self.world
-                        for k, v in zip(rest, t.tolist())})
+            out.update({k: float(v) if how[k] == "sum" else float(v) / self.world for k, v in zip(rest, t.tolist())})
         if mx:
             t = torch.tensor([m[k] for k in mx], dtype=torch.float64, device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)

@@ -30,7 +30,7 @@ class Verified:
         try:
             verifiers.check(spec.get("verifier"), spec.get("params", {}))
         except verifiers.VerifierError as e:
-            raise ValueError(f"spec.{e}") from None
+            raise ValueError(f"spec.{e.field}: {e}") from None
         if not isinstance(spec.get("tags", {}), dict):
             raise ValueError("spec.tags: expected an object")
 

@@ -70,6 +70,11 @@ PREPARE_HELP = ("warm start (cached) and write <runs-dir>/<run>/config.yaml, the
 
 
 def parse_args(argv: list[str]) -> RunConfig:
+    return parse_command(argv)[0]
+
+
+def parse_command(argv: list[str]) -> tuple[RunConfig, bool]:
+    """The run configuration, and whether only to prepare it (--prepare)."""
     p = argparse.ArgumentParser(prog="sao up", description=__doc__.split("\n")[0])
     p.add_argument("--prepare", action="store_true", help=PREPARE_HELP)
     add_config_args(p, "run (sections launch, pretrain, learner, agent, metrics, ray)", "learner.optim.lr=1e-4")
@@ -79,10 +84,10 @@ def parse_args(argv: list[str]) -> RunConfig:
         p.add_argument(f"--{name.replace('_', '-')}", dest=dest, action="store_const", const=value,
                        default=argparse.SUPPRESS, help=help_)
     args = vars(p.parse_args(argv))
-    args.pop("prepare")  # read by main
+    only_prepare = args.pop("prepare")
     path, overrides = args.pop("config"), args.pop("overrides")
     try:
-        return load_run_config(path, overrides, args)
+        return load_run_config(path, overrides, args), only_prepare
     except ConfigError as e:
         p.error(str(e))
 
@@ -310,8 +315,8 @@ def run(cfg: RunConfig, stop: Stop | None = None) -> int:
 
 
 def main(argv: list[str]) -> int:
-    cfg = parse_args(argv)
-    if "--prepare" in argv:
+    cfg, only_prepare = parse_command(argv)
+    if only_prepare:
         print(f"sao up --prepare: wrote {prepare(cfg)}", flush=True)
         return 0
     return run(cfg)
