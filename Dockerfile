@@ -57,10 +57,10 @@ RUN --mount=type=secret,id=ca \
     pip install --no-deps . \
     && python -c "import torch, faust, streamer.launch.cli; print('torch', torch.__version__)"
 
-# Non-root user; /app/runs and /app/weights become the shared volumes (a new named volume takes
-# the ownership of the folder it is mounted on).
+# Non-root user; /app/runs becomes the shared volume (runs, their published weights and the warm-start cache;
+# a new named volume takes the ownership of the folder it is mounted on).
 RUN useradd --create-home --uid 1000 sao \
-    && mkdir -p /app/runs /app/weights /config \
+    && mkdir -p /app/runs /config \
     && chown -R sao:sao /app
 COPY --chown=sao:sao docker/run.yaml /app/run.yaml
 USER sao
