@@ -120,6 +120,7 @@ class JsonlSink:
 
 def build_outputs(cfg: LearnerConfig):
     """(publisher or None, event sinks, closers)."""
+    from learner.models.tokenizer import load_tokenizer
     from learner.trainer.publish import DirectoryPublisher
 
     jsonl = JsonlSink(cfg.io.events or Path(cfg.checkpoint.dir) / "events.jsonl")
@@ -139,7 +140,9 @@ def build_outputs(cfg: LearnerConfig):
         sinks.append(lambda e: (producer.send(topics.learner, e), producer.flush()))
         announcer = Announcer(producer, cfg.io.run)
         closers.append(producer.close)
-    publisher = DirectoryPublisher(cfg.io.weights_dir, announcer, cfg.io.keep_versions) if cfg.io.weights_dir else None
+    tokenizer = load_tokenizer(cfg.io.init) if cfg.io.init else None
+    publisher = DirectoryPublisher(cfg.io.weights_dir, announcer, cfg.io.keep_versions,
+                                   tokenizer) if cfg.io.weights_dir else None
     return publisher, sinks, closers
 
 

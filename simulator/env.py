@@ -51,6 +51,10 @@ class Env:
     def prompt(self) -> str:
         return self.task.prompt
 
+    def messages(self) -> list[dict] | None:
+        """A recorded chat's messages, for a model with a chat template (`prompt` holds them rendered as text)."""
+        return self.task.spec.get("messages")
+
     def step(self, action_text: object) -> Step:
         if self.done:
             raise RuntimeError(f"task {self.task.task_id}: step() after the episode ended")

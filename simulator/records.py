@@ -17,6 +17,8 @@ import hashlib
 import json
 import math
 import re
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -31,6 +33,46 @@ TABLE_COLUMNS = ("kind",) + TASK_FIELDS + ("event",)
 MAX_PROMPT_CHARS = 200
 ALPHABET_SYMBOLS = "".join(c for c in ALPHABET if not c.isalnum())
 PRODUCTION_FIELDS = ("task_id", "prompt", "messages", "reference", "verifier", "params", "tags", "time", "tools")
+
+
+@dataclass(frozen=True)
+class PromptRule:
+    """Which prompts the served model can take. Without a tokenizer: the embedded character model's (its alphabet,
+    at most MAX_PROMPT_CHARS characters); with one (`prompt_rule(model_dir)`): any text whose prompt, chat template
+    applied, leaves at least `reserve` tokens of the model's context `context` for the answer."""
+
+    tokenizer: Any = None
+    context: int = 0
+    reserve: int = 64
+
+    def check(self, task: Task) -> None:
+        if not task.prompt:
+            raise RowError("prompt", "empty")
+        if self.tokenizer is None:
+            if len(task.prompt) > MAX_PROMPT_CHARS or not in_alphabet(task.prompt):
+                raise RowError("prompt", f"over {MAX_PROMPT_CHARS} characters or outside the embedded model's "
+                                         f"alphabet (lowercase letters, digits and {ALPHABET_SYMBOLS!r}); "
+                                         f"serve your own model (--model DIR) for any text")
+            return
+        n = len(self.tokenizer.encode_prompt(task.prompt, task.spec.get("messages")))
+        if n > self.context - self.reserve:
+            raise RowError("prompt", f"{n} tokens: over the model's context of {self.context} less "
+                                     f"{self.reserve} for the answer")
+
+
+EMBEDDED = PromptRule()
+
+
+def prompt_rule(model_dir: str | Path | None) -> PromptRule:
+    """The rule for the model in `model_dir` (the embedded model's when it holds the character tokenizer)."""
+    if not model_dir or (Path(model_dir) / "sao_tokenizer.json").is_file():
+        return EMBEDDED
+    from transformers import AutoConfig
+
+    from learner.models.tokenizer import load_tokenizer
+
+    context = getattr(AutoConfig.from_pretrained(str(model_dir)), "max_position_embeddings", None) or 1 << 30
+    return PromptRule(load_tokenizer(model_dir), int(context))
 
 
 class RowError(ValueError):
@@ -68,8 +110,8 @@ def _schema_field(e: Exception) -> str:
     return text.rsplit("$.", 1)[1].rstrip("`") if "$." in text else "?"
 
 
-def message_from_row(row: dict[str, Any], tabular: bool = False) -> Task | DriftEvent:
-    """Decode and validate one row; raises RowError naming the field."""
+def message_from_row(row: dict[str, Any], tabular: bool = False, rule: PromptRule = EMBEDDED) -> Task | DriftEvent:
+    """Decode and validate one row (its prompt against `rule`); raises RowError naming the field."""
     kind = row.get("kind") or "task"
     if kind == "drift":
         body = row.get("event") if tabular else {k: v for k, v in row.items() if k != "kind"}
@@ -86,7 +128,7 @@ def message_from_row(row: dict[str, Any], tabular: bool = False) -> Task | Drift
         raise RowError("kind", f"expected 'task' or 'drift', got {kind!r}")
     if "verifier" in row:
         task = production_task(row)
-        check_task(task)
+        check_task(task, rule)
         return task
     data = {k: row[k] for k in TASK_FIELDS if k in row and row[k] is not None}
     if tabular and isinstance(data.get("spec"), str):
@@ -98,7 +140,7 @@ def message_from_row(row: dict[str, Any], tabular: bool = False) -> Task | Drift
         task = from_dict(data, Task)
     except SchemaError as e:
         raise RowError(_schema_field(e), str(e)) from None
-    check_task(task)
+    check_task(task, rule)
     return task
 
 
@@ -137,7 +179,8 @@ def production_task(row: dict[str, Any]) -> Task:
     has_prompt, has_chat = row.get("prompt") is not None, row.get("messages") is not None
     if has_prompt == has_chat:
         raise RowError("prompt", "give exactly one of prompt, messages")
-    prompt = row["prompt"] if has_prompt else render_chat(_json_cell(row, "messages", None))
+    messages = None if has_prompt else _json_cell(row, "messages", None)
+    prompt = row["prompt"] if has_prompt else render_chat(messages)
     if not isinstance(prompt, str):
         raise RowError("prompt", f"expected text, got {type(prompt).__name__}")
     if row.get("reference") is None:
@@ -157,11 +200,12 @@ def production_task(row: dict[str, Any]) -> Task:
         json.dumps([prompt, str(row["reference"]), when], ensure_ascii=False).encode()).hexdigest()[:16]
     return Task(task_id=str(task_id), family=tags.get("source", "stream"), concept=tags.get("concept", "default"),
                 prompt=prompt, answer=str(row["reference"]), created_at=when,
-                spec={"verifier": row["verifier"], "params": params, "tags": tags})
+                spec={"verifier": row["verifier"], "params": params, "tags": tags,
+                      **({"messages": messages} if messages else {})})
 
 
-def check_task(task: Task) -> None:
-    """What the schema cannot say: a known family, a valid spec, a usable prompt and timestamp."""
+def check_task(task: Task, rule: PromptRule = EMBEDDED) -> None:
+    """What the schema cannot say: a known family, a valid spec, a prompt the model can take, a timestamp."""
     if task.family not in FAMILIES and "verifier" not in task.spec:
         raise RowError("family", f"unknown family '{task.family}' (known: {', '.join(FAMILIES)}; a recorded "
                                  f"stream's rows name a verifier instead)")
@@ -171,9 +215,7 @@ def check_task(task: Task) -> None:
         raise RowError(str(e).split(":")[0], str(e)) from None
     if not task.task_id:
         raise RowError("task_id", "empty")
-    if not task.prompt or len(task.prompt) > MAX_PROMPT_CHARS or not in_alphabet(task.prompt):
-        raise RowError("prompt", f"empty, over {MAX_PROMPT_CHARS} characters or outside the embedded model's "
-                                 f"alphabet (lowercase letters, digits and {ALPHABET_SYMBOLS!r})")
+    rule.check(task)
     if not math.isfinite(task.created_at) or task.created_at < 0:
         raise RowError("created_at", f"not a finite time >= 0: {task.created_at}")
 

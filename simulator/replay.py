@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from simulator import verifiers
-from simulator.records import RowError, message_from_row, parse_json_line
+from simulator.records import EMBEDDED, PromptRule, RowError, message_from_row, parse_json_line, prompt_rule
 from simulator.sinks import TaskSink, file_sink
 from streamer.wire.schema import DriftEvent, Task
 
@@ -103,10 +103,10 @@ def read_rows(path: Path, chunk_rows: int = 10_000) -> Iterator[tuple[int, Any, 
         raise ReplayError(f"{path}: unknown format '{suffix}' (use .jsonl, .parquet or .csv)")
 
 
-def decode_row(raw: Any, fmt: str) -> Task | DriftEvent:
+def decode_row(raw: Any, fmt: str, rule: PromptRule = EMBEDDED) -> Task | DriftEvent:
     if fmt == "jsonl":
-        return message_from_row(parse_json_line(raw))
-    return message_from_row(_coerce_csv(raw) if fmt == "csv" else raw, tabular=True)
+        return message_from_row(parse_json_line(raw), rule=rule)
+    return message_from_row(_coerce_csv(raw) if fmt == "csv" else raw, tabular=True, rule=rule)
 
 
 def _raw_text(raw: Any) -> str:
@@ -146,8 +146,9 @@ class _Pacer:
 
 def replay(path: str | Path, sink: TaskSink, speed: float = 1.0, skip_bad: bool = False,
            rejects: str | Path | None = None, restamp: bool = False, limit: int | None = None,
-           chunk_rows: int = 10_000, max_gap_s: float = MAX_GAP_S) -> ReplayStats:
-    """Publish the file's messages to `sink` in order (closing it). `restamp`: created_at = send time."""
+           chunk_rows: int = 10_000, max_gap_s: float = MAX_GAP_S, rule: PromptRule = EMBEDDED) -> ReplayStats:
+    """Publish the file's messages to `sink` in order (closing it). `restamp`: created_at = send time. `rule`:
+    which prompts the served model takes (`simulator.records.prompt_rule`)."""
     path = Path(path)
     stats, pacer, t = ReplayStats(), _Pacer(speed, max_gap_s), time.perf_counter()
     rej_path = Path(rejects) if rejects else path.with_name(path.name + ".rejects.jsonl")
@@ -158,7 +159,7 @@ def replay(path: str | Path, sink: TaskSink, speed: float = 1.0, skip_bad: bool 
                 break
             stats.rows += 1
             try:
-                msg = decode_row(raw, fmt)
+                msg = decode_row(raw, fmt, rule)
                 pacer.check(*((msg.time, "time") if isinstance(msg, DriftEvent) else (msg.created_at, "created_at")))
             except RowError as e:
                 if not skip_bad:
@@ -209,6 +210,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "group (0: no back-pressure)")
     p.add_argument("--verifier", action="append", default=[], metavar="NAME",
                    help="enable a user verifier (entry point NAME in group sao_lab.verifiers) that rows may name")
+    p.add_argument("--model", help="the served model's directory: prompts are checked against its tokenizer and "
+                                    "context (default: the embedded character model's alphabet and length)")
     p.add_argument("--chunk-rows", type=int, default=10_000, help="rows read at a time (Parquet)")
     p.add_argument("--max-gap", type=float, default=MAX_GAP_S,
                    help="recorded seconds a row's time may lie after the previous row's (a larger jump is a bad row)")
@@ -229,7 +232,8 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         verifiers.enable(args.verifier)
-    except verifiers.VerifierError as e:
+        rule = prompt_rule(args.model)
+    except (verifiers.VerifierError, OSError, ValueError) as e:
         print(f"sao replay: {e}", file=sys.stderr)
         return 2
     if args.bootstrap:
@@ -240,7 +244,7 @@ def main(argv: list[str]) -> int:
         sink = file_sink(args.out)
     try:
         stats = replay(args.file, sink, args.speed, args.skip_bad, args.rejects, args.restamp, args.limit,
-                       args.chunk_rows, args.max_gap)
+                       args.chunk_rows, args.max_gap, rule)
     except ReplayError as e:
         print(f"sao replay: {e}", file=sys.stderr)
         return 1

@@ -12,6 +12,7 @@ each trajectory at the temperature it carries (`learner.models.scoring`), withou
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,9 +20,9 @@ from typing import Literal
 
 import torch
 from safetensors.torch import load_file
-from transformers import Qwen3MoeForCausalLM
+from transformers import PreTrainedModel
 
-from learner.models.tokenizer import CharTokenizer
+from learner.models.tokenizer import Tokenizer
 
 FinishReason = Literal["stop", "length", "eos"]
 
@@ -49,7 +50,7 @@ class StopSpec:
             return "eos"
         return "stop" if token in self.token_ids else None
 
-    def reason_at(self, generated: list[int], tokenizer: CharTokenizer | None) -> FinishReason | None:
+    def reason_at(self, generated: list[int], tokenizer: Tokenizer | None) -> FinishReason | None:
         """Why generation must end after the last of `generated`, or None to go on."""
         reason = self.reason_for(generated[-1])
         if reason is None and self.strings and tokenizer is not None:
@@ -59,7 +60,7 @@ class StopSpec:
                 reason = "stop"
         return reason
 
-    def truncate(self, generated: list[int], tokenizer: CharTokenizer | None) -> tuple[int, FinishReason]:
+    def truncate(self, generated: list[int], tokenizer: Tokenizer | None) -> tuple[int, FinishReason]:
         """Length to keep of a sequence generated without early stopping, and why it ended."""
         for n in range(1, len(generated) + 1):
             reason = self.reason_at(generated[:n], tokenizer)
@@ -68,7 +69,7 @@ class StopSpec:
         return len(generated), "length"
 
 
-def resolve_stop(stop: list[str] | list[int] | None, tokenizer: CharTokenizer | None, eos_id: int | None) -> StopSpec:
+def resolve_stop(stop: list[str] | list[int] | None, tokenizer: Tokenizer | None, eos_id: int | None) -> StopSpec:
     ids, strings = set(), []
     for item in stop or []:
         if isinstance(item, int) and not isinstance(item, bool):
@@ -109,15 +110,19 @@ def check_sampling(max_new_tokens: int, temperature: float, top_p: float) -> Non
 
 
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """Tensors of a safetensors file, or of `model.safetensors` in an HF directory."""
+    """Tensors of a safetensors file, or of an HF directory's `model.safetensors` (or its shards)."""
     path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if path.is_dir() and index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return {k: v for shard in shards for k, v in load_file(str(path / shard)).items()}
     file = path / "model.safetensors" if path.is_dir() else path
     if not file.is_file():
         raise FileNotFoundError(f"{file}: no safetensors weights there")
     return load_file(str(file))
 
 
-def load_into(model: Qwen3MoeForCausalLM, state_dict: dict[str, torch.Tensor]) -> None:
+def load_into(model: PreTrainedModel, state_dict: dict[str, torch.Tensor]) -> None:
     """Strict load, except a tied lm_head may be absent (save_pretrained drops it)."""
     missing, unexpected = model.load_state_dict(state_dict, strict=False)
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()

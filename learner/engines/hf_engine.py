@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import torch
-from transformers import Qwen3MoeForCausalLM
+from transformers import PreTrainedModel
 
 from learner.engines.base import Engine, Generation, check_prompts, check_sampling, load_into, resolve_stop
-from learner.models.tokenizer import CharTokenizer
+from learner.models.tokenizer import Tokenizer
 
 
 class HFEngine(Engine):
-    def __init__(self, model: Qwen3MoeForCausalLM, tokenizer: CharTokenizer | None = None, version: int = 0) -> None:
+    def __init__(self, model: PreTrainedModel, tokenizer: Tokenizer | None = None, version: int = 0) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.version = version

@@ -34,7 +34,7 @@ import torch
 
 from learner.engines.base import Engine, Generation, StopSpec, check_prompts, check_sampling, resolve_stop
 from learner.engines.sampling import top_p_filter
-from learner.models.tokenizer import CharTokenizer
+from learner.models.tokenizer import Tokenizer
 
 INSTALL_HINT = "pip install -e '.[vllm]' (the `vllm` extra of sao-lab[vllm]) in a separate CUDA environment"
 WORKER_EXTENSION = "learner.engines.vllm.WorkerExtension"
@@ -118,7 +118,7 @@ def sample_logprob(position: Any, token: int, temperature: float, top_p: float, 
     return float(scaled[token])
 
 
-def to_generation(completion: Any, spec: StopSpec, tokenizer: CharTokenizer | None, version: int,
+def to_generation(completion: Any, spec: StopSpec, tokenizer: Tokenizer | None, version: int,
                   temperature: float, top_p: float, vocab_size: int, where: str = "") -> Generation:
     """One vLLM `CompletionOutput` (token_ids, logprobs[i][token].logprob) -> our `Generation`."""
     row = [int(t) for t in completion.token_ids]
@@ -173,7 +173,7 @@ class ModelInfo:
 class VLLMEngine(Engine):
     """`make_engine("vllm", policy_or_dir)`; `VLLMEngine(model_dir, tokenizer, settings)` to set vLLM's arguments."""
 
-    def __init__(self, model_dir: str | Path, tokenizer: CharTokenizer | None = None,
+    def __init__(self, model_dir: str | Path, tokenizer: Tokenizer | None = None,
                  settings: VLLMSettings | None = None, version: int = 0, _owned_dir: str | None = None) -> None:
         vllm = require_vllm()
         from transformers import AutoConfig
@@ -195,7 +195,7 @@ class VLLMEngine(Engine):
             raise
 
     @classmethod
-    def from_policy(cls, model: Any, tokenizer: CharTokenizer | None = None,
+    def from_policy(cls, model: Any, tokenizer: Tokenizer | None = None,
                     settings: VLLMSettings | None = None) -> "VLLMEngine":
         """From an in-memory HF policy: saved to a temporary directory vLLM loads from."""
         require_vllm()

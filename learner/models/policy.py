@@ -1,4 +1,4 @@
-"""The policy: a tiny `Qwen3MoeForCausalLM` built from `ModelConfig`, saved as a plain HF directory.
+"""The policy: a tiny `Qwen3MoeForCausalLM` built from `ModelConfig`, or any HF causal LM loaded from a directory.
 
 A saved directory holds `config.json`, `generation_config.json`, `model.safetensors` (no pickle)
 and, when a tokenizer is given, `sao_tokenizer.json`; `transformers.AutoModelForCausalLM
@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM
 
 from learner.models.config import ModelConfig, to_hf_config
-from learner.models.tokenizer import CharTokenizer, save_hf_tokenizer
+from learner.models.tokenizer import CharTokenizer, Tokenizer, save_hf_tokenizer
 
 
 def build_policy(cfg: ModelConfig | None = None, vocab_size: int | None = None,
@@ -32,25 +32,28 @@ def build_policy(cfg: ModelConfig | None = None, vocab_size: int | None = None,
     return model.float().eval()
 
 
-def save_policy(model: Qwen3MoeForCausalLM, path: str | Path, tokenizer: CharTokenizer | None = None) -> Path:
+def save_policy(model: torch.nn.Module, path: str | Path, tokenizer: Tokenizer | None = None) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save(path)
-        save_hf_tokenizer(tokenizer, path)  # so AutoTokenizer.from_pretrained(path) works too
+        if isinstance(tokenizer, CharTokenizer):
+            save_hf_tokenizer(tokenizer, path)  # so AutoTokenizer.from_pretrained(path) works too
     return path
 
 
-def load_policy(path: str | Path, attn_implementation: str = "sdpa") -> Qwen3MoeForCausalLM:
+def load_policy(path: str | Path, attn_implementation: str = "sdpa") -> torch.nn.Module:
+    """Any `AutoModelForCausalLM` directory, in float32 (the embedded tiny model is one)."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path}: not a policy directory (no config.json)")
     if "sao_model" in json.loads((path / "config.json").read_text()):
         raise ValueError(f"{path}: this is a value-model directory; load it with ValueModel.load")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
-    if not isinstance(model, Qwen3MoeForCausalLM):
-        raise TypeError(f"{path}: expected a qwen3_moe causal LM, got {type(model).__name__}")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+    except ValueError as e:  # an architecture transformers does not know as a causal LM
+        raise ValueError(f"{path}: not loadable as a causal LM by transformers: {e}") from None
     return model.eval()
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import Qwen3MoeForCausalLM
+from transformers import PreTrainedModel
 
 from learner.models.value import ValueModel
 
@@ -39,12 +39,13 @@ def _check(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torc
     return attention_mask
 
 
-def policy_logits(model: Qwen3MoeForCausalLM, input_ids: torch.Tensor,
+def policy_logits(model: PreTrainedModel, input_ids: torch.Tensor,
                   attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """[B, T, V] fp32 logits; logits[:, t] predicts token t+1."""
     mask = _check(input_ids, attention_mask)
+    moe = {"output_router_logits": False} if hasattr(model.config, "output_router_logits") else {}
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
-                use_cache=False, output_router_logits=False)
+                use_cache=False, **moe)
     return out.logits.float()
 
 
@@ -92,7 +93,7 @@ def entropy_from_logits(logits: torch.Tensor, mask: torch.Tensor, temperature: T
     return _shift(ent, mask)
 
 
-def token_logprobs(model: Qwen3MoeForCausalLM, input_ids: torch.Tensor,
+def token_logprobs(model: PreTrainedModel, input_ids: torch.Tensor,
                    attention_mask: torch.Tensor | None = None, temperature: Temperature = None) -> torch.Tensor:
     """[B, T]: log pi_T(token t | tokens < t) (T = `temperature`, default 1); 0 at the first real token and
     at padding."""
@@ -100,14 +101,14 @@ def token_logprobs(model: Qwen3MoeForCausalLM, input_ids: torch.Tensor,
     return logprobs_from_logits(policy_logits(model, input_ids, mask), input_ids, mask, temperature)
 
 
-def token_entropy(model: Qwen3MoeForCausalLM, input_ids: torch.Tensor,
+def token_entropy(model: PreTrainedModel, input_ids: torch.Tensor,
                   attention_mask: torch.Tensor | None = None, temperature: Temperature = None) -> torch.Tensor:
     """[B, T]: entropy of the distribution that token t was drawn from (same alignment as token_logprobs)."""
     mask = _check(input_ids, attention_mask)
     return entropy_from_logits(policy_logits(model, input_ids, mask), mask, temperature)
 
 
-def logprobs_and_entropy(model: Qwen3MoeForCausalLM, input_ids: torch.Tensor,
+def logprobs_and_entropy(model: PreTrainedModel, input_ids: torch.Tensor,
                          attention_mask: torch.Tensor | None = None,
                          temperature: Temperature = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Both from one forward pass (the trainer's usual call)."""
@@ -135,7 +136,7 @@ def router_logits(model: nn.Module, input_ids: torch.Tensor,
     hooks = [m.register_forward_hook(lambda _m, _i, out: found.append(out[1]))
              for m in model.modules() if isinstance(m, Qwen3MoeSparseMoeBlock)]
     try:
-        backbone = model.model if isinstance(model, Qwen3MoeForCausalLM) else model.backbone
+        backbone = model.backbone if isinstance(model, ValueModel) else model.base_model
         backbone(input_ids=input_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask), use_cache=False)
     finally:
         for h in hooks:

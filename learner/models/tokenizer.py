@@ -1,7 +1,10 @@
-"""Character tokenizer for the simulator's alphabet plus tool-call markup, built locally (no hub).
+"""Tokenizers the agents and the learner use: the embedded character tokenizer, or a model's own.
 
-Every simulator prompt, answer and observation is written in ALPHABET; the markup strings in
-MARKUP are single tokens so that a tool call is a short, learnable sequence.
+`CharTokenizer` is the tiny model's, built locally (no hub): every simulator prompt, answer and
+observation is written in ALPHABET; the markup strings in MARKUP are single tokens so that a tool call
+is a short, learnable sequence. `HFTokenizer` puts any transformers tokenizer behind the same small
+interface (encode, decode, encode_prompt, the special ids, save), applying the model's chat template to
+prompts when it has one. `load_tokenizer(dir)` picks the one a model directory holds.
 """
 
 from __future__ import annotations
@@ -9,12 +12,31 @@ from __future__ import annotations
 import json
 import string
 from pathlib import Path
+from typing import Protocol
 
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 MARKUP = ["<call>", "</call>", "<obs>", "</obs>"]
 ALPHABET = string.ascii_lowercase + string.digits + " +-*/%=()[]{}<>:;,.?!_|#@'\"&^~$\n"
 
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+
+
+class Tokenizer(Protocol):
+    """What agents, engines and the learner ask of a tokenizer (`CharTokenizer`, `HFTokenizer`)."""
+
+    eos_id: int | None
+    pad_id: int
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def encode(self, text: str, bos: bool = False) -> list[int]: ...
+
+    def encode_prompt(self, text: str, messages: list[dict] | None = None) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str: ...
+
+    def save(self, path: str | Path) -> None: ...
 
 
 class CharTokenizer:
@@ -40,6 +62,10 @@ class CharTokenizer:
                 ids.append(self.token_to_id.get(text[i], self.unk_id))
                 i += 1
         return ids
+
+    def encode_prompt(self, text: str, messages: list[dict] | None = None) -> list[int]:
+        """<bos> and the prompt text (no chat template: `messages` are already rendered into `text`)."""
+        return self.encode(text, bos=True)
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
         out = []
@@ -86,3 +112,54 @@ def hf_tokenizer(tok: CharTokenizer | None = None):
 def save_hf_tokenizer(tok: CharTokenizer, path: str | Path) -> None:
     """Write tokenizer.json and its configs next to sao_tokenizer.json."""
     hf_tokenizer(tok).save_pretrained(str(path))
+
+
+class HFTokenizer:
+    """A transformers tokenizer with CharTokenizer's interface. Prompts go through the chat template when the
+    tokenizer has one (`chat=True`): one user message, or the task's own chat messages, then the generation
+    prompt; without a template a prompt is <bos> (if the model has one) and the text."""
+
+    def __init__(self, tok, chat: bool = True) -> None:
+        self.tok = tok
+        self.eos_id = tok.eos_token_id
+        if self.eos_id is None:
+            raise ValueError(f"tokenizer {tok.name_or_path!r} has no eos_token: generation could never end")
+        self.bos_id = tok.bos_token_id
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else self.eos_id
+        self.unk_id = tok.unk_token_id
+        self.chat = chat and bool(getattr(tok, "chat_template", None))
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tok)
+
+    def encode(self, text: str, bos: bool = False) -> list[int]:
+        ids = self.tok.encode(text, add_special_tokens=False)
+        return ([self.bos_id] if bos and self.bos_id is not None else []) + ids
+
+    def encode_prompt(self, text: str, messages: list[dict] | None = None) -> list[int]:
+        if not self.chat:
+            return self.encode(text, bos=True)
+        chat = messages or [{"role": "user", "content": text}]
+        return list(self.tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True))
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special)
+
+    def save(self, path: str | Path) -> None:
+        self.tok.save_pretrained(str(path))
+
+    @classmethod
+    def load(cls, path: str | Path, chat: bool = True) -> "HFTokenizer":
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(str(path)), chat)
+
+
+def load_tokenizer(path: str | Path, chat: bool = True) -> CharTokenizer | HFTokenizer:
+    """The tokenizer a model directory holds: the embedded one (`sao_tokenizer.json`), else its HF tokenizer."""
+    if (Path(path) / "sao_tokenizer.json").is_file():
+        return CharTokenizer.load(path)
+    if not any((Path(path) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise FileNotFoundError(f"{path}: no tokenizer (neither sao_tokenizer.json nor an HF tokenizer's files)")
+    return HFTokenizer.load(path, chat)

@@ -1,6 +1,7 @@
 """The value model V_phi: a copy of the policy backbone with a fresh scalar head, its own weights.
 
-Saved as its own directory: `config.json` (the backbone's Qwen3-MoE config plus
+Any HF causal LM's backbone serves (`AutoModel` of the policy's config: the tiny Qwen3-MoE, a Qwen3
+dense, a GLM-4-MoE, ...). Saved as its own directory: `config.json` (the backbone's HF config plus
 `"sao_model": "value"`), `model.safetensors` with keys `backbone.*` and `head.*`.
 """
 
@@ -13,16 +14,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3MoeModel
+from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
 
 VALUE_MARK = "value"
 
 
 class ValueModel(nn.Module):
-    def __init__(self, config: Qwen3MoeConfig, head_std: float | None = None) -> None:
+    def __init__(self, config: PretrainedConfig, head_std: float | None = None) -> None:
         super().__init__()
         self.config = config
-        self.backbone = Qwen3MoeModel(config)
+        self.backbone = AutoModel.from_config(config)
         self.head = nn.Linear(config.hidden_size, 1)
         self.reset_head(head_std)
 
@@ -32,13 +33,13 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.bias)
 
     @classmethod
-    def from_policy(cls, policy: Qwen3MoeForCausalLM, seed: int | None = 0) -> "ValueModel":
+    def from_policy(cls, policy: PreTrainedModel, seed: int | None = 0) -> "ValueModel":
         """Backbone weights copied (not shared) from `policy`; the head is new."""
         with torch.random.fork_rng(devices=[]):
             if seed is not None:
                 torch.manual_seed(seed)
             vm = cls(copy.deepcopy(policy.config))
-        vm.backbone.load_state_dict(policy.model.state_dict())
+        vm.backbone.load_state_dict(policy.base_model.state_dict())
         return vm.to(dtype=torch.float32).eval()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -68,7 +69,7 @@ class ValueModel(nn.Module):
         if raw.pop("sao_model", None) != VALUE_MARK:
             raise ValueError(f"{cfg_file}: not a value model (missing \"sao_model\": \"value\"); is it a policy dir?")
         attn = raw.pop("_attn_implementation", None) or "sdpa"
-        config = Qwen3MoeConfig.from_dict(raw)
+        config = AutoConfig.for_model(**raw)
         config._attn_implementation = attn
         vm = cls(config)
         vm.load_state_dict(load_file(str(path / "model.safetensors")), strict=True)

@@ -16,7 +16,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from learner.models.tokenizer import CharTokenizer
+from learner.models.tokenizer import CharTokenizer, Tokenizer
 from streamer.transport.weights import WeightStore
 from streamer.wire.schema import PolicyVersion
 
@@ -35,9 +35,11 @@ def assert_finite(model: torch.nn.Module) -> None:
 
 class DirectoryPublisher:
     def __init__(self, store: str | Path, announcer: Callable[[PolicyVersion], None] | None = None,
-                 keep: int = 0) -> None:
-        """`announcer`: an `Announcer` (or any callable taking the PolicyVersion); None announces nothing."""
+                 keep: int = 0, tokenizer: Tokenizer | None = None) -> None:
+        """`announcer`: an `Announcer` (or any callable taking the PolicyVersion); None announces nothing.
+        `tokenizer`: the policy's, saved with every version (default: the embedded character tokenizer)."""
         self.store = WeightStore(store)
+        self.tokenizer = tokenizer or CharTokenizer()
         self.announcer = announcer
         self.keep = keep  # versions kept on disk (0: all)
 
@@ -52,7 +54,7 @@ class DirectoryPublisher:
         assert_finite(model)
         with tempfile.TemporaryDirectory() as side:  # config.json + tokenizer travel with the weights
             model.config.save_pretrained(side)
-            CharTokenizer().save(side)
+            self.tokenizer.save(side)
             pv = self.store.publish(model.state_dict(), version, step, side_files_from=side)
         self.store.prune(self.keep)
         if self.announcer is not None:

@@ -215,7 +215,7 @@ class Agent:
 def load_engine(s: AgentSettings, store: WeightStore) -> tuple[Any, Any]:
     """The engine and tokenizer: from `s.model`, else the newest verified version in the weight store."""
     from learner.engines import make_engine
-    from learner.models.tokenizer import CharTokenizer
+    from learner.models.tokenizer import load_tokenizer
 
     pv: PolicyVersion | None = None
     model_dir = s.model
@@ -224,8 +224,7 @@ def load_engine(s: AgentSettings, store: WeightStore) -> tuple[Any, Any]:
         if pv is None:
             raise ConfigError(f"agent: no --model given and the weight store {store.root} is empty")
         model_dir = str(store.resolve(pv))
-    tok_file = Path(model_dir) / "sao_tokenizer.json"
-    tokenizer = CharTokenizer.load(model_dir) if tok_file.is_file() else CharTokenizer()
+    tokenizer = load_tokenizer(model_dir, s.chat_template)
     engine = make_engine(s.engine, model_dir, tokenizer)
     if pv is not None:
         engine.load_state_dict(store.load(pv), pv.version)  # raises CheckpointError on a bad hash

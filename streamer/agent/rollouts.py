@@ -122,7 +122,7 @@ class Rollouts:
         try:
             for _ in range(self.s.group_size):
                 env = make_env(task, self.latency)
-                prompt = self.tokenizer.encode(env.prompt(), bos=True)
+                prompt = self.tokenizer.encode_prompt(env.prompt(), env.messages())
                 eps.append(Episode(env, list(prompt), [0] * len(prompt), [0.0] * len(prompt)))
         except ROLLOUT_ERRORS as e:  # returned by the next `advance`
             self.flights.append(InFlight(task, key, [], 0, seed, time.time(), error=e))

@@ -65,6 +65,7 @@ class UpConfig:
     max_lag: int = -1  # simulator back-pressure: tasks published ahead of the agents (-1: derived, 0: none)
     stream: str = ""  # replay this recorded task stream (JSONL, Parquet, CSV) instead of simulating the scenario
     speed: float = 0.0  # with stream: time scale of its recorded arrivals (0: as fast as back-pressure lets)
+    model: str = ""  # start from this HF model directory (any causal LM and its tokenizer) instead of the warm start
     dashboard: bool = True
     eval: bool | None = None  # held-out greedy evaluation of each policy version; None: on above 2 cores
     eval_interval: float = 30.0  # seconds between evaluations (each costs about 16 s of one core)

@@ -48,6 +48,8 @@ FLAGS = {  # flag -> (type, help); each sets the launch field of the same name (
     "stream": (str, "replay this recorded task stream (JSONL, Parquet, CSV; production rows too) instead of the "
                     "scenario's simulator; the scenario still defines the warm start"),
     "speed": (float, "with --stream: time scale of its recorded arrivals (0: as fast as back-pressure lets)"),
+    "model": (str, "start from this HF model directory (any causal LM with its tokenizer; a chat template is "
+                   "applied to prompts) instead of warm-starting the embedded tiny model"),
     "eval_interval": (float, "seconds between held-out evaluations"),
     "dashboard_port": (int, "the dashboard's port"),
     "max_seconds": (float, "stop after this long (0: at the scenario's end)"),
@@ -98,6 +100,19 @@ def warm_start(cfg: RunConfig) -> Path:
     return pretrain(cfg.pretrain, log=lambda line: print(line, flush=True))
 
 
+def initial_model(cfg: RunConfig) -> Path:
+    """The model every role starts from: --model as it is, else the tiny policy's (cached) warm start."""
+    if cfg.launch.model:
+        model = Path(cfg.launch.model).resolve()
+        if not (model / "config.json").is_file():
+            raise ConfigError(f"--model {cfg.launch.model}: not an HF model directory (no config.json)")
+        print(f"[1/4] model: {model} (given: no warm start)", flush=True)
+        return model
+    print("[1/4] warm start of the tiny policy (supervised, cached under runs/cache); nothing else runs meanwhile",
+          flush=True)
+    return warm_start(cfg)
+
+
 def prepare(cfg: RunConfig) -> Path:
     """The plan, the warm start, then runs/<run>/config.yaml (the run configuration every role reads)."""
     up = cfg.launch
@@ -105,9 +120,7 @@ def prepare(cfg: RunConfig) -> Path:
     print(f"{up.plan().describe()}\nadmission: learner batch {batch}, staleness "
           f"<= {staleness}; each agent starts {adm.tasks_per_version} task(s) per version, "
           f"{adm.versions_ahead} version(s) ahead", flush=True)
-    print("[1/4] warm start of the tiny policy (supervised, cached under runs/cache); nothing else runs meanwhile",
-          flush=True)
-    bind_init(cfg, warm_start(cfg))  # before the broker: the 2 cores of a small machine are the warm start's alone
+    bind_init(cfg, initial_model(cfg))  # before the broker: the 2 cores of a small machine are the warm start's alone
     up.max_lag = max_lag_default(cfg)  # for a simulator started elsewhere (`sao simulate --run-config`)
     config_file = Path(up.runs_dir) / up.run / "config.yaml"
     config_file.parent.mkdir(parents=True, exist_ok=True)
@@ -149,7 +162,8 @@ def task_source(cfg: RunConfig, run: list[str], run_dir: Path) -> list[str]:
     common = [*run, "--max-lag", str(max_lag_default(cfg))] + (["--limit", str(up.limit)] if up.limit else [])
     if up.stream:
         return ["replay", up.stream, *common, "--speed", str(up.speed), "--skip-bad", "--rejects",
-                str(run_dir / "rejects.jsonl"), *[f"--verifier={v}" for v in cfg.agent.verifiers]]
+                str(run_dir / "rejects.jsonl"), "--model", cfg.agent.model,
+                *[f"--verifier={v}" for v in cfg.agent.verifiers]]
     simulate = ["simulate", "--scenario", up.scenario, *common]
     if up.seed >= 0:
         simulate += ["--seed", str(up.seed)]
@@ -316,10 +330,14 @@ def run(cfg: RunConfig, stop: Stop | None = None) -> int:
 
 def main(argv: list[str]) -> int:
     cfg, only_prepare = parse_command(argv)
-    if only_prepare:
-        print(f"sao up --prepare: wrote {prepare(cfg)}", flush=True)
-        return 0
-    return run(cfg)
+    try:
+        if only_prepare:
+            print(f"sao up --prepare: wrote {prepare(cfg)}", flush=True)
+            return 0
+        return run(cfg)
+    except ConfigError as e:
+        print(f"sao up: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -28,7 +28,15 @@ from streamer.wire.topics import Topics
 log = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.safetensors"
-SIDE_FILES = ("config.json", "generation_config.json", "sao_tokenizer.json")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")  # never copied as side files: the version has its own
+
+
+def side_files(directory: str | Path) -> list[Path]:
+    """A model directory's configuration and tokenizer files (config.json, tokenizer.json, sao_tokenizer.json, chat
+    template, ...): every plain file but weights and policy.json."""
+    return sorted(f for f in Path(directory).iterdir()
+                  if f.is_file() and f.suffix not in WEIGHT_SUFFIXES and f.name not in ("policy.json", WEIGHTS_FILE)
+                  and not f.name.endswith(".index.json"))
 
 
 READ_RETRIES = 5  # an unreadable version is tried this many times (backoff 1, 2, 4, 8 s) before it is refused
@@ -90,10 +98,8 @@ class WeightStore:
         else:
             data = save(_unshared(source))
         (tmp / WEIGHTS_FILE).write_bytes(data)
-        for name in SIDE_FILES if side_files_from else ():
-            src = Path(side_files_from) / name
-            if src.is_file():
-                shutil.copyfile(src, tmp / name)
+        for src in side_files(side_files_from) if side_files_from else ():
+            shutil.copyfile(src, tmp / src.name)
         pv = PolicyVersion(version=version, uri=str(final.resolve()), sha256=sha256_bytes(data), step=step,
                            created_at=time.time())
         (tmp / "policy.json").write_bytes(encode_json(pv))

@@ -152,6 +152,7 @@ class AgentSettings:
     group_id: str = ""  # consumer group; "" -> "<run>.agents"
     engine: Literal["torch", "hf", "vllm"] = "torch"  # learner.engines.factory
     model: str = ""  # model directory (HF format); "" -> the latest version in the weight store
+    chat_template: bool = True  # prompts through the model tokenizer's chat template, when it has one
     weights_dir: str = "runs/weights"  # weight store that <run>.policy announcements point into
     group_size: int = 1  # 1: single rollout (SAO); n>1: GRPO-family group sharing one policy version
     concurrency: int = 1  # tasks in flight: their turns share engine batches, their tool calls overlap
