@@ -32,6 +32,7 @@ TASK_FIELDS = ("v", "task_id", "family", "concept", "phase", "prompt", "answer",
 TABLE_COLUMNS = ("kind",) + TASK_FIELDS + ("event",)
 MAX_PROMPT_CHARS = 200
 ALPHABET_SYMBOLS = "".join(c for c in ALPHABET if not c.isalnum())
+TAG_WINDOW = 64  # rows within which tag changes of several sources are one drift event (TagDrift)
 PRODUCTION_FIELDS = ("task_id", "prompt", "messages", "reference", "verifier", "params", "tags", "time", "tools")
 
 
@@ -202,6 +203,50 @@ def production_task(row: dict[str, Any]) -> Task:
                 prompt=prompt, answer=str(row["reference"]), created_at=when,
                 spec={"verifier": row["verifier"], "params": params, "tags": tags,
                       **({"messages": messages} if messages else {})})
+
+
+class TagDrift:
+    """Drift of a recorded production stream, read from its tags: a row whose `concept` tag differs from the last one
+    of its `source` tag starts a new phase, announced by a DriftEvent before it (abrupt), as the simulator announces
+    a scenario's phases. Changes of other sources within the next `merge_rows` rows join the same event (a stream
+    often changes several sources at once; one phase per change would leave each a block of a few rows), so rows
+    are held back until that window has passed. Tasks get their phase and stream position (`seq`): recovery after a
+    tag change is measured exactly as after a simulated drift (`streamer.runs.recovery`)."""
+
+    def __init__(self, merge_rows: int = TAG_WINDOW) -> None:
+        self.merge_rows = merge_rows
+        self.phase, self.seq = 0, 0
+        self.concepts: dict[str, str] = {}  # source -> its latest concept
+        self.pending: DriftEvent | None = None  # announced once its merge window has passed
+        self.held: list[Task] = []
+
+    def push(self, task: Task) -> list[Task | DriftEvent]:
+        """The messages ready to send, in order, once `task` is in."""
+        out = self.flush() if self.pending is not None and self.seq > self.pending.at_seq + self.merge_rows else []
+        prev = self.concepts.get(task.family)
+        if prev is not None and prev != task.concept:
+            if self.pending is not None and self.pending.prev_concepts.get(task.family) == prev:
+                self.pending.name += f"+{task.family}:{task.concept}"  # merged into the open event
+            else:
+                out += self.flush()
+                self.phase += 1
+                self.pending = DriftEvent(phase=self.phase, prev_phase=self.phase - 1,
+                                          name=f"{task.family}:{task.concept}", schedule="abrupt", families=[],
+                                          concepts={}, prev_concepts=dict(self.concepts), at_seq=self.seq,
+                                          time=task.created_at)
+        self.concepts[task.family] = task.concept
+        if self.pending is not None:
+            self.pending.concepts, self.pending.families = dict(self.concepts), sorted(self.concepts)
+        task.phase, task.seq = self.phase, self.seq
+        self.seq += 1
+        (self.held if self.pending is not None else out).append(task)
+        return out
+
+    def flush(self) -> list[Task | DriftEvent]:
+        """The open event and the rows held behind it (at the end of the stream, or when its window has passed)."""
+        out: list[Task | DriftEvent] = [self.pending, *self.held] if self.pending is not None else []
+        self.pending, self.held = None, []
+        return out
 
 
 def check_task(task: Task, rule: PromptRule = EMBEDDED) -> None:

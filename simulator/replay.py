@@ -6,7 +6,8 @@ recorded seconds after the previous row's, so one bad stamp cannot put the repla
 a bad row stops the replay with its row number and field, or with `--skip-bad` goes to a side
 file (`FILE.rejects.jsonl`) and is counted. Row numbers are 1-based: JSONL lines, data rows of
 a CSV (header excluded) or of a Parquet file. Rows are the project's messages or, for a recorded production
-stream, the open row format of `simulator.records` (prompt or chat, reference, verifier and parameters, tags, time).
+stream, the open row format of `simulator.records` (prompt or chat, reference, verifier and parameters, tags, time);
+there a change of a source's `concept` tag is a drift, announced like a simulated one (`simulator.records.TagDrift`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,16 @@ from pathlib import Path
 from typing import Any
 
 from simulator import verifiers
-from simulator.records import EMBEDDED, PromptRule, RowError, message_from_row, parse_json_line, prompt_rule
+from simulator.records import (
+    EMBEDDED,
+    TAG_WINDOW,
+    PromptRule,
+    RowError,
+    TagDrift,
+    message_from_row,
+    parse_json_line,
+    prompt_rule,
+)
 from simulator.sinks import TaskSink, file_sink
 from streamer.wire.schema import DriftEvent, Task
 
@@ -146,16 +156,18 @@ class _Pacer:
 
 def replay(path: str | Path, sink: TaskSink, speed: float = 1.0, skip_bad: bool = False,
            rejects: str | Path | None = None, restamp: bool = False, limit: int | None = None,
-           chunk_rows: int = 10_000, max_gap_s: float = MAX_GAP_S, rule: PromptRule = EMBEDDED) -> ReplayStats:
+           chunk_rows: int = 10_000, max_gap_s: float = MAX_GAP_S, rule: PromptRule = EMBEDDED,
+           tag_window: int = TAG_WINDOW) -> ReplayStats:
     """Publish the file's messages to `sink` in order (closing it). `restamp`: created_at = send time. `rule`:
-    which prompts the served model takes (`simulator.records.prompt_rule`)."""
+    which prompts the served model takes (`simulator.records.prompt_rule`). `tag_window`: rows within which tag
+    changes of a production stream join one drift event (`simulator.records.TagDrift`)."""
     path = Path(path)
     stats, pacer, t = ReplayStats(), _Pacer(speed, max_gap_s), time.perf_counter()
     rej_path = Path(rejects) if rejects else path.with_name(path.name + ".rejects.jsonl")
-    rej = None
+    rej, tags = None, TagDrift(tag_window)
     try:
         for n, raw, fmt in read_rows(path, chunk_rows):
-            if limit is not None and stats.tasks >= limit:
+            if limit is not None and stats.tasks + len(tags.held) >= limit:
                 break
             stats.rows += 1
             try:
@@ -169,7 +181,10 @@ def replay(path: str | Path, sink: TaskSink, speed: float = 1.0, skip_bad: bool 
                 stats.bad += 1
                 stats.bad_rows.append(n)
                 continue
-            _send(msg, sink, pacer, restamp, stats)
+            for ready in tags.push(msg) if isinstance(msg, Task) and "verifier" in msg.spec else [msg]:
+                _send(ready, sink, pacer, restamp, stats)
+        for ready in tags.flush():
+            _send(ready, sink, pacer, restamp, stats)
     finally:
         sink.close()
         if rej is not None:
@@ -212,6 +227,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="enable a user verifier (entry point NAME in group sao_lab.verifiers) that rows may name")
     p.add_argument("--model", help="the served model's directory: prompts are checked against its tokenizer and "
                                     "context (default: the embedded character model's alphabet and length)")
+    p.add_argument("--tag-window", type=int, default=TAG_WINDOW, metavar="N",
+                   help="production rows: tag changes within N rows of each other are one drift event")
     p.add_argument("--chunk-rows", type=int, default=10_000, help="rows read at a time (Parquet)")
     p.add_argument("--max-gap", type=float, default=MAX_GAP_S,
                    help="recorded seconds a row's time may lie after the previous row's (a larger jump is a bad row)")
@@ -244,7 +261,7 @@ def main(argv: list[str]) -> int:
         sink = file_sink(args.out)
     try:
         stats = replay(args.file, sink, args.speed, args.skip_bad, args.rejects, args.restamp, args.limit,
-                       args.chunk_rows, args.max_gap, rule)
+                       args.chunk_rows, args.max_gap, rule, args.tag_window)
     except ReplayError as e:
         print(f"sao replay: {e}", file=sys.stderr)
         return 1

@@ -160,3 +160,37 @@ def test_simulate_command_writes_the_file(tmp_path, capsys):
     assert simulate_main(["--scenario", "default", "--out", str(out), "--limit", "50", "--seed", "4"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["tasks"] == 50 and len(out.read_text().splitlines()) == 50
+
+
+def _row(i: int, source: str, concept: str) -> dict:
+    return {"task_id": f"p{i}", "prompt": f"f:{'ab'[i % 2]}=", "reference": "[a]", "verifier": "exact",
+            "tags": {"source": source, "concept": concept}, "time": float(i)}
+
+
+def test_a_tag_change_is_a_drift_and_nearby_changes_join_it(tmp_path):
+    # forms x -> y at row 3 opens an event; tickets u -> v at row 5 is inside its 4-row window: the same event.
+    # forms y -> z at row 12 (forms already changed): a second event; tickets v -> w at row 18, past the second
+    # event's window: a third.
+    plan = [("forms", "x"), ("tickets", "u"), ("forms", "x"), ("forms", "y"), ("tickets", "u"), ("tickets", "v"),
+            *[("forms", "y"), ("tickets", "v")] * 3, ("forms", "z"), ("tickets", "v"), *[("forms", "z")] * 4,
+            ("tickets", "w"), ("forms", "z")]
+    src = tmp_path / "p.jsonl"
+    src.write_text("".join(json.dumps(_row(i, s, c)) + "\n" for i, (s, c) in enumerate(plan)))
+    sink = QueueSink()
+    stats = replay(src, sink, speed=0.0, tag_window=4)
+    msgs = sink.drain()
+    assert stats.tasks == len(plan) == 20 and stats.drift_events == 3
+    kinds = ["drift" if isinstance(m, DriftEvent) else m.task_id for m in msgs]
+    assert kinds == ["p0", "p1", "p2", "drift", *[f"p{i}" for i in range(3, 12)], "drift",
+                     *[f"p{i}" for i in range(12, 18)], "drift", "p18", "p19"]
+    first, second, third = [m for m in msgs if isinstance(m, DriftEvent)]
+    assert (first.phase, first.prev_phase, first.at_seq, first.time) == (1, 0, 3, 3.0)
+    assert first.prev_concepts == {"forms": "x", "tickets": "u"}
+    assert first.concepts == {"forms": "y", "tickets": "v"} and first.name == "forms:y+tickets:v"
+    assert (second.phase, second.at_seq, second.concepts, second.prev_concepts) == (
+        2, 12, {"forms": "z", "tickets": "v"}, {"forms": "y", "tickets": "v"})
+    assert (third.phase, third.at_seq, third.concepts) == (3, 18, {"forms": "z", "tickets": "w"})
+    tasks = [m for m in msgs if isinstance(m, Task)]
+    assert [t.phase for t in tasks] == [0] * 3 + [1] * 9 + [2] * 6 + [3] * 2
+    assert [t.seq for t in tasks] == list(range(len(plan)))
+    assert replay(src, QueueSink(), speed=0.0, limit=5).tasks == 5  # held rows count against the limit
