@@ -1,7 +1,9 @@
 """The value model V_phi: a copy of the policy backbone with a fresh scalar head, its own weights.
 
 Saved as its own directory: `config.json` (the backbone's Qwen3-MoE config plus
-`"sao_model": "value"`), `model.safetensors` with keys `backbone.*` and `head.*`.
+`"sao_model": "value"`), `model.safetensors` with keys `backbone.*` and `head.*`. The backbone is
+the base model class of the policy's config (Qwen3-MoE here; the megatron backend also builds
+GLM-4-MoE critics this way), but `load` reads Qwen3-MoE configs only.
 """
 
 from __future__ import annotations
@@ -13,16 +15,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM, Qwen3MoeModel
+from transformers import MODEL_MAPPING, PretrainedConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 VALUE_MARK = "value"
 
 
 class ValueModel(nn.Module):
-    def __init__(self, config: Qwen3MoeConfig, head_std: float | None = None) -> None:
+    def __init__(self, config: PretrainedConfig, head_std: float | None = None) -> None:
         super().__init__()
         self.config = config
-        self.backbone = Qwen3MoeModel(config)
+        self.backbone = MODEL_MAPPING[type(config)](config)  # the policy's base model class (Qwen3MoeModel, ...)
         self.head = nn.Linear(config.hidden_size, 1)
         self.reset_head(head_std)
 
