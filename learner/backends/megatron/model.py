@@ -208,8 +208,16 @@ def build_gpt(hf_cfg, post_process: bool = True, dtype: torch.dtype = torch.floa
         rotary_base=hf_cfg.rope_theta,  # float: no truncation of e.g. 1e6 or 5e5
     )
     # Megatron-LM casts through Float16Module; the local spec's torch norms are built in fp32.
-    # The router's expert_bias stays fp32 (megatron keeps it so on every forward).
-    return model.to(dtype=dtype)
+    return _expert_bias_fp32(model.to(dtype=dtype))
+
+
+def _expert_bias_fp32(model):
+    # The cast above also casts the router's expert_bias buffer; megatron keeps it fp32 (as HF keeps
+    # e_score_correction_bias), so loading an fp32 bias into a bf16 model must not round it.
+    for name, buf in model.named_buffers():
+        if name.endswith("router.expert_bias"):
+            buf.data = buf.data.float()
+    return model
 
 
 def positions(input_ids: torch.Tensor) -> torch.Tensor:
