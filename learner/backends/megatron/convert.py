@@ -1,17 +1,22 @@
-"""HF Qwen3-MoE state dicts <-> megatron-core GPTModel state dicts (lossless both ways).
+"""HF Qwen3-MoE / GLM-4-MoE state dicts <-> megatron-core GPTModel state dicts (lossless both ways).
 
 Only tensors are moved, never recomputed: every conversion is a slice, a concatenation or a
 rename, so HF -> megatron -> HF returns bit-identical tensors. With expert parallelism each rank
-holds experts [ep_rank * n_local, (ep_rank + 1) * n_local) under local indices 0..n_local-1;
-`megatron_to_hf` of one rank gives the dense weights plus that rank's experts, and
-`gather_experts` joins the ranks' experts into one full HF state dict.
+holds routed experts [ep_rank * n_local, (ep_rank + 1) * n_local) under local indices
+0..n_local-1; dense layers and shared experts are replicated on every rank. `megatron_to_hf` of
+one rank gives the replicated weights plus that rank's experts, and `gather_experts` joins the
+ranks' experts into one full HF state dict.
 
-Mapped architecture: Qwen3MoeForCausalLM only (see `model.check_supported`).
+One table (`_mapping`) lists every tensor of a model as (kind, megatron name, HF names); both
+directions walk it. Mapped architectures: see `model.check_supported`.
 
 Layout facts (megatron-core 0.16, local spec):
   linear_qkv.weight [G * (Q/G + 2) * D, H]: for each KV group g, the Q/G query heads of g, then
     k_g, then v_g (D = head_dim, G = KV heads, Q = query heads); HF keeps q, k, v apart.
-  linear_fc1.weight [2F, H] = cat(gate_proj, up_proj): megatron's GLU is act(chunk 0) * chunk 1.
+    linear_qkv.bias (GLM attention_bias) has the same row layout.
+  linear_fc1.weight [2F, H] = cat(gate_proj, up_proj): megatron's GLU is act(chunk 0) * chunk 1;
+    the same for routed experts, shared experts (mlp.shared_experts.*) and dense MLPs (mlp.*).
+  GLM router bias: HF buffer mlp.gate.e_score_correction_bias <-> megatron buffer mlp.router.expert_bias.
   tied embeddings: megatron has no output_layer.weight; HF's lm_head.weight is the embedding.
 """
 
@@ -19,94 +24,122 @@ from __future__ import annotations
 
 import torch
 
-from learner.backends.megatron.model import head_dim
+from learner.backends.megatron.model import head_dim, is_glm4_moe, moe_layer_pattern, num_experts, qk_norm, qkv_bias
 
-_LAYER_RENAMES = {  # megatron suffix -> HF suffix, both under their layer prefix
+RENAME, GLU, QKV = "rename", "glu", "qkv"  # 1 HF tensor; cat(gate, up); per-KV-group q, k, v
+
+_ATTENTION_RENAMES = {  # megatron suffix -> HF suffix, both under their layer prefix
     "input_layernorm.weight": "input_layernorm.weight",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+}
+_QK_NORM_RENAMES = {
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
-    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-    "mlp.router.weight": "mlp.gate.weight",
 }
 
 
-def local_expert_range(num_experts: int, ep_rank: int, ep_size: int) -> range:
-    if num_experts % ep_size:
-        raise ValueError(f"expert_parallel={ep_size} does not divide num_experts={num_experts}")
-    n = num_experts // ep_size
+def local_expert_range(n_experts: int, ep_rank: int, ep_size: int) -> range:
+    if n_experts % ep_size:
+        raise ValueError(f"expert_parallel={ep_size} does not divide num_experts={n_experts}")
+    n = n_experts // ep_size
     return range(ep_rank * n, (ep_rank + 1) * n)
+
+
+def _mlp(mp: str, hp: str) -> list[tuple[str, str, tuple[str, ...]]]:
+    """A SwiGLU MLP: megatron prefix `mp` (linear_fc1/2) <-> HF prefix `hp` (gate/up/down_proj)."""
+    return [(GLU, mp + "linear_fc1.weight", (hp + "gate_proj.weight", hp + "up_proj.weight")),
+            (RENAME, mp + "linear_fc2.weight", (hp + "down_proj.weight",))]
+
+
+def _attention(hf_cfg, mp: str, hp: str) -> list[tuple[str, str, tuple[str, ...]]]:
+    renames = {**_ATTENTION_RENAMES, **(_QK_NORM_RENAMES if qk_norm(hf_cfg) else {})}
+    out = [(RENAME, mp + m, (hp + h,)) for m, h in renames.items()]
+    for kind in ("weight", "bias") if qkv_bias(hf_cfg) else ("weight",):
+        out.append((QKV, f"{mp}self_attention.linear_qkv.{kind}",
+                    tuple(f"{hp}self_attn.{n}_proj.{kind}" for n in "qkv")))
+    return out
+
+
+def _moe(hf_cfg, mp: str, hp: str, experts: range) -> list[tuple[str, str, tuple[str, ...]]]:
+    out = [(RENAME, mp + "mlp.router.weight", (hp + "mlp.gate.weight",))]
+    if is_glm4_moe(hf_cfg):
+        out.append((RENAME, mp + "mlp.router.expert_bias", (hp + "mlp.gate.e_score_correction_bias",)))
+        out += _mlp(mp + "mlp.shared_experts.", hp + "mlp.shared_experts.")
+    for local, e in enumerate(experts):
+        out += _mlp(f"{mp}mlp.experts.local_experts.{local}.", f"{hp}mlp.experts.{e}.")
+    return out
+
+
+def _mapping(hf_cfg, ep_rank: int, ep_size: int, prefix: str,
+             with_output: bool) -> list[tuple[str, str, tuple[str, ...]]]:
+    """(kind, megatron name, HF names) for every tensor this EP rank holds."""
+    experts = local_expert_range(num_experts(hf_cfg), ep_rank, ep_size)
+    out = [(RENAME, "embedding.word_embeddings.weight", (f"{prefix}embed_tokens.weight",))]
+    for i, is_moe in enumerate(moe_layer_pattern(hf_cfg)):
+        hp, mp = f"{prefix}layers.{i}.", f"decoder.layers.{i}."
+        out += _attention(hf_cfg, mp, hp)
+        out += _moe(hf_cfg, mp, hp, experts) if is_moe else _mlp(mp + "mlp.", hp + "mlp.")
+    if with_output:
+        out.append((RENAME, "decoder.final_layernorm.weight", (f"{prefix}norm.weight",)))
+        if not hf_cfg.tie_word_embeddings:
+            out.append((RENAME, "output_layer.weight", ("lm_head.weight",)))
+    return out
 
 
 def _qkv_to_megatron(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hf_cfg) -> torch.Tensor:
     d, g = head_dim(hf_cfg), hf_cfg.num_key_value_heads
-    h = q.shape[-1]
-    q = q.reshape(g, -1, d, h)  # [G, Q/G, D, H]: query heads of a group are consecutive in HF
-    qkv = torch.cat([q, k.reshape(g, 1, d, h), v.reshape(g, 1, d, h)], dim=1)
-    return qkv.reshape(-1, h)
+    tail = q.shape[1:]  # (H,) for the weight, () for the bias
+    # [G, Q/G + 2, D, *tail]: the query heads of a group are consecutive in HF
+    groups = [q.reshape(g, -1, d, *tail), k.reshape(g, 1, d, *tail), v.reshape(g, 1, d, *tail)]
+    return torch.cat(groups, dim=1).reshape(-1, *tail)
 
 
 def _qkv_to_hf(qkv: torch.Tensor, hf_cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     d, g = head_dim(hf_cfg), hf_cfg.num_key_value_heads
     per = hf_cfg.num_attention_heads // g
-    h = qkv.shape[-1]
-    x = qkv.reshape(g, per + 2, d, h)
-    return (x[:, :per].reshape(-1, h).clone(), x[:, per].reshape(-1, h).clone(),
-            x[:, per + 1].reshape(-1, h).clone())
+    tail = qkv.shape[1:]  # (H,) for the weight, () for the bias
+    x = qkv.reshape(g, per + 2, d, *tail)
+    return (x[:, :per].reshape(-1, *tail).clone(), x[:, per].reshape(-1, *tail).clone(),
+            x[:, per + 1].reshape(-1, *tail).clone())
+
+
+def _to_megatron(kind: str, hf: list[torch.Tensor], hf_cfg) -> torch.Tensor:
+    if kind == GLU:
+        return torch.cat(hf, dim=0)
+    if kind == QKV:
+        return _qkv_to_megatron(*hf, hf_cfg)
+    return hf[0]
+
+
+def _to_hf(kind: str, m: torch.Tensor, hf_cfg) -> tuple[torch.Tensor, ...]:
+    if kind == GLU:
+        return tuple(t.clone() for t in m.chunk(2, dim=0))
+    if kind == QKV:
+        return _qkv_to_hf(m, hf_cfg)
+    return (m,)
 
 
 def hf_to_megatron(hf_sd: dict[str, torch.Tensor], hf_cfg, ep_rank: int = 0, ep_size: int = 1,
                    prefix: str = "model.", with_output: bool = True) -> dict[str, torch.Tensor]:
-    """Megatron parameter names -> tensors for this EP rank.
+    """Megatron parameter (and router-bias buffer) names -> tensors for this EP rank.
 
     `prefix` is where the HF backbone lives ("model." for the policy, "backbone." for H2's value
     model); `with_output=False` skips the final norm and output layer (value-model backbone)."""
-    out: dict[str, torch.Tensor] = {}
     get = _getter(hf_sd)
-    out["embedding.word_embeddings.weight"] = get(f"{prefix}embed_tokens.weight")
-    experts = local_expert_range(hf_cfg.num_experts, ep_rank, ep_size)
-    for i in range(hf_cfg.num_hidden_layers):
-        hp, mp = f"{prefix}layers.{i}.", f"decoder.layers.{i}."
-        for m_suf, h_suf in _LAYER_RENAMES.items():
-            out[mp + m_suf] = get(hp + h_suf)
-        out[mp + "self_attention.linear_qkv.weight"] = _qkv_to_megatron(
-            get(hp + "self_attn.q_proj.weight"), get(hp + "self_attn.k_proj.weight"),
-            get(hp + "self_attn.v_proj.weight"), hf_cfg)
-        for local, e in enumerate(experts):
-            he, me = f"{hp}mlp.experts.{e}.", f"{mp}mlp.experts.local_experts.{local}."
-            out[me + "linear_fc1.weight"] = torch.cat([get(he + "gate_proj.weight"),
-                                                        get(he + "up_proj.weight")], dim=0)
-            out[me + "linear_fc2.weight"] = get(he + "down_proj.weight")
-    if with_output:
-        out["decoder.final_layernorm.weight"] = get(f"{prefix}norm.weight")
-        if not hf_cfg.tie_word_embeddings:
-            out["output_layer.weight"] = get("lm_head.weight")
-    return out
+    return {m: _to_megatron(kind, [get(h) for h in hs], hf_cfg)
+            for kind, m, hs in _mapping(hf_cfg, ep_rank, ep_size, prefix, with_output)}
 
 
 def megatron_to_hf(m_sd: dict[str, torch.Tensor], hf_cfg, ep_rank: int = 0, ep_size: int = 1,
                    prefix: str = "model.", with_output: bool = True) -> dict[str, torch.Tensor]:
-    """The inverse of `hf_to_megatron`: HF names -> tensors (dense + this rank's experts)."""
-    out: dict[str, torch.Tensor] = {}
+    """The inverse of `hf_to_megatron`: HF names -> tensors (replicated weights + this rank's experts)."""
     get = _getter(m_sd)
-    out[f"{prefix}embed_tokens.weight"] = get("embedding.word_embeddings.weight")
-    experts = local_expert_range(hf_cfg.num_experts, ep_rank, ep_size)
-    for i in range(hf_cfg.num_hidden_layers):
-        hp, mp = f"{prefix}layers.{i}.", f"decoder.layers.{i}."
-        for m_suf, h_suf in _LAYER_RENAMES.items():
-            out[hp + h_suf] = get(mp + m_suf)
-        q, k, v = _qkv_to_hf(get(mp + "self_attention.linear_qkv.weight"), hf_cfg)
-        out[hp + "self_attn.q_proj.weight"], out[hp + "self_attn.k_proj.weight"] = q, k
-        out[hp + "self_attn.v_proj.weight"] = v
-        for local, e in enumerate(experts):
-            he, me = f"{hp}mlp.experts.{e}.", f"{mp}mlp.experts.local_experts.{local}."
-            gate, up = get(me + "linear_fc1.weight").chunk(2, dim=0)
-            out[he + "gate_proj.weight"], out[he + "up_proj.weight"] = gate.clone(), up.clone()
-            out[he + "down_proj.weight"] = get(me + "linear_fc2.weight")
-    if with_output:
-        out[f"{prefix}norm.weight"] = get("decoder.final_layernorm.weight")
-        out["lm_head.weight"] = (get("embedding.word_embeddings.weight")
-                                 if hf_cfg.tie_word_embeddings else get("output_layer.weight"))
+    out: dict[str, torch.Tensor] = {}
+    for kind, m, hs in _mapping(hf_cfg, ep_rank, ep_size, prefix, with_output):
+        out.update(zip(hs, _to_hf(kind, get(m), hf_cfg)))
+    if with_output and hf_cfg.tie_word_embeddings:
+        out["lm_head.weight"] = get("embedding.word_embeddings.weight")
     return out
 
 
@@ -119,7 +152,7 @@ def _getter(sd: dict[str, torch.Tensor]):
 
 
 def is_expert_key(hf_name: str) -> bool:
-    return ".mlp.experts." in hf_name
+    return ".mlp.experts." in hf_name  # routed experts only: shared experts are ".mlp.shared_experts."
 
 
 def gather_experts(local_hf_sd: dict[str, torch.Tensor], hf_cfg, ep_group) -> dict[str, torch.Tensor]:
@@ -132,9 +165,10 @@ def gather_experts(local_hf_sd: dict[str, torch.Tensor], hf_cfg, ep_group) -> di
     if ep_size == 1:
         return dict(local_hf_sd)
     ep_rank = dist.get_rank(ep_group)
-    n_local = hf_cfg.num_experts // ep_size
+    n_experts = num_experts(hf_cfg)
+    n_local = n_experts // ep_size
     out = {k: v for k, v in local_hf_sd.items() if not is_expert_key(k)}
-    mine = local_expert_range(hf_cfg.num_experts, ep_rank, ep_size)
+    mine = local_expert_range(n_experts, ep_rank, ep_size)
     for key in sorted(k for k in local_hf_sd if is_expert_key(k)):
         e = int(key.split(".mlp.experts.")[1].split(".")[0])
         if e != mine.start:

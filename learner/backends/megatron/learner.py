@@ -36,6 +36,7 @@ from learner.backends.megatron.model import (
     attention_mask_4d,
     build_gpt,
     megatron_logits,
+    num_experts,
     position_ids,
 )
 
@@ -155,19 +156,17 @@ class MegatronLearner:
         return _cpu(convert.gather_experts(local, self.hf_config, ps.get_expert_model_parallel_group()))
 
     def export_hf_policy(self):
-        """A fresh HF `Qwen3MoeForCausalLM` holding the current weights (collective; every rank
-        gets one; save it on rank 0 with learner.models.policy.save_policy)."""
-        from transformers import Qwen3MoeForCausalLM
-
-        model = Qwen3MoeForCausalLM(self.hf_config)
+        """A fresh HF causal LM of the policy's architecture holding the current weights (collective;
+        every rank gets one; save it on rank 0 with learner.models.policy.save_policy)."""
+        model = self.empty_hf_policy()
         model.load_state_dict(self.policy_state_dict(), strict=True)
         return model.float().eval()
 
     def empty_hf_policy(self):
         """An HF policy of this learner's architecture to load a checkpoint into (not collective)."""
-        from transformers import Qwen3MoeForCausalLM
+        from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
-        return Qwen3MoeForCausalLM(self.hf_config).float()
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(self.hf_config)](self.hf_config).float()
 
     def empty_hf_value(self):
         from learner.models.value import ValueModel
@@ -197,7 +196,7 @@ def megatron_backend(cfg, hf_policy, hf_value=None) -> MegatronBackend:
     """The backend of `sao learn --backend megatron` (cfg.backend: expert_parallel, dtype), every rank built from the
     same HF weights; joins the ranks' process group, so every rank must call it."""
     b = cfg.backend
-    check_expert_parallel(b.expert_parallel, hf_policy.config.num_experts, cfg.io.init or "model")
+    check_expert_parallel(b.expert_parallel, num_experts(hf_policy.config), cfg.io.init or "model")
     return MegatronBackend(make_megatron_learner(cfg, hf_policy, hf_value, MegatronOptions(b.expert_parallel, b.dtype)))
 
 
@@ -235,13 +234,19 @@ def _reduce_and_step(module, opt, grad_clip: float | None) -> dict[str, float]:
     return {"grad_norm": norm}
 
 
+def mapped_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What the conversion maps: parameters plus persistent buffers (GLM's router `expert_bias`)."""
+    saved = module.state_dict(keep_vars=True).keys()
+    return {**dict(module.named_parameters()), **{n: b for n, b in module.named_buffers() if n in saved}}
+
+
 def megatron_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach() for n, p in module.named_parameters()}
+    return {n: t.detach() for n, t in mapped_tensors(module).items()}
 
 
 def load_megatron(module: torch.nn.Module, sd: dict[str, torch.Tensor]) -> None:
-    """Copy `sd` into `module`'s parameters; the two name sets must be equal."""
-    params = dict(module.named_parameters())
+    """Copy `sd` into `module`'s parameters and persistent buffers; the two name sets must be equal."""
+    params = mapped_tensors(module)
     missing, extra = sorted(set(params) - set(sd)), sorted(set(sd) - set(params))
     if missing or extra:
         raise KeyError(f"megatron load: missing {missing[:4]}, unexpected {extra[:4]}")

@@ -1,11 +1,14 @@
 """Parity check of the megatron backend against the HF/torch model, run under torchrun.
 
     python -m torch.distributed.run --nproc_per_node 2 -m learner.backends.megatron.parity \
-        --out parity.json [--ep 2]
+        --out parity.json [--ep 2] [--model-dir DIR]
 
-Every rank builds the same HF policy (seeded) and its own batch (data parallel). Measured, and
-written by rank 0 as JSON (max abs / relative differences; the tests set the thresholds):
+Every rank builds the same HF policy (the tiny Qwen3-MoE of `ModelConfig`, seeded, or the HF
+causal LM saved in --model-dir, any mapped architecture) and its own batch (data parallel).
+Measured, and written by rank 0 as JSON (max abs / relative differences; the tests set the
+thresholds):
   logits_ep{N}_vs_hf   megatron logits (EP=N) vs HF logits on the rank's batch, real tokens
+  logprobs_ep{N}_vs_hf megatron per-token log-probs vs HF's (learner.models.scoring), real tokens
   logits_ep1_vs_epN    EP=1 vs EP=N megatron logits
   values_vs_hf         megatron critic vs H2's ValueModel
   grad_rel             per-tensor ||g_megatron - g_hf|| / ||g_hf|| of the mean-over-ranks loss
@@ -60,11 +63,15 @@ def sao(logp, b):
     return policy_loss("sao", logp, b["old_logp"], b["advantages"], b["loss_mask"])
 
 
-def _hf_models(seed: int = 0):
+def _hf_models(model_dir: str | None, seed: int = 0):
+    """(HF policy, H2 ValueModel of its backbone): the tiny Qwen3-MoE, or the model in `model_dir`."""
+    from transformers import AutoModelForCausalLM
+
     from learner.models.policy import build_policy
     from learner.models.value import ValueModel
 
-    policy = build_policy(seed=seed)
+    policy = (build_policy(seed=seed) if model_dir is None
+              else AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval())
     return policy, ValueModel.from_policy(policy, seed=seed + 1)
 
 
@@ -94,17 +101,20 @@ def _hf_grads(policy, batches, loss_fn) -> dict[str, torch.Tensor]:
 def _megatron_grads(lrn: MegatronLearner) -> dict[str, torch.Tensor]:
     from megatron.core import parallel_state as ps
 
-    g = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in lrn.policy.named_parameters()}
+    from learner.backends.megatron.learner import mapped_tensors
+
+    # buffers (GLM's router expert_bias) have no gradient: zeros, so the conversion finds every name
+    g = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in mapped_tensors(lrn.policy).items()}
     local = convert.megatron_to_hf(g, lrn.hf_config, lrn.ep_rank, lrn.ep_size)
     return convert.gather_experts(local, lrn.hf_config, ps.get_expert_model_parallel_group())
 
 
-def check_forward_and_grads(ep: int, out: dict) -> dict[str, torch.Tensor]:
+def check_forward_and_grads(ep: int, out: dict, model_dir: str | None = None) -> dict[str, torch.Tensor]:
     from learner.backends.megatron import grads
-    from learner.models.scoring import policy_logits
+    from learner.models.scoring import policy_logits, token_logprobs
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    policy, value = _hf_models()
+    policy, value = _hf_models(model_dir)
     vocab = policy.config.vocab_size
     batches = with_behaviour([batch_for(r, vocab) for r in range(world)], policy)
     mine = batches[rank]
@@ -113,6 +123,9 @@ def check_forward_and_grads(ep: int, out: dict) -> dict[str, torch.Tensor]:
         m_logits = megatron_logits(lrn.policy, mine["input_ids"], mine["attention_mask"])
         h_logits = policy_logits(policy, mine["input_ids"], mine["attention_mask"])
         out[f"logits_ep{ep}_vs_hf"] = _all_max(_max_abs(m_logits, h_logits, mine["attention_mask"]))
+        m_logp = lrn.forward_logprobs(mine["input_ids"], mine["attention_mask"])
+        h_logp = token_logprobs(policy, mine["input_ids"], mine["attention_mask"])
+        out[f"logprobs_ep{ep}_vs_hf"] = _all_max(_max_abs(m_logp, h_logp, mine["attention_mask"]))
         m_v = lrn.values(mine["input_ids"], mine["attention_mask"])
         h_v = value(mine["input_ids"], mine["attention_mask"])
         out[f"values_ep{ep}_vs_hf"] = _all_max(_max_abs(m_v, h_v, mine["attention_mask"]))
@@ -121,10 +134,8 @@ def check_forward_and_grads(ep: int, out: dict) -> dict[str, torch.Tensor]:
     sao(logp, mine)[0].backward()
     grads.allreduce_grads(list(lrn.policy.named_parameters()))
     gm, gh = _megatron_grads(lrn), _hf_grads(policy, batches, sao)
-    rel, zero_mismatch = 0.0, 0
+    rel, zero_mismatch = 0.0, 0  # gh: named_parameters, so a tied lm_head is the embedding, counted once
     for n, h in gh.items():
-        if n == "lm_head.weight":
-            continue  # tied: the same tensor as the embedding in HF
         hn = float(h.norm())
         if hn == 0.0:
             zero_mismatch += int(float(gm[n].norm()) != 0.0)
@@ -132,7 +143,7 @@ def check_forward_and_grads(ep: int, out: dict) -> dict[str, torch.Tensor]:
         rel = max(rel, float((gm[n] - h).norm()) / hn)
     out[f"grad_rel_ep{ep}"] = _all_max(rel)
     out[f"grad_zero_mismatch_ep{ep}"] = int(_all_max(zero_mismatch))
-    out[f"grad_tensors_ep{ep}"] = len(gh) - 1
+    out[f"grad_tensors_ep{ep}"] = len(gh)
     hf_sd = policy.state_dict()
     round_trip = lrn.policy_state_dict()
     out[f"roundtrip_exact_ep{ep}"] = bool(_all_max(float(
@@ -144,12 +155,12 @@ def check_forward_and_grads(ep: int, out: dict) -> dict[str, torch.Tensor]:
     return m_logits.detach()
 
 
-def check_step(ep: int, opt_name: str, out: dict) -> None:
+def check_step(ep: int, opt_name: str, out: dict, model_dir: str | None = None) -> None:
     """One SAO step on megatron vs the same step on the HF model with torch's optimizer."""
     from learner.models.scoring import token_logprobs
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    policy, _ = _hf_models()
+    policy, _ = _hf_models(model_dir)
     batches = with_behaviour([batch_for(r, policy.config.vocab_size) for r in range(world)], policy)
     lr = 1e-3 if opt_name == "adamw" else 0.5
     lrn = MegatronLearner(policy, None, _opts(ep), OptimSettings(lr=lr, grad_clip=1.0), sao)
@@ -177,7 +188,7 @@ def check_step(ep: int, opt_name: str, out: dict) -> None:
     out[f"step_{opt_name}_ep{ep}_clip_frac"] = stats.get("clip_frac", 0.0)
 
 
-def check_value_step(ep: int, out: dict) -> None:
+def check_value_step(ep: int, out: dict, model_dir: str | None = None) -> None:
     """`make_megatron_learner(LearnerConfig())`: one critic step (clipped value loss, AdamW,
     clip 1.0) vs the same step on H2's ValueModel; then one policy step runs."""
     from learner.algorithms import value_loss
@@ -187,7 +198,7 @@ def check_value_step(ep: int, out: dict) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = LearnerConfig()
     cfg.loss.kl_coef = 0.0  # the KL anchor is torch-only (LearnerConfig refuses it on megatron)
-    policy, value = _hf_models()
+    policy, value = _hf_models(model_dir)
     batches = with_behaviour([batch_for(r, policy.config.vocab_size) for r in range(world)], policy)
     with torch.no_grad():
         for b in batches:
@@ -226,7 +237,7 @@ def _trainer_batch(bs: list[dict]):
                  cat["rewards"], [])
 
 
-def check_trainer_step(ep: int, out: dict) -> None:
+def check_trainer_step(ep: int, out: dict, model_dir: str | None = None) -> None:
     """The torch trainer's own step code (learner.trainer.step: prepare, value_backward,
     policy_backward) on megatron via its backend's models, vs its `update()` on the HF models over the
     concatenated batch. Both ranks' loss masks have the same token count, so the global token
@@ -238,7 +249,7 @@ def check_trainer_step(ep: int, out: dict) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = LearnerConfig()
     cfg.loss.kl_coef = 0.0  # the KL anchor is torch-only (LearnerConfig refuses it on megatron)
-    policy, value = _hf_models()
+    policy, value = _hf_models(model_dir)
     batches = with_behaviour([batch_for(r, policy.config.vocab_size) for r in range(world)], policy)
     mm, lrn = megatron_trainer_models(cfg, policy, value, MegatronOptions(expert_parallel=ep))
     pol, val = mm.policy, mm.value
@@ -278,19 +289,21 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--ep", type=int, default=2)
+    ap.add_argument("--model-dir", default=None, help="an HF causal LM directory (default: the tiny Qwen3-MoE)")
     args = ap.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("SAO_TEST_THREADS", "1")))
     torch.manual_seed(0)
     parallel.init(args.ep)
+    src = args.model_dir
     out: dict = {"world_size": dist.get_world_size(), "ep": args.ep}
-    logits_ep = check_forward_and_grads(args.ep, out)
-    check_step(args.ep, "sgd", out)
-    check_step(args.ep, "adamw", out)
-    check_value_step(args.ep, out)
-    check_trainer_step(args.ep, out)
+    logits_ep = check_forward_and_grads(args.ep, out, src)
+    check_step(args.ep, "sgd", out, src)
+    check_step(args.ep, "adamw", out, src)
+    check_value_step(args.ep, out, src)
+    check_trainer_step(args.ep, out, src)
     if args.ep > 1:
         parallel.init(1)
-        logits_1 = check_forward_and_grads(1, out)
+        logits_1 = check_forward_and_grads(1, out, src)
         out[f"logits_ep1_vs_ep{args.ep}"] = _all_max(_max_abs(logits_1, logits_ep))
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
