@@ -43,7 +43,8 @@ def policy_logits(model: PreTrainedModel, input_ids: torch.Tensor,
                   attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """[B, T, V] fp32 logits; logits[:, t] predicts token t+1."""
     mask = _check(input_ids, attention_mask)
-    moe = {"output_router_logits": False} if hasattr(model.config, "output_router_logits") else {}
+    # MoE models take output_router_logits (off: we never want them here); others may not accept the keyword
+    moe = {"output_router_logits": False} if hasattr(getattr(model, "config", None), "output_router_logits") else {}
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
                 use_cache=False, **moe)
     return out.logits.float()
