@@ -7,8 +7,9 @@ event's body (`event`) are JSON text there.
 A recorded production stream uses the open row format instead (a row with a `verifier` key, PRODUCTION_FIELDS):
 `prompt` (or `messages`, a chat as [{role, content}]), `reference`, `verifier` and its `params`
 (`simulator.verifiers`), `tags` (`source` becomes the task's family and `concept` its concept, so runs are analysed
-per tag as simulated ones per family), `time` (seconds; optional) and `task_id` (optional: a hash of the row's
-content). In CSV and Parquet, `messages`, `params` and `tags` are JSON text.
+per tag as simulated ones per family), `time` (seconds; optional), `task_id` (optional: a hash of the row's
+content) and `demonstration` (optional: an answer written for it, for a supervised warm start, `learner.finetune`).
+In CSV and Parquet, `messages`, `params` and `tags` are JSON text.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ TABLE_COLUMNS = ("kind",) + TASK_FIELDS + ("event",)
 MAX_PROMPT_CHARS = 200
 ALPHABET_SYMBOLS = "".join(c for c in ALPHABET if not c.isalnum())
 TAG_WINDOW = 64  # rows within which tag changes of several sources are one drift event (TagDrift)
-PRODUCTION_FIELDS = ("task_id", "prompt", "messages", "reference", "verifier", "params", "tags", "time", "tools")
+PRODUCTION_FIELDS = ("task_id", "prompt", "messages", "reference", "verifier", "params", "tags", "time", "tools",
+                     "demonstration")
 
 
 @dataclass(frozen=True)
@@ -186,6 +188,8 @@ def production_task(row: dict[str, Any]) -> Task:
         raise RowError("prompt", f"expected text, got {type(prompt).__name__}")
     if row.get("reference") is None:
         raise RowError("reference", "missing")
+    if row.get("demonstration") is not None and not isinstance(row["demonstration"], str):
+        raise RowError("demonstration", f"expected text, got {type(row['demonstration']).__name__}")
     params, tags = _json_cell(row, "params", {}), _json_cell(row, "tags", {})
     try:
         verifiers.check(row["verifier"], params)

@@ -113,10 +113,15 @@ def read_rows(path: Path, chunk_rows: int = 10_000) -> Iterator[tuple[int, Any, 
         raise ReplayError(f"{path}: unknown format '{suffix}' (use .jsonl, .parquet or .csv)")
 
 
-def decode_row(raw: Any, fmt: str, rule: PromptRule = EMBEDDED) -> Task | DriftEvent:
+def row_dict(raw: Any, fmt: str) -> dict[str, Any]:
+    """A row as `read_rows` gives it, as a dict of its fields (raises RowError for a line that is not JSON)."""
     if fmt == "jsonl":
-        return message_from_row(parse_json_line(raw), rule=rule)
-    return message_from_row(_coerce_csv(raw) if fmt == "csv" else raw, tabular=True, rule=rule)
+        return parse_json_line(raw)
+    return _coerce_csv(raw) if fmt == "csv" else raw
+
+
+def decode_row(raw: Any, fmt: str, rule: PromptRule = EMBEDDED) -> Task | DriftEvent:
+    return message_from_row(row_dict(raw, fmt), tabular=fmt != "jsonl", rule=rule)
 
 
 def _raw_text(raw: Any) -> str:

@@ -14,6 +14,7 @@ COMMANDS = {
     "replay": ("simulator.replay", "replay a recorded task stream (JSONL, Parquet, CSV) with its timing"),
     "record": ("streamer.runs.record", "tap a topic into a task-stream file"),
     "pretrain": ("learner.pretrain", "supervised warm start of the tiny policy"),
+    "finetune": ("learner.finetune", "supervised warm start of any HF model on a stream's demonstrations"),
     "toy-model": ("learner.models.toy", "build a small HF model (Qwen3 dense or GLM-4-MoE) and BPE tokenizer locally"),
     "agent": ("streamer.agent.agent", "single-rollout agent: tasks -> trajectories"),
     "learn": ("learner.train", "continuous SAO learner: trajectories -> policy versions"),

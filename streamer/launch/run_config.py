@@ -1,12 +1,13 @@
 """The run configuration: one typed tree for everything `sao up` starts, written to `runs/<run>/config.yaml`.
 
-Sections: `launch` (this command's own options: scenario, agents, batch, staleness, ...), `pretrain`, `learner`,
-`agent`, `metrics`, `ray`. Values come from the defaults, then `--config FILE`, then `--set section.key=value`,
-then the launch flags (`--batch 32`). `derive` then fills what one launch setting drives in several roles: the
-staleness bound and the batch set the learner's batching and the agents' admission, the resource plan sets the
-threads, the run's name and paths reach every role. Setting a derived key by hand is refused (it would
-desynchronise learner and agents): the cross-role validation lives here, in one place. Each role is started with
-`--config runs/<run>/config.yaml` and reads its own section (`streamer.wire.config.load_config(..., section=)`).
+Sections: `launch` (this command's own options: scenario, agents, batch, staleness, ...), `pretrain`, `finetune`,
+`learner`, `agent`, `metrics`, `ray`. Values come from the defaults, then `--config FILE`, then
+`--set section.key=value`, then the launch flags (`--batch 32`). `derive` then fills what one launch setting drives
+in several roles: the staleness bound and the batch set the learner's batching and the agents' admission, the
+resource plan sets the threads, the run's name and paths reach every role. Setting a derived key by hand is refused
+(it would desynchronise learner and agents): the cross-role validation lives here, in one place. Each role is
+started with `--config runs/<run>/config.yaml` and reads its own section
+(`streamer.wire.config.load_config(..., section=)`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from learner.config import LearnerConfig
+from learner.finetune import FinetuneConfig
 from learner.pretrain import PretrainConfig
 from streamer.launch.ray_launch import RayConfig
 from streamer.launch.resources import (
@@ -41,6 +43,7 @@ DERIVED = {  # section -> keys `derive` sets from the launch section and the res
     "agent": ("tasks_per_version", "versions_ahead", "threads", "group_size", "run", "model", "weights_dir"),
     "metrics": ("run",),
     "pretrain": ("scenario", "cache_dir"),
+    "finetune": ("cache_dir",),
 }
 
 
@@ -110,6 +113,7 @@ class UpConfig:
 class RunConfig:
     launch: UpConfig = field(default_factory=UpConfig)
     pretrain: PretrainConfig = field(default_factory=PretrainConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     agent: AgentSettings = field(default_factory=AgentSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
@@ -176,6 +180,9 @@ def derive(cfg: RunConfig, given: set[str] = frozenset()) -> None:
     a.concurrency = a.concurrency if "agent.concurrency" in given else adm.concurrency
     a.threads, a.group_size, a.seed = plan.agent_threads, up.group_size, seed_of(up, 1, a.seed)
     cfg.pretrain.scenario, cfg.pretrain.cache_dir = up.scenario, f"{up.runs_dir}/cache"
+    cfg.finetune.cache_dir = cfg.pretrain.cache_dir
+    if cfg.finetune.rows and not up.stream:
+        raise ConfigError("finetune.rows: the demonstrations come from a recorded stream; give --stream FILE")
     cfg.learner.io.run = a.run = cfg.metrics.run = up.run
     cfg.learner.io.weights_dir = a.weights_dir = str(run_dir / "weights")
     cfg.learner.io.run_dir, cfg.learner.checkpoint.dir = str(run_dir), str(run_dir / "checkpoints")

@@ -101,16 +101,27 @@ def warm_start(cfg: RunConfig) -> Path:
 
 
 def initial_model(cfg: RunConfig) -> Path:
-    """The model every role starts from: --model as it is, else the tiny policy's (cached) warm start."""
-    if cfg.launch.model:
-        model = Path(cfg.launch.model).resolve()
+    """The model every role starts from: --model as it is, else the tiny policy's (cached) warm start; then, with
+    finetune.rows, fine-tuned on the demonstrations of the stream's first rows (`learner.finetune`, cached)."""
+    up = cfg.launch
+    if up.model:
+        model = Path(up.model).resolve()
         if not (model / "config.json").is_file():
-            raise ConfigError(f"--model {cfg.launch.model}: not an HF model directory (no config.json)")
+            raise ConfigError(f"--model {up.model}: not an HF model directory (no config.json)")
         print(f"[1/4] model: {model} (given: no warm start)", flush=True)
-        return model
-    print("[1/4] warm start of the tiny policy (supervised, cached under runs/cache); nothing else runs meanwhile",
-          flush=True)
-    return warm_start(cfg)
+    else:
+        print("[1/4] warm start of the tiny policy (supervised, cached under runs/cache); nothing else runs "
+              "meanwhile", flush=True)
+        model = warm_start(cfg)
+    if cfg.finetune.rows:
+        from learner.finetune import finetune
+        from simulator import verifiers
+
+        verifiers.enable(cfg.agent.verifiers)  # the rows may name the user verifiers the run enables
+        print(f"      supervised warm start on the demonstrations of the stream's first {cfg.finetune.rows} rows",
+              flush=True)
+        model = finetune(model, up.stream, cfg.finetune, log=lambda line: print(line, flush=True)).resolve()
+    return model
 
 
 def prepare(cfg: RunConfig) -> Path:
