@@ -1,8 +1,9 @@
 """The environment an agent talks to: `make_env(task).step(text)` until `done`.
 
 Single-turn families are done after one step. The tool family is multi-turn: a step whose text
-holds `<call>...</call>` gets an `<obs>...</obs>` observation (after the simulated tool latency,
-slept here), any other text is the final answer. Everything is rebuilt from the Task alone.
+holds `<call>...</call>` gets an `<obs>...</obs>` observation (after the simulated tool latency, slept
+here), any other text is the final answer; the markup is a setting (`Markup`). Everything is rebuilt
+from the Task alone.
 """
 
 from __future__ import annotations
@@ -20,6 +21,18 @@ from streamer.wire.schema import Task
 CALL_OPEN, CALL_CLOSE, OBS_OPEN, OBS_CLOSE = "<call>", "</call>", "<obs>", "</obs>"
 
 
+@dataclass(frozen=True)
+class Markup:
+    """How a tool call is written in the agent's text and how its observation is wrapped: the embedded model's
+    single-token markup by default; a model of your own may use its chat format's (`AgentSettings.tool_call`,
+    `AgentSettings.observation`)."""
+
+    call_open: str = CALL_OPEN
+    call_close: str = CALL_CLOSE
+    obs_open: str = OBS_OPEN
+    obs_close: str = OBS_CLOSE
+
+
 @dataclass
 class Step:
     observation: str
@@ -33,15 +46,15 @@ class Step:
 class Env:
     """One episode of one task. `stop`: strings after which the agent hands its text to `step` (eos always stops)."""
 
-    def __init__(self, task: Task, latency: LatencyConfig | None = None) -> None:
-        self.task = task
+    def __init__(self, task: Task, latency: LatencyConfig | None = None, markup: Markup = Markup()) -> None:
+        self.task, self.markup = task, markup
         try:
             self.family = family_of(task)
             self.family.check_spec(task.spec)
             self.latency = latency or latency_from_dict(task.spec.get("latency")) or LatencyConfig()
         except (ValueError, TypeError) as e:
             raise ValueError(f"task {task.task_id} ({task.family}): {e}") from None
-        self.stop: list[str] = [CALL_CLOSE] if self.family.multi_turn else []
+        self.stop: list[str] = [markup.call_close] if self.family.multi_turn else []
         self.done = False
         self.n_calls = 0
         self.n_errors = 0
@@ -59,7 +72,7 @@ class Env:
         if self.done:
             raise RuntimeError(f"task {self.task.task_id}: step() after the episode ended")
         text = to_text(action_text)
-        if self.family.multi_turn and text is not None and CALL_OPEN in text:
+        if self.family.multi_turn and text is not None and self.markup.call_open in text:
             return self._tool_step(text)
         return self._final(action_text)
 
@@ -87,16 +100,16 @@ class Env:
         if self.latency.sleep and delay > 0:
             time.sleep(delay)
         self.env_seconds += delay
-        return Step(f"{OBS_OPEN}{obs}{OBS_CLOSE}", False, 0.0, {}, False, delay)
+        return Step(f"{self.markup.obs_open}{obs}{self.markup.obs_close}", False, 0.0, {}, False, delay)
 
     def _call(self, text: str) -> tuple[str, bool]:
-        start = text.rfind(CALL_OPEN) + len(CALL_OPEN)
-        end = text.find(CALL_CLOSE, start)
+        start = text.rfind(self.markup.call_open) + len(self.markup.call_open)
+        end = text.find(self.markup.call_close, start)
         inner = text[start:end] if end >= 0 else text[start:]
         if end < 0 or len(inner) > 40 or clean_answer(inner.strip() or "x")[0] is None:
             return observe(self.task.spec, "")[0], False
         return observe(self.task.spec, inner)
 
 
-def make_env(task: Task, latency: LatencyConfig | None = None) -> Env:
-    return Env(task, latency)
+def make_env(task: Task, latency: LatencyConfig | None = None, markup: Markup = Markup()) -> Env:
+    return Env(task, latency, markup)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from simulator.env import make_env
+from simulator.env import Markup, make_env
 from simulator.families import FAMILIES
 from simulator.latency import TASK_MAX_S, LatencyConfig, sample_latency
 from streamer.wire.schema import Task, decode, encode
@@ -42,6 +42,17 @@ def test_tool_episode_follows_the_demonstration():
     final = env.step(task.answer)
     assert (final.done, final.reward, final.success) == (True, 1.0, True)
     assert final.parts["tool_calls"] == 1.0 and final.parts["tool_errors"] == 0.0
+
+
+def test_the_tool_markup_is_a_setting():
+    task = _tool_task()
+    name = task.spec["name"]
+    qwen = Markup("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+    env = make_env(task, NO_SLEEP, qwen)
+    assert env.stop == ["</tool_call>"]
+    step = env.step(f"<tool_call>find(k={name})</tool_call>")
+    assert not step.done and step.observation == f"<tool_response>{task.answer}</tool_response>"
+    assert env.step(f"<call>find(k={name})</call>").done  # the embedded markup is now plain text: an answer
 
 
 def test_renamed_tool_error_lists_the_available_tool_and_retry_recovers():

@@ -115,13 +115,14 @@ class Rollouts:
         return len(self.flights)
 
     def start(self, task: Task, key: Any = None) -> None:
-        from simulator.env import make_env
+        from simulator.env import Markup, make_env
 
         seed = rollout_seed(task.task_id, self.s.seed)
+        markup = Markup(*self.s.tool_call, *self.s.observation)
         eps = []
         try:
             for _ in range(self.s.group_size):
-                env = make_env(task, self.latency)
+                env = make_env(task, self.latency, markup)
                 prompt = self.tokenizer.encode_prompt(env.prompt(), env.messages())
                 eps.append(Episode(env, list(prompt), [0] * len(prompt), [0.0] * len(prompt)))
         except ROLLOUT_ERRORS as e:  # returned by the next `advance`
@@ -187,7 +188,7 @@ class Rollouts:
         room = self.limit - max(len(e.tokens) for _, e in batch)
         t0 = time.perf_counter()
         gens = self.engine.generate([e.tokens for _, e in batch], min(self.s.max_new_tokens, room),
-                                    self.s.temperature, self.s.top_p, stop=list(e0.env.stop) or None,
+                                    self.s.temperature, self.s.top_p, stop=[*e0.env.stop, *self.s.stop] or None,
                                     seed=f0.seed + e0.turns)
         dt, version = time.perf_counter() - t0, int(self.engine.version)
         for (_, e), g in zip(batch, gens):

@@ -153,6 +153,9 @@ class AgentSettings:
     engine: Literal["torch", "hf", "vllm"] = "torch"  # learner.engines.factory
     model: str = ""  # model directory (HF format); "" -> the latest version in the weight store
     chat_template: bool = True  # prompts through the model tokenizer's chat template, when it has one
+    stop: list[str] = field(default_factory=list)  # strings that also end a turn (e.g. a chat format's end of turn)
+    tool_call: list[str] = field(default_factory=lambda: ["<call>", "</call>"])  # how the agent's text calls a tool
+    observation: list[str] = field(default_factory=lambda: ["<obs>", "</obs>"])  # how the tool's answer comes back
     weights_dir: str = "runs/weights"  # weight store that <run>.policy announcements point into
     group_size: int = 1  # 1: single rollout (SAO); n>1: GRPO-family group sharing one policy version
     concurrency: int = 1  # tasks in flight: their turns share engine batches, their tool calls overlap
@@ -184,6 +187,10 @@ class AgentSettings:
         if self.tasks_per_version < 0 or self.versions_ahead < 0:
             raise ConfigError("AgentSettings.tasks_per_version / versions_ahead: must be >= 0 (tasks_per_version 0 = "
                               "unbounded)")
+        for name in ("tool_call", "observation"):
+            pair = getattr(self, name)
+            if len(pair) != 2 or not all(isinstance(x, str) and x for x in pair):
+                raise ConfigError(f"AgentSettings.{name}: expected [open, close], two non-empty strings; got {pair!r}")
         if self.max_new_tokens < 1 or self.max_turns < 1:
             raise ConfigError("AgentSettings.max_new_tokens / max_turns: must be >= 1")
         self.client.validate()
