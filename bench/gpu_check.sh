@@ -45,3 +45,26 @@ if "$VLLM_PY" -c "import vllm" 2>/dev/null; then
 else
   echo "gpu_check: vllm not importable by $VLLM_PY; vLLM checks skipped (set VLLM_PY to the python of a vllm env)" >&2
 fi
+
+# Your own model on a GPU: a randomly initialised ~0.5B GLM-4-MoE (494M parameters: hidden 1536, 20 layers, a dense
+# first layer, 4 routed experts top-2 and a shared expert; BPE tokenizer and chat template built locally by
+# `sao toy-model`), served by vLLM to answer 128 rows of examples/own-model/stream.jsonl, then trained for a few
+# steps by the megatron learner in bfloat16 (EP over 2 GPUs when there are 2 or more: 4 experts). The same commands
+# ran on CPU with a 3-layer model, the torch engine and gloo (EP 2). Saves runs/bench/gpu_own_model/.
+if "$VLLM_PY" -c "import vllm" 2>/dev/null && [ "${SKIP_OWN_MODEL:-0}" != 1 ]; then
+  OWN=runs/bench/gpu_own_model
+  OWN_NPROC=$(( NGPU >= 2 ? 2 : 1 ))
+  rm -rf "$OWN" && mkdir -p "$OWN"
+  "$PY" -m streamer.launch.cli toy-model --arch glm4_moe --hidden 1536 --layers 20 --out "$OWN/model" \
+    --stream examples/own-model/stream.jsonl
+  "$PY" -m streamer.launch.cli replay examples/own-model/stream.jsonl --speed 0 --limit 128 --model "$OWN/model" \
+    --out "$OWN/tasks.jsonl"
+  /usr/bin/time -f "agent (vllm): %e s" "$VLLM_PY" -m streamer.launch.cli agent --model "$OWN/model" \
+    --tasks "$OWN/tasks.jsonl" --out "$OWN/trajectories.jsonl" --set engine=vllm --set concurrency=128 \
+    --set max_new_tokens=16
+  /usr/bin/time -f "learner (megatron, $OWN_NPROC GPU(s)): %e s" "$PY" -m streamer.launch.cli learn --backend megatron \
+    --nproc "$OWN_NPROC" --init "$OWN/model" --trajectories "$OWN/trajectories.jsonl" --checkpoint-dir "$OWN/ckpt" \
+    --set backend.expert_parallel="$OWN_NPROC" --set backend.dtype=bfloat16 --set loss.kl_coef=0 \
+    --set batch.max_trajectories=32 --max-steps 4 --set io.events="$OWN/events.jsonl"
+  echo "saved $OWN (trajectories.jsonl, events.jsonl)"
+fi

@@ -46,18 +46,19 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 512):
 
 def toy_config(arch: str, tok, hidden: int = 64, layers: int = 2):
     """The HF config of a toy `arch` model over `tok`'s vocabulary (float32)."""
-    common = dict(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=1024, pad_token_id=tok.pad_token_id,
-                  eos_token_id=tok.eos_token_id, bos_token_id=None, dtype="float32")
+    heads = max(4, hidden // 64)  # head_dim 64 from hidden 256 up (what GPU attention kernels expect)
+    common = dict(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=heads // 2, head_dim=hidden // heads, max_position_embeddings=1024,
+                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None, dtype="float32")
     if arch == "qwen3":
         from transformers import Qwen3Config
 
-        return Qwen3Config(**common, intermediate_size=2 * hidden, head_dim=hidden // 4, tie_word_embeddings=True)
+        return Qwen3Config(**common, intermediate_size=2 * hidden, tie_word_embeddings=True)
     if arch == "glm4_moe":
         from transformers import Glm4MoeConfig
 
         return Glm4MoeConfig(**common, intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2,
-                             head_dim=hidden // 4, first_k_dense_replace=1, n_routed_experts=4,
+                             first_k_dense_replace=1, n_routed_experts=4,
                              num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
                              partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=False,
                              tie_word_embeddings=False)
