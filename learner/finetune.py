@@ -145,12 +145,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--out", help="output directory (default: <cache_dir>/finetune-<hash>)")
     p.add_argument("--verifier", action="append", default=[], metavar="NAME",
                    help="enable a user verifier (entry point NAME in group sao_lab.verifiers) that rows may name")
+    p.add_argument("--tool-env", action="append", default=[], metavar="NAME",
+                   help="enable a user tool environment (entry point NAME in group sao_lab.tools) that rows may name")
     add_config_args(p, "FinetuneConfig", "rows=256")
     args = p.parse_args(argv)
-    from simulator import verifiers
+    from simulator import tool_envs, verifiers
 
     try:
         verifiers.enable(args.verifier)
+        tool_envs.enable(args.tool_env)
         cfg = load_config(FinetuneConfig, args.config, args.overrides, section="finetune")
         if cfg.rows <= 0:
             raise ConfigError("finetune.rows: give the number of stream rows to take demonstrations from (> 0)")

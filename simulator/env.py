@@ -12,6 +12,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
+from simulator import tool_envs
 from simulator.families import family_of
 from simulator.families.tools import episode_reward, observe
 from simulator.latency import LatencyConfig, latency_from_dict, sample_latency
@@ -54,7 +55,9 @@ class Env:
             self.latency = latency or latency_from_dict(task.spec.get("latency")) or LatencyConfig()
         except (ValueError, TypeError) as e:
             raise ValueError(f"task {task.task_id} ({task.family}): {e}") from None
-        self.stop: list[str] = [markup.call_close] if self.family.multi_turn else []
+        self.tools = task.spec.get("tools")  # a recorded row's tool environment (`simulator.tool_envs`)
+        self.multi_turn = self.family.multi_turn or self.tools is not None
+        self.stop: list[str] = [markup.call_close] if self.multi_turn else []
         self.done = False
         self.n_calls = 0
         self.n_errors = 0
@@ -72,22 +75,25 @@ class Env:
         if self.done:
             raise RuntimeError(f"task {self.task.task_id}: step() after the episode ended")
         text = to_text(action_text)
-        if self.family.multi_turn and text is not None and self.markup.call_open in text:
+        if self.multi_turn and text is not None and self.markup.call_open in text:
             return self._tool_step(text)
         return self._final(action_text)
 
     def _final(self, answer: object) -> Step:
         self.done = True
         verdict = self.family.verify(self.task, answer)
-        if not self.family.multi_turn:
+        if not self.multi_turn:
             return Step("", True, verdict.reward, dict(verdict.parts), verdict.success)
+        calls = {"tool_calls": float(self.n_calls), "tool_errors": float(self.n_errors)}
+        if self.tools is not None:  # a recorded row's verifier scores the answer; its tools only help
+            return Step("", True, verdict.reward, {**verdict.parts, **calls}, verdict.success)
         penalty = float(self.task.spec.get("error_penalty", 0.0))
         reward = episode_reward(verdict.success, self.n_errors, penalty)
-        parts = {**verdict.parts, "tool_calls": float(self.n_calls), "tool_errors": float(self.n_errors)}
-        return Step("", True, reward, parts, verdict.success)
+        return Step("", True, reward, {**verdict.parts, **calls}, verdict.success)
 
     def _tool_step(self, text: str) -> Step:
-        max_turns = int(self.task.spec.get("max_turns", 3))
+        max_turns = int(self.tools.get("max_calls", tool_envs.MAX_CALLS) if self.tools is not None
+                        else self.task.spec.get("max_turns", 3))
         if self.n_calls >= max_turns:
             self.done = True
             parts = {"correct": 0.0, "turn_limit": 1.0, "tool_calls": float(self.n_calls),
@@ -106,6 +112,8 @@ class Env:
         start = text.rfind(self.markup.call_open) + len(self.markup.call_open)
         end = text.find(self.markup.call_close, start)
         inner = text[start:end] if end >= 0 else text[start:]
+        if self.tools is not None:
+            return tool_envs.call(self.tools, inner) if end >= 0 else (f"error: no {self.markup.call_close}", False)
         if end < 0 or len(inner) > 40 or clean_answer(inner.strip() or "x")[0] is None:
             return observe(self.task.spec, "")[0], False
         return observe(self.task.spec, inner)

@@ -8,8 +8,9 @@ A recorded production stream uses the open row format instead (a row with a `ver
 `prompt` (or `messages`, a chat as [{role, content}]), `reference`, `verifier` and its `params`
 (`simulator.verifiers`), `tags` (`source` becomes the task's family and `concept` its concept, so runs are analysed
 per tag as simulated ones per family), `time` (seconds; optional), `task_id` (optional: a hash of the row's
-content) and `demonstration` (optional: an answer written for it, for a supervised warm start, `learner.finetune`).
-In CSV and Parquet, `messages`, `params` and `tags` are JSON text.
+content), `demonstration` (optional: an answer written for it, for a supervised warm start, `learner.finetune`) and
+`tools` (optional: the tool environment the agent may call, `simulator.tool_envs`). In CSV and Parquet,
+`messages`, `params`, `tags` and `tools` are JSON text.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from typing import Any
 
 import msgspec
 
-from simulator import verifiers
+from simulator import tool_envs, verifiers
 from simulator.families import FAMILIES, family_of
+from simulator.plugins import PluginError
 from simulator.text import ALPHABET, in_alphabet
 from streamer.wire.schema import DriftEvent, SchemaError, Task, from_dict, to_dict
 
@@ -177,8 +179,6 @@ def production_task(row: dict[str, Any]) -> Task:
     unknown = sorted(set(row) - set(PRODUCTION_FIELDS) - {"kind"})
     if unknown:
         raise RowError(unknown[0], f"unknown field (a production row has {', '.join(PRODUCTION_FIELDS)})")
-    if row.get("tools") is not None:
-        raise RowError("tools", "tool environments for recorded streams are not supported yet")
     has_prompt, has_chat = row.get("prompt") is not None, row.get("messages") is not None
     if has_prompt == has_chat:
         raise RowError("prompt", "give exactly one of prompt, messages")
@@ -191,9 +191,12 @@ def production_task(row: dict[str, Any]) -> Task:
     if row.get("demonstration") is not None and not isinstance(row["demonstration"], str):
         raise RowError("demonstration", f"expected text, got {type(row['demonstration']).__name__}")
     params, tags = _json_cell(row, "params", {}), _json_cell(row, "tags", {})
+    tools = _json_cell(row, "tools", None)
     try:
         verifiers.check(row["verifier"], params)
-    except verifiers.VerifierError as e:
+        if tools is not None:
+            tool_envs.check(tools)
+    except PluginError as e:
         raise RowError(e.field, str(e)) from None
     if not isinstance(tags, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tags.items()):
         raise RowError("tags", "expected an object of text values")
@@ -206,7 +209,7 @@ def production_task(row: dict[str, Any]) -> Task:
     return Task(task_id=str(task_id), family=tags.get("source", "stream"), concept=tags.get("concept", "default"),
                 prompt=prompt, answer=str(row["reference"]), created_at=when,
                 spec={"verifier": row["verifier"], "params": params, "tags": tags,
-                      **({"messages": messages} if messages else {})})
+                      **({"messages": messages} if messages else {}), **({"tools": tools} if tools else {})})
 
 
 class TagDrift:

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from simulator import verifiers
+from simulator import tool_envs, verifiers
 from simulator.records import (
     EMBEDDED,
     TAG_WINDOW,
@@ -230,6 +230,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "group (0: no back-pressure)")
     p.add_argument("--verifier", action="append", default=[], metavar="NAME",
                    help="enable a user verifier (entry point NAME in group sao_lab.verifiers) that rows may name")
+    p.add_argument("--tool-env", action="append", default=[], metavar="NAME",
+                   help="enable a user tool environment (entry point NAME in group sao_lab.tools) that rows may name")
     p.add_argument("--model", help="the served model's directory: prompts are checked against its tokenizer and "
                                     "context (default: the embedded character model's alphabet and length)")
     p.add_argument("--tag-window", type=int, default=TAG_WINDOW, metavar="N",
@@ -254,8 +256,9 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         verifiers.enable(args.verifier)
+        tool_envs.enable(args.tool_env)
         rule = prompt_rule(args.model)
-    except (verifiers.VerifierError, OSError, ValueError) as e:
+    except (OSError, ValueError) as e:  # a PluginError is a ValueError
         print(f"sao replay: {e}", file=sys.stderr)
         return 2
     if args.bootstrap:

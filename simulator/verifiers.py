@@ -14,8 +14,9 @@ import logging
 import math
 import re
 from collections.abc import Callable
-from importlib.metadata import entry_points
 from typing import Any
+
+from simulator.plugins import PluginError, Registry
 
 log = logging.getLogger("simulator.verifiers")
 
@@ -24,12 +25,7 @@ Verifier = Callable[[str, str, dict[str, Any]], float]
 _NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 
 
-class VerifierError(ValueError):
-    """What is wrong, and with which field of a row: `verifier`, `params` or `params.<key>`."""
-
-    def __init__(self, field: str, msg: str) -> None:
-        super().__init__(msg)
-        self.field = field
+VerifierError = PluginError  # its field: `verifier`, `params` or `params.<key>`
 
 
 def exact(answer: str, reference: str, params: dict[str, Any]) -> float:
@@ -98,33 +94,13 @@ PARAMS: dict[str, set[str]] = {"exact": set(), "normalized_exact": set(), "regex
                                "numeric": {"abs_tol", "rel_tol"}, "json_field": {"field"},
                                "multiple_choice": {"choices"}}
 REQUIRED: dict[str, set[str]] = {"json_field": {"field"}}
-_enabled: dict[str, Verifier] = {}
-
-
-def enable(names: list[str]) -> None:
-    """Load the named user verifiers from the installed packages' `sao_lab.verifiers` entry points."""
-    found = {ep.name: ep for ep in entry_points(group=GROUP)}
-    for name in names:
-        if name in BUILTIN:
-            continue
-        if name not in found:
-            raise VerifierError("verifier", f"verifier '{name}': no entry point '{name}' in group {GROUP} "
-                                f"(installed: {', '.join(sorted(found)) or 'none'})")
-        fn = found[name].load()
-        if not callable(fn):
-            raise VerifierError("verifier", f"verifier '{name}': entry point {found[name].value} is not callable")
-        _enabled[name] = fn
-
-
-def known() -> list[str]:
-    return [*BUILTIN, *_enabled]
+REGISTRY = Registry("verifier", GROUP, "verifier", BUILTIN)
+enable, known = REGISTRY.enable, REGISTRY.known
 
 
 def check(name: object, params: object) -> None:
     """Raise VerifierError naming what is wrong with a row's verifier and parameters."""
-    if not isinstance(name, str) or name not in BUILTIN and name not in _enabled:
-        raise VerifierError("verifier", f"verifier {name!r}: unknown (known: {', '.join(known())}; user verifiers "
-                                        f"are enabled by name in the run's config)")
+    REGISTRY.check_name(name)
     if not isinstance(params, dict):
         raise VerifierError("params", f"params: expected an object, got {type(params).__name__}")
     if name in BUILTIN:
@@ -143,7 +119,7 @@ def check(name: object, params: object) -> None:
 
 
 def score(name: str, answer: str, reference: str, params: dict[str, Any]) -> float:
-    fn = BUILTIN.get(name) or _enabled.get(name)
+    fn = REGISTRY.get(name)
     if fn is None:
         return 0.0
     try:

@@ -24,8 +24,8 @@ def example_verifier(monkeypatch):
     project = tomllib.loads((EXAMPLE / "pyproject.toml").read_text())["project"]
     [(name, value)] = project["entry-points"][verifiers.GROUP].items()
     point = EntryPoint(name=name, value=value, group=verifiers.GROUP)
-    monkeypatch.setattr(verifiers, "entry_points", lambda group: [point] if group == verifiers.GROUP else [])
-    monkeypatch.setattr(verifiers, "_enabled", {})
+    monkeypatch.setattr(verifiers.REGISTRY, "entry_points", lambda: [point])
+    monkeypatch.setattr(verifiers.REGISTRY, "enabled", {})
     verifiers.enable([name])
     return name
 

@@ -71,8 +71,8 @@ def test_check_names_what_is_wrong(name, params, message):
 def test_user_verifiers_come_from_named_entry_points_only(monkeypatch):
     points = [EntryPoint(name="half", value="test_verifiers:half_credit", group=verifiers.GROUP),
               EntryPoint(name="broken", value="test_verifiers:broken", group=verifiers.GROUP)]
-    monkeypatch.setattr(verifiers, "entry_points", lambda group: points if group == verifiers.GROUP else [])
-    monkeypatch.setattr(verifiers, "_enabled", {})
+    monkeypatch.setattr(verifiers.REGISTRY, "entry_points", lambda: points)
+    monkeypatch.setattr(verifiers.REGISTRY, "enabled", {})
     with pytest.raises(verifiers.VerifierError, match="verifier 'half': unknown"):
         verifiers.check("half", {})  # installed, but not enabled by the run's config
     with pytest.raises(verifiers.VerifierError, match=r"no entry point 'other' .* \(installed: broken, half\)"):

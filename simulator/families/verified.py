@@ -11,7 +11,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from simulator import verifiers
+from simulator import tool_envs, verifiers
+from simulator.plugins import PluginError
 from simulator.text import MARKUP, Verdict, rejected, to_text
 from streamer.wire.schema import Task
 
@@ -29,7 +30,9 @@ class Verified:
     def check_spec(self, spec: dict[str, Any]) -> None:
         try:
             verifiers.check(spec.get("verifier"), spec.get("params", {}))
-        except verifiers.VerifierError as e:
+            if spec.get("tools") is not None:
+                tool_envs.check(spec["tools"])
+        except PluginError as e:
             raise ValueError(f"spec.{e.field}: {e}") from None
         if not isinstance(spec.get("tags", {}), dict):
             raise ValueError("spec.tags: expected an object")

@@ -303,9 +303,10 @@ def main(argv: list[str]) -> int:
         s = settings_from_args(a)
         if bool(a.tasks) != bool(a.out):
             raise ConfigError("agent: --tasks and --out go together")
-        from simulator import verifiers
+        from simulator import tool_envs, verifiers
 
         verifiers.enable(s.verifiers)
+        tool_envs.enable(s.tool_envs)
     except ValueError as e:  # ConfigError, or a bad run name
         print(f"sao agent: {e}", file=sys.stderr)
         return 2

@@ -115,9 +115,10 @@ def initial_model(cfg: RunConfig) -> Path:
         model = warm_start(cfg)
     if cfg.finetune.rows:
         from learner.finetune import finetune
-        from simulator import verifiers
+        from simulator import tool_envs, verifiers
 
-        verifiers.enable(cfg.agent.verifiers)  # the rows may name the user verifiers the run enables
+        verifiers.enable(cfg.agent.verifiers)  # the rows may name the user plugins the run enables
+        tool_envs.enable(cfg.agent.tool_envs)
         print(f"      supervised warm start on the demonstrations of the stream's first {cfg.finetune.rows} rows",
               flush=True)
         model = finetune(model, up.stream, cfg.finetune, log=lambda line: print(line, flush=True)).resolve()
@@ -174,7 +175,7 @@ def task_source(cfg: RunConfig, run: list[str], run_dir: Path) -> list[str]:
     if up.stream:
         return ["replay", up.stream, *common, "--speed", str(up.speed), "--skip-bad", "--rejects",
                 str(run_dir / "rejects.jsonl"), "--model", cfg.agent.model,
-                *[f"--verifier={v}" for v in cfg.agent.verifiers]]
+                *[f"--verifier={v}" for v in cfg.agent.verifiers], *[f"--tool-env={t}" for t in cfg.agent.tool_envs]]
     simulate = ["simulate", "--scenario", up.scenario, *common]
     if up.seed >= 0:
         simulate += ["--seed", str(up.seed)]

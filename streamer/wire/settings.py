@@ -176,6 +176,8 @@ class AgentSettings:
     threads: int = 1
     # user verifiers of recorded streams to enable, by entry-point name (group sao_lab.verifiers; simulator.verifiers)
     verifiers: list[str] = field(default_factory=list)
+    # user tool environments of recorded streams, by entry-point name (group sao_lab.tools; simulator.tool_envs)
+    tool_envs: list[str] = field(default_factory=list)
     client: ClientSettings = field(default_factory=ClientSettings)
     topics: TopicSettings = field(default_factory=TopicSettings)
 
