@@ -86,15 +86,17 @@ def own_model_rows(seed: int = 0) -> list[dict]:
     return rows
 
 
-def test_up_with_an_own_model_on_an_own_stream(tmp_path):
-    """`sao up --model DIR --stream FILE`: a Qwen3 dense model with a BPE tokenizer and a chat template, built here,
-    answers and trains on a French two-source stream; the billing source's tag drift is analysed as a drift."""
+@pytest.mark.parametrize("arch", ["qwen3", "glm4_moe"])
+def test_up_with_an_own_model_on_an_own_stream(tmp_path, arch):
+    """`sao up --model DIR --stream FILE`: a Qwen3 dense or GLM-4-MoE model with a BPE tokenizer and a chat template,
+    built here, answers and trains on a French two-source stream; the billing source's tag drift is analysed as a
+    drift."""
     from learner.models.toy import build_toy_model, stream_texts
 
     rows, stream, corpus = own_model_rows(), tmp_path / "stream.jsonl", tmp_path / "corpus.jsonl"
     stream.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     corpus.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows if r["tags"]["source"] != "bad"))
-    model = build_toy_model("qwen3", stream_texts(corpus), tmp_path / "model", vocab_size=300)
+    model = build_toy_model(arch, stream_texts(corpus), tmp_path / "model", vocab_size=300)
     cmd = [sys.executable, "-m", "streamer.launch.cli", "up", "--run", "own", "--runs-dir", str(tmp_path / "runs"),
            "--model", str(model), "--stream", str(stream), "--no-dashboard", "--no-eval", "--agents", "1",
            "--cores", "2", "--batch", "32", "--set", "agent.max_new_tokens=8", "--max-seconds", "300"]
