@@ -29,6 +29,7 @@ from learner.models.packed import lm_loss, make_batch
 from learner.models.policy import load_policy, save_policy
 from learner.models.tokenizer import Tokenizer, load_tokenizer
 from learner.pretrain import Progress, Threads, cosine_lr, fmt_duration
+from simulator.replay import add_plugin_args, enable_plugins
 from streamer.wire.config import ConfigError, add_config_args, load_config
 
 
@@ -143,22 +144,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("model", help="HF model directory (any causal LM with its tokenizer)")
     p.add_argument("stream", help="recorded stream whose rows carry demonstrations")
     p.add_argument("--out", help="output directory (default: <cache_dir>/finetune-<hash>)")
-    p.add_argument("--verifier", action="append", default=[], metavar="NAME",
-                   help="enable a user verifier (entry point NAME in group sao_lab.verifiers) that rows may name")
-    p.add_argument("--tool-env", action="append", default=[], metavar="NAME",
-                   help="enable a user tool environment (entry point NAME in group sao_lab.tools) that rows may name")
+    add_plugin_args(p)
     add_config_args(p, "FinetuneConfig", "rows=256")
     args = p.parse_args(argv)
-    from simulator import tool_envs, verifiers
-
     try:
-        verifiers.enable(args.verifier)
-        tool_envs.enable(args.tool_env)
+        enable_plugins(args)
         cfg = load_config(FinetuneConfig, args.config, args.overrides, section="finetune")
         if cfg.rows <= 0:
             raise ConfigError("finetune.rows: give the number of stream rows to take demonstrations from (> 0)")
         print(finetune(args.model, args.stream, cfg, args.out))
-    except (ConfigError, ValueError, OSError) as e:  # VerifierError is a ValueError
+    except (ConfigError, ValueError, OSError) as e:  # a PluginError is a ValueError
         print(f"sao finetune: {e}", file=sys.stderr)
         return 2
     return 0

@@ -214,6 +214,19 @@ def _send(msg: Task | DriftEvent, sink: TaskSink, pacer: _Pacer, restamp: bool, 
     stats.tasks += 1
 
 
+def add_plugin_args(p: argparse.ArgumentParser) -> None:
+    """--verifier NAME, --tool-env NAME: the user plugins the rows may name (`enable_plugins`)."""
+    p.add_argument("--verifier", action="append", default=[], metavar="NAME",
+                   help="enable a user verifier (entry point NAME in group sao_lab.verifiers) that rows may name")
+    p.add_argument("--tool-env", action="append", default=[], metavar="NAME",
+                   help="enable a user tool environment (entry point NAME in group sao_lab.tools) that rows may name")
+
+
+def enable_plugins(args: argparse.Namespace) -> None:
+    verifiers.enable(args.verifier)
+    tool_envs.enable(args.tool_env)
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="sao replay", description=__doc__.splitlines()[0])
     p.add_argument("file", help="recorded task stream: .jsonl, .parquet or .csv")
@@ -228,10 +241,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-lag", type=int, default=0, metavar="N",
                    help="with --bootstrap: publish only while fewer than N tasks are uncommitted by the agents' "
                         "group (0: no back-pressure)")
-    p.add_argument("--verifier", action="append", default=[], metavar="NAME",
-                   help="enable a user verifier (entry point NAME in group sao_lab.verifiers) that rows may name")
-    p.add_argument("--tool-env", action="append", default=[], metavar="NAME",
-                   help="enable a user tool environment (entry point NAME in group sao_lab.tools) that rows may name")
+    add_plugin_args(p)
     p.add_argument("--model", help="the served model's directory: prompts are checked against its tokenizer and "
                                     "context (default: the embedded character model's alphabet and length)")
     p.add_argument("--tag-window", type=int, default=TAG_WINDOW, metavar="N",
@@ -255,8 +265,7 @@ def main(argv: list[str]) -> int:
         print(f"sao replay: {args.file}: no such file", file=sys.stderr)
         return 2
     try:
-        verifiers.enable(args.verifier)
-        tool_envs.enable(args.tool_env)
+        enable_plugins(args)
         rule = prompt_rule(args.model)
     except (OSError, ValueError) as e:  # a PluginError is a ValueError
         print(f"sao replay: {e}", file=sys.stderr)
