@@ -54,29 +54,69 @@ class PackedBatch:
         self.pred = scored.nonzero().flatten() - 1  # token j predicts token j + 1 of the same sequence
         self.target = self.ids[self.pred + 1]
         size = math.ceil(len(items) / groups)
-        index, self.groups = [], []  # per group: rows, padded length, its real slots (row-major)
+        index, self.groups = [], []  # per group: rows and padded length
         for g in range(0, len(items), size):
             glens = torch.tensor(lens[g:g + size])
             T = int(glens.max())
             real = torch.arange(T)[None] < glens[:, None]  # [b, T]
             index.append(torch.where(real, starts[g:g + size, None] + torch.arange(T), n).flatten())  # n: padding
-            self.groups.append((len(glens), T, real.flatten().nonzero().flatten()))
+            self.groups.append((len(glens), T))
         self.gather = torch.cat(index)  # every group's padded layout, from the packed tokens plus a zero row
+        self.real = (self.gather < n).nonzero().flatten()  # the packed tokens' slots in that layout, in order
 
 
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x, (x.shape[-1],), w, eps)
+class RMSNorm(torch.autograd.Function):
+    """`F.rms_norm` (the HF forward's arithmetic: x * rsqrt(mean(x^2) + eps) * weight) with a hand-written backward:
+    on CPU autograd differentiates the decomposed norm, twice as many passes over the tokens. `weight` may have more
+    dimensions than one (one row per head); its gradient is summed to its shape."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        xhat = x * rstd
+        ctx.save_for_backward(xhat, rstd, weight)
+        return weight * xhat
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        xhat, rstd, weight = ctx.saved_tensors
+        g = grad * weight
+        dot = (g * xhat).mean(-1, keepdim=True)
+        return g.addcmul_(xhat, dot, value=-1).mul_(rstd), (grad * xhat).sum_to_size(weight.shape), None
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+class SwiGLU(torch.autograd.Function):
+    """silu(gate) * up, of one tensor holding gate and up side by side (one matmul made both). Its backward writes
+    both gradients into one tensor: autograd's would make two and join them with a cat."""
+
+    @staticmethod
+    def forward(ctx, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate)
+        ctx.save_for_backward(gate_up, act)
+        return act * up
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        gate_up, act = ctx.saved_tensors
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = torch.empty_like(gate_up)
+        d_gate, d_up = out.chunk(2, dim=-1)
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=d_gate)
+        torch.mul(grad, act, out=d_up)
+        return out
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """HF's x * cos + rotate_half(x) * sin: rotate_half(x) * sin is the halves swapped (a roll, whose backward is
+    one roll back) times sin with its first half negated."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def _expert(ex, x: torch.Tensor) -> torch.Tensor:
     """down(silu(gate x) * up x), with gate and up as one matmul (fewer, larger products run faster on CPU)."""
-    gate, up = F.linear(x, torch.cat([ex.gate_proj.weight, ex.up_proj.weight])).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, ex.down_proj.weight)
+    gate_up = F.linear(x, torch.cat([ex.gate_proj.weight, ex.up_proj.weight]))
+    return F.linear(SwiGLU.apply(gate_up), ex.down_proj.weight)
 
 
 def packed_loss(model, batch: PackedBatch) -> torch.Tensor:
@@ -87,28 +127,29 @@ def packed_loss(model, batch: PackedBatch) -> torch.Tensor:
     d, eps = cfg.hidden_size // hq, cfg.rms_norm_eps
     rope = body.rotary_emb
     freqs = batch.pos[:, None].float() * rope.inv_freq.float()
-    emb = torch.cat([freqs, freqs], dim=-1)
-    cos, sin = (emb.cos() * rope.attention_scaling)[:, None], (emb.sin() * rope.attention_scaling)[:, None]
+    cos = (torch.cat([freqs, freqs], dim=-1).cos() * rope.attention_scaling)[:, None]
+    sin = freqs.sin() * rope.attention_scaling
+    signed_sin = torch.cat([-sin, sin], dim=-1)[:, None]
     x = body.embed_tokens(batch.ids)  # [N, H]
     n = x.shape[0]
     for layer in body.layers:
         att, moe = layer.self_attn, layer.mlp
         if not hasattr(moe, "experts") or att.q_proj.bias is not None:
             raise ValueError("packed_loss: every layer must be a sparse MoE layer without attention bias")
-        h = _rms(x, layer.input_layernorm.weight, eps)
-        q = _rotate(_rms(F.linear(h, att.q_proj.weight).view(n, hq, d), att.q_norm.weight, eps), cos, sin)
-        k = _rotate(_rms(F.linear(h, att.k_proj.weight).view(n, hkv, d), att.k_norm.weight, eps), cos, sin)
-        v = F.linear(h, att.v_proj.weight).view(n, hkv, d)
-        qkv = torch.cat([q, k, v], dim=1)  # [N, hq + 2 hkv, d]
+        h = RMSNorm.apply(x, layer.input_layernorm.weight, eps)
+        w_qkv = torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])
+        qk, v = F.linear(h, w_qkv).view(n, hq + 2 * hkv, d).split([hq + hkv, hkv], dim=1)
+        w_qk = torch.cat([att.q_norm.weight.expand(hq, d), att.k_norm.weight.expand(hkv, d)])  # per head
+        qk = _rotate(RMSNorm.apply(qk, w_qk, eps), cos, signed_sin)
+        qkv = torch.cat([qk, v], dim=1)  # [N, hq + 2 hkv, d]
         padded = F.pad(qkv, (0, 0, 0, 0, 0, 1)).index_select(0, batch.gather)  # backward: index_add, not index_put
         outs = []
-        for (b, T, real), g in zip(batch.groups, padded.split([b * T for b, T, _ in batch.groups])):
-            g = g.view(b, T, -1, d).transpose(1, 2)  # [b, heads, T, d]
-            o = F.scaled_dot_product_attention(g[:, :hq], g[:, hq:hq + hkv], g[:, hq + hkv:hq + 2 * hkv],
-                                               is_causal=True, scale=d ** -0.5, enable_gqa=hq != hkv)
-            outs.append(o.transpose(1, 2).reshape(b * T, hq * d).index_select(0, real))
-        x = x + F.linear(torch.cat(outs), att.o_proj.weight)
-        h = _rms(x, layer.post_attention_layernorm.weight, eps)
+        for (b, T), g in zip(batch.groups, padded.split([b * T for b, T in batch.groups])):
+            q, k, v = g.view(b, T, -1, d).transpose(1, 2).split([hq, hkv, hkv], dim=1)  # [b, heads, T, d]
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=d ** -0.5, enable_gqa=hq != hkv)
+            outs.append(o.transpose(1, 2).reshape(b * T, hq * d))
+        x = x + F.linear(torch.cat(outs).index_select(0, batch.real), att.o_proj.weight)
+        h = RMSNorm.apply(x, layer.post_attention_layernorm.weight, eps)
         probs = torch.softmax(F.linear(h, moe.gate.weight), dim=-1, dtype=torch.float)
         weights, chosen = probs.topk(moe.top_k, dim=-1)
         if moe.norm_topk_prob:
@@ -119,6 +160,6 @@ def packed_loss(model, batch: PackedBatch) -> torch.Tensor:
         parts = [_expert(ex, xe)  # one gather for all experts, split: one scatter in backward
                  for ex, xe, count in zip(moe.experts, h.index_select(0, token).split(counts), counts) if count]
         y = torch.cat(parts) * weights.flatten().index_select(0, order).to(h.dtype).unsqueeze(-1)
-        x = x + torch.zeros_like(h).index_add(0, token, y)
-    logits = F.linear(_rms(x.index_select(0, batch.pred), body.norm.weight, eps), model.lm_head.weight)
+        x = x.index_add(0, token, y)
+    logits = F.linear(RMSNorm.apply(x.index_select(0, batch.pred), body.norm.weight, eps), model.lm_head.weight)
     return F.cross_entropy(logits, batch.target)
