@@ -40,29 +40,30 @@ class PackedBatch:
     """A batch's tokens concatenated without padding, with the indices `packed_loss` needs.
 
     Sequences are sorted by length and split into `groups`; attention runs per group, right-padded
-    to the group's longest sequence (a causal mask then keeps every real query off the padding)."""
+    to the group's longest sequence. Padding slots hold a copy of token 0: the causal mask keeps every real query
+    off them and their outputs are dropped, so they change no output and get no gradient."""
 
     def __init__(self, items: list[tuple[list[int], list[int]]], groups: int) -> None:
         items = sorted(items, key=lambda x: len(x[0]))
         lens = [len(ids) for ids, _ in items]
         self.ids = torch.tensor([t for ids, _ in items for t in ids], dtype=torch.long)  # [N]
         self.pos = torch.cat([torch.arange(n) for n in lens])  # position within its sequence
-        n = len(self.ids)
         starts = torch.tensor([0] + lens[:-1]).cumsum(0)
         scored = torch.tensor([x for _, m in items for x in m], dtype=torch.bool)
         scored[starts] = False  # a sequence's first token has no prediction before it
         self.pred = scored.nonzero().flatten() - 1  # token j predicts token j + 1 of the same sequence
         self.target = self.ids[self.pred + 1]
         size = math.ceil(len(items) / groups)
-        index, self.groups = [], []  # per group: rows and padded length
+        index, slots, self.groups = [], [], []  # per group: rows and padded length
         for g in range(0, len(items), size):
             glens = torch.tensor(lens[g:g + size])
             T = int(glens.max())
             real = torch.arange(T)[None] < glens[:, None]  # [b, T]
-            index.append(torch.where(real, starts[g:g + size, None] + torch.arange(T), n).flatten())  # n: padding
+            index.append(torch.where(real, starts[g:g + size, None] + torch.arange(T), 0).flatten())
+            slots.append(real.flatten())
             self.groups.append((len(glens), T))
-        self.gather = torch.cat(index)  # every group's padded layout, from the packed tokens plus a zero row
-        self.real = (self.gather < n).nonzero().flatten()  # the packed tokens' slots in that layout, in order
+        self.gather = torch.cat(index)  # every group's padded layout, from the packed tokens
+        self.real = torch.cat(slots).nonzero().flatten()  # the packed tokens' slots in that layout, in order
 
 
 class RMSNorm(torch.autograd.Function):
@@ -142,11 +143,12 @@ def packed_loss(model, batch: PackedBatch) -> torch.Tensor:
         w_qk = torch.cat([att.q_norm.weight.expand(hq, d), att.k_norm.weight.expand(hkv, d)])  # per head
         qk = _rotate(RMSNorm.apply(qk, w_qk, eps), cos, signed_sin)
         qkv = torch.cat([qk, v], dim=1)  # [N, hq + 2 hkv, d]
-        padded = F.pad(qkv, (0, 0, 0, 0, 0, 1)).index_select(0, batch.gather)  # backward: index_add, not index_put
+        padded = qkv.index_select(0, batch.gather)  # backward: index_add, not index_put
         outs = []
         for (b, T), g in zip(batch.groups, padded.split([b * T for b, T in batch.groups])):
-            q, k, v = g.view(b, T, -1, d).transpose(1, 2).split([hq, hkv, hkv], dim=1)  # [b, heads, T, d]
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=d ** -0.5, enable_gqa=hq != hkv)
+            q, k, v = g.view(b, T, -1, d).split([hq, hkv, hkv], dim=2)  # split before the transpose: no copy back
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                               scale=d ** -0.5, enable_gqa=hq != hkv)  # [b, heads, T, d]
             outs.append(o.transpose(1, 2).reshape(b * T, hq * d))
         x = x + F.linear(torch.cat(outs).index_select(0, batch.real), att.o_proj.weight)
         h = RMSNorm.apply(x, layer.post_attention_layernorm.weight, eps)
