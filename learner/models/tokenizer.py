@@ -7,6 +7,7 @@ MARKUP are single tokens so that a tool call is a short, learnable sequence.
 from __future__ import annotations
 
 import json
+import re
 import string
 from pathlib import Path
 
@@ -15,6 +16,7 @@ MARKUP = ["<call>", "</call>", "<obs>", "</obs>"]
 ALPHABET = string.ascii_lowercase + string.digits + " +-*/%=()[]{}<>:;,.?!_|#@'\"&^~$\n"
 
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+_MARKUP_RE = re.compile("(" + "|".join(map(re.escape, MARKUP)) + ")")
 
 
 class CharTokenizer:
@@ -29,16 +31,9 @@ class CharTokenizer:
 
     def encode(self, text: str, bos: bool = False) -> list[int]:
         ids = [self.bos_id] if bos else []
-        i = 0
-        while i < len(text):
-            for m in MARKUP:  # markup wins over its characters
-                if text.startswith(m, i):
-                    ids.append(self.token_to_id[m])
-                    i += len(m)
-                    break
-            else:
-                ids.append(self.token_to_id.get(text[i], self.unk_id))
-                i += 1
+        get = self.token_to_id.get
+        for i, part in enumerate(_MARKUP_RE.split(text)):  # markup wins over its characters; odd parts are markup
+            ids += [self.token_to_id[part]] if i % 2 else [get(c, self.unk_id) for c in part]
         return ids
 
     def decode(self, ids: list[int], skip_special: bool = True) -> str:
