@@ -9,10 +9,11 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import learner.pretrain as lp
 from learner.models import CharTokenizer, ModelConfig, build_policy
-from learner.models.packed import PackedBatch, lm_loss, make_batch, packed_loss
+from learner.models.packed import PackedBatch, RMSNorm, SwiGLU, lm_loss, make_batch, packed_loss
 from learner.pretrain import PretrainConfig, Progress, Threads, config_hash, cosine_lr, encode_demo, pretrain
 from simulator.env import make_env
 from simulator.scenario import load_scenario
@@ -141,6 +142,44 @@ def test_packed_loss_equals_the_hf_forward_loss_and_gradients():
         for p, g in zip(model.parameters(), ref_grads):
             torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-4)
         model.zero_grad()
+
+
+
+def _value_and_grads(fn, inputs: list[torch.Tensor], grad: torch.Tensor) -> list[torch.Tensor]:
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out.backward(grad)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("shape, wshape", [((5, 8), (8,)), ((5, 3, 4), (3, 4))])
+def test_rms_norm_function_matches_the_plain_expression(shape, wshape):
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(shape[0], 2 * math.prod(shape[1:]), generator=gen)
+    x = base[:, :math.prod(shape[1:])].view(shape)  # a strided view, as q and k are in packed_loss
+    w, g = torch.randn(wshape, generator=gen), torch.randn(shape, generator=gen)
+
+    def plain(x, w):  # HF's Qwen3MoeRMSNorm
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+    got = _value_and_grads(lambda x, w: RMSNorm.apply(x, w, 1e-6), [x, w], g)
+    for a, b in zip(got, _value_and_grads(plain, [x, w], g)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert torch.autograd.gradcheck(lambda x, w: RMSNorm.apply(x, w, 1e-6),
+                                    (x.double().requires_grad_(), w.double().requires_grad_()))
+
+
+def test_swiglu_function_matches_the_plain_expression():
+    gen = torch.Generator().manual_seed(0)
+    gate_up, g = torch.randn(6, 10, generator=gen), torch.randn(6, 5, generator=gen)
+
+    def plain(gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    for a, b in zip(_value_and_grads(SwiGLU.apply, [gate_up], g), _value_and_grads(plain, [gate_up], g)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert torch.autograd.gradcheck(SwiGLU.apply, (gate_up.double().requires_grad_(),))
 
 
 class FakeTTY(io.StringIO):
