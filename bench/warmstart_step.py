@@ -2,13 +2,14 @@
 
 The step is `learner.pretrain`'s own: a batch of the default scenario's demonstrations (`batches`), then
 `optimizer_step` (packed forward and backward, clip, fused AdamW). "Before" is packed.py at a git revision
-(`--before`), swapped into `learner.pretrain` for its runs; "after" is the working tree's. Runs alternate
-(before, after, after, before, ...), each `--steps` steps from a fresh model on the same batches, its first
-2 steps dropped. Per step: CPU time on 1 thread (the figure to compare on a shared machine: other work on
-the cores inflates wall time, much less CPU time) and wall time on 2 threads; op counts from the profiler.
+(`--before`), swapped into `learner.pretrain` for its steps; "after" is the working tree's. Two models from
+the same seed train side by side on the same batches, each step timed for both in alternating order (the first
+2 dropped): per step, CPU time on 1 thread (the figure to compare on a shared machine: other work on the cores
+inflates wall time, much less CPU time) and wall time on 2 threads; the ratio is the median of the per-step
+ratios. Op counts from the profiler.
 Prints and saves docs/bench/warmstart_step.json.
 
-    .venv/bin/python bench/warmstart_step.py [--before REV] [--steps 12] [--rounds 4] [--out FILE]
+    .venv/bin/python bench/warmstart_step.py [--before REV] [--steps 40] [--out FILE]
 """
 
 from __future__ import annotations
@@ -49,32 +50,31 @@ def use(module: types.ModuleType) -> None:
     lp.PackedBatch, lp.packed_loss = module.PackedBatch, module.packed_loss
 
 
-def run(module: types.ModuleType, steps: int, threads: int, clock=time.process_time) -> list[float]:
-    """Milliseconds per step (data, forward, backward, clip, AdamW) by `clock`, after the warm-up steps."""
-    use(module)
+def paired(before: types.ModuleType, after: types.ModuleType, steps: int, threads: int, clock) -> dict:
+    """Two models from the same seed trained side by side on the same batches, each step timed for both (in
+    alternating order) by `clock`: a change in the load of a shared machine hits both of a pair alike."""
     torch.set_num_threads(threads)
     cfg, tok = lp.PretrainConfig(), CharTokenizer()
-    torch.manual_seed(cfg.seed)
-    model = build_policy(cfg.model, tok.vocab_size, seed=cfg.seed).train()
-    opt, data = lp.make_optimizer(model, cfg), lp.batches(load_scenario(cfg.scenario), cfg, tok)
-    out = []
+    data = lp.batches(load_scenario(cfg.scenario), cfg, tok)
+    runs = {}
+    for name in ("before", "after"):
+        torch.manual_seed(cfg.seed)
+        model = build_policy(cfg.model, tok.vocab_size, seed=cfg.seed).train()
+        runs[name] = (before if name == "before" else after, model, lp.make_optimizer(model, cfg), [])
     for step in range(steps):
-        t = clock()
-        lp.optimizer_step(model, opt, tok, next(data), step, cfg)
-        out.append((clock() - t) * 1000)
-    return out[WARMUP:]
-
-
-def compare(before, after, steps: int, rounds: int, threads: int, clock) -> dict:
-    runs: dict[str, list[list[float]]] = {"before": [], "after": []}
-    for r in range(rounds):
-        for name in ("before", "after") if r % 2 == 0 else ("after", "before"):
-            runs[name].append(run(before if name == "before" else after, steps, threads, clock))
-    med = {k: statistics.median(x for v in runs[k] for x in v) for k in runs}
-    ratios = [statistics.median(a) / statistics.median(b) for a, b in zip(runs["after"], runs["before"])]
-    return {"threads": threads, "clock": clock.__name__, "before_ms": round(med["before"], 1),
+        items = next(data)
+        for name in ("before", "after") if step % 2 == 0 else ("after", "before"):
+            module, model, opt, ms = runs[name]
+            use(module)
+            t = clock()
+            lp.optimizer_step(model, opt, tok, items, step, cfg)
+            ms.append((clock() - t) * 1000)
+    ms = {k: v[3][WARMUP:] for k, v in runs.items()}
+    med = {k: statistics.median(v) for k, v in ms.items()}
+    ratios = [a / b for a, b in zip(ms["after"], ms["before"])]
+    return {"threads": threads, "clock": clock.__name__, "steps": len(ratios), "before_ms": round(med["before"], 1),
             "after_ms": round(med["after"], 1), "ratio": round(statistics.median(ratios), 3),
-            "ratio_per_round": [round(x, 3) for x in ratios],
+            "ratio_quartiles": [round(q, 3) for q in statistics.quantiles(ratios, n=4)],
             "projected_800_steps_s": {k: round(0.8 * v, 1) for k, v in med.items()}}
 
 
@@ -101,8 +101,7 @@ def op_counts(module: types.ModuleType, steps: int = 3) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--before", default=BASE, help=f"git revision of the 'before' packed.py (default {BASE})")
-    p.add_argument("--steps", type=int, default=12, help="steps per run (the first 2 dropped)")
-    p.add_argument("--rounds", type=int, default=4, help="runs of each, alternating")
+    p.add_argument("--steps", type=int, default=40, help="paired steps per thread count (the first 2 dropped)")
     p.add_argument("--out", default="docs/bench/warmstart_step.json")
     args = p.parse_args(argv)
     before, threads = packed_at(args.before), torch.get_num_threads()
@@ -112,9 +111,9 @@ def main(argv: list[str] | None = None) -> int:
             "machine": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__},
             "before": git("rev-parse", "--short", args.before),
             "after": git("rev-parse", "--short", "HEAD") + ("+changes" if git("status", "--porcelain") else ""),
-            "steps_per_run": args.steps, "warmup_steps": WARMUP, "rounds": args.rounds,
-            "cpu_1_thread": compare(before, packed_after, args.steps, args.rounds, 1, time.process_time),
-            "wall_2_threads": compare(before, packed_after, args.steps, args.rounds, 2, time.perf_counter),
+            "warmup_steps": WARMUP,
+            "cpu_1_thread": paired(before, packed_after, args.steps, 1, time.process_time),
+            "wall_2_threads": paired(before, packed_after, args.steps, 2, time.perf_counter),
             "ops_per_step": {"before": op_counts(before), "after": op_counts(packed_after)},
         }
     finally:
@@ -124,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("cpu_1_thread", "wall_2_threads"):
         r = result[key]
         print(f"{key}: before {r['before_ms']} ms/step, after {r['after_ms']} ms/step, ratio {r['ratio']} "
-              f"(per round {r['ratio_per_round']}); 800 steps: {r['projected_800_steps_s']} s")
+              f"(quartiles {r['ratio_quartiles']}); 800 steps: {r['projected_800_steps_s']} s")
     ops = result["ops_per_step"]
     print(f"aten calls per step: before {ops['before']['aten_calls']}, after {ops['after']['aten_calls']}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -62,7 +62,7 @@ class PretrainConfig:
     eval_every: int = 0  # greedy reward on held-out phase-0 tasks at the end, and every this many steps if > 0
     eval_tasks: int = 256  # 0: no evaluation
     cache_dir: str = "runs/cache"
-    micro_batches: int = 8  # the batch is sorted by length and split into this many attention groups
+    micro_batches: int = 8  # the batch is sorted by length and split into this many attention groups (least padding)
     model: ModelConfig = field(default_factory=ModelConfig)
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import learner.pretrain as lp
 from learner.models import CharTokenizer, ModelConfig, build_policy
-from learner.models.packed import PackedBatch, RMSNorm, SwiGLU, lm_loss, make_batch, packed_loss
+from learner.models.packed import PackedBatch, RMSNorm, SwiGLU, group_sizes, lm_loss, make_batch, packed_loss
 from learner.pretrain import PretrainConfig, Progress, Threads, config_hash, cosine_lr, encode_demo, pretrain
 from simulator.env import make_env
 from simulator.scenario import load_scenario
@@ -144,6 +144,19 @@ def test_packed_loss_equals_the_hf_forward_loss_and_gradients():
         model.zero_grad()
 
 
+
+def test_group_sizes_pad_least_of_all_splits():
+    def slots(lens, sizes):
+        ends = list(itertools.accumulate(sizes))
+        return sum(size * lens[end - 1] for size, end in zip(sizes, ends))
+
+    for lens, groups in [([3, 3, 4, 9, 9, 30], 3), ([1, 2, 3, 4, 5, 6, 7], 2), ([5], 4), ([2, 2, 2, 8], 4)]:
+        sizes = group_sizes(lens, groups)
+        assert len(sizes) == min(groups, len(lens)) and min(sizes) > 0 and sum(sizes) == len(lens)
+        splits = itertools.combinations(range(1, len(lens)), len(sizes) - 1)
+        best = min(slots(lens, [b - a for a, b in zip((0, *cut), (*cut, len(lens)))]) for cut in splits)
+        assert slots(lens, sizes) == best
+    assert group_sizes([3, 3, 4, 9, 9, 30], 3) == [3, 2, 1]  # the long one alone, not [2, 2, 2]
 
 def _value_and_grads(fn, inputs: list[torch.Tensor], grad: torch.Tensor) -> list[torch.Tensor]:
     leaves = [t.detach().clone().requires_grad_() for t in inputs]

@@ -10,8 +10,6 @@ as one matmul.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -36,12 +34,32 @@ def lm_loss(model, ids: torch.Tensor, mask: torch.Tensor, attn: torch.Tensor) ->
     return (nll * m.reshape(-1)).sum() / m.sum().clamp(min=1)
 
 
+def group_sizes(lens: list[int], groups: int) -> list[int]:
+    """Sizes of `groups` consecutive runs of the ascending `lens` (fewer if there are fewer lengths) with the fewest
+    padding slots in all, each run padded to its longest: dynamic programming over where the runs end."""
+    n, big = len(lens), 1 << 40  # big: more slots than any batch has
+    first, last = torch.arange(n)[:, None], torch.arange(n)[None]
+    slots = torch.where(first <= last, (last - first + 1) * torch.tensor(lens), big)  # the run lens[first..last]
+    fewest = torch.tensor([0] + [big] * n)  # [j]: fewest slots of lens[:j] in the runs so far
+    starts = []  # per run added: [last] where the run ending at `last` starts
+    for _ in range(min(groups, n)):
+        total, start = (fewest[:-1, None] + slots).min(0)
+        fewest = torch.cat([torch.tensor([big]), total])
+        starts.append(start)
+    sizes, j = [], n
+    for start in reversed(starts):
+        sizes.append(j - int(start[j - 1]))
+        j -= sizes[-1]
+    return sizes[::-1]
+
+
 class PackedBatch:
     """A batch's tokens concatenated without padding, with the indices `packed_loss` needs.
 
-    Sequences are sorted by length and split into `groups`; attention runs per group, right-padded
-    to the group's longest sequence. Padding slots hold a copy of token 0: the causal mask keeps every real query
-    off them and their outputs are dropped, so they change no output and get no gradient."""
+    Sequences are sorted by length and split into `groups` runs with the fewest padding slots (`group_sizes`);
+    attention runs per group, right-padded to the group's longest sequence. Padding slots hold a copy of token 0:
+    the causal mask keeps every real query off them and their outputs are dropped, so they change no output and
+    get no gradient."""
 
     def __init__(self, items: list[tuple[list[int], list[int]]], groups: int) -> None:
         items = sorted(items, key=lambda x: len(x[0]))
@@ -53,13 +71,12 @@ class PackedBatch:
         scored[starts] = False  # a sequence's first token has no prediction before it
         self.pred = scored.nonzero().flatten() - 1  # token j predicts token j + 1 of the same sequence
         self.target = self.ids[self.pred + 1]
-        size = math.ceil(len(items) / groups)
+        sizes = group_sizes(lens, groups)
         index, slots, self.groups = [], [], []  # per group: rows and padded length
-        for g in range(0, len(items), size):
-            glens = torch.tensor(lens[g:g + size])
-            T = int(glens.max())
+        for gstarts, glens in zip(starts.split(sizes), torch.tensor(lens).split(sizes)):
+            T = int(glens[-1])
             real = torch.arange(T)[None] < glens[:, None]  # [b, T]
-            index.append(torch.where(real, starts[g:g + size, None] + torch.arange(T), 0).flatten())
+            index.append(torch.where(real, gstarts[:, None] + torch.arange(T), 0).flatten())
             slots.append(real.flatten())
             self.groups.append((len(glens), T))
         self.gather = torch.cat(index)  # every group's padded layout, from the packed tokens
