@@ -98,9 +98,12 @@ class RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         xhat, rstd, weight = ctx.saved_tensors
-        g = grad * weight
-        dot = (g * xhat).mean(-1, keepdim=True)
-        return g.addcmul_(xhat, dot, value=-1).mul_(rstd), (grad * xhat).sum_to_size(weight.shape), None
+        prod = grad * xhat  # summed over the tokens: the weight's gradient
+        d = xhat.shape[-1]
+        per_row = torch.block_diag(*weight.reshape(-1, 1, d)).t() / d  # [weight.numel(), rows]
+        dot = (prod.reshape(-1, weight.numel()) @ per_row).view(rstd.shape)  # mean(grad * weight * xhat) by a matmul
+        dx = (grad * weight).addcmul_(xhat, dot, value=-1).mul_(rstd)
+        return dx, prod.sum_to_size(weight.shape), None
 
 
 class SwiGLU(torch.autograd.Function):
