@@ -2,10 +2,12 @@
 
 `packed_loss` computes the token-mean cross-entropy of a batch whose sequences are concatenated
 (`PackedBatch`), so every linear and MoE expert runs once per batch on all its tokens; only
-attention is padded, per group of similar lengths. It equals the HF forward's loss and gradients
-on a right-padded batch (`make_batch`, `lm_loss`: the reference, tested against it) and runs faster
-on CPU: gathers with index_select (backward index_add, not index_put), each expert's gate and up
-as one matmul.
+attention is padded, per group of similar lengths (split where they pad least). It equals the HF
+forward's loss and gradients on a right-padded batch (`make_batch`, `lm_loss`: the reference, tested
+against it) and runs faster on CPU, where a step is mostly many passes over small tensors besides the
+matmuls: gathers with index_select (backward index_add, not index_put), q, k and v as one matmul and q
+and k normed and rotated together, each expert's gate and up as one matmul, and RMSNorm and SwiGLU as
+autograd Functions whose backwards take fewer passes than autograd's (bench/warmstart_step.py).
 """
 
 from __future__ import annotations
