@@ -60,22 +60,25 @@ def paired(before: types.ModuleType, after: types.ModuleType, steps: int, thread
     for name in ("before", "after"):
         torch.manual_seed(cfg.seed)
         model = build_policy(cfg.model, tok.vocab_size, seed=cfg.seed).train()
-        runs[name] = (before if name == "before" else after, model, lp.make_optimizer(model, cfg), [])
+        runs[name] = (before if name == "before" else after, model, lp.make_optimizer(model, cfg), [], [])
     for step in range(steps):
         items = next(data)
         for name in ("before", "after") if step % 2 == 0 else ("after", "before"):
-            module, model, opt, ms = runs[name]
+            module, model, opt, ms, losses = runs[name]
             use(module)
             t = clock()
-            lp.optimizer_step(model, opt, tok, items, step, cfg)
+            losses.append(lp.optimizer_step(model, opt, tok, items, step, cfg))
             ms.append((clock() - t) * 1000)
     ms = {k: v[3][WARMUP:] for k, v in runs.items()}
     med = {k: statistics.median(v) for k, v in ms.items()}
     ratios = [a / b for a, b in zip(ms["after"], ms["before"])]
+    losses = {k: v[4] for k, v in runs.items()}  # the same training: equal to float32 rounding
     return {"threads": threads, "clock": clock.__name__, "steps": len(ratios), "before_ms": round(med["before"], 1),
             "after_ms": round(med["after"], 1), "ratio": round(statistics.median(ratios), 3),
             "ratio_quartiles": [round(q, 3) for q in statistics.quantiles(ratios, n=4)],
-            "projected_800_steps_s": {k: round(0.8 * v, 1) for k, v in med.items()}}
+            "projected_800_steps_s": {k: round(0.8 * v, 1) for k, v in med.items()},
+            "last_loss": {k: v[-1] for k, v in losses.items()},
+            "max_loss_difference": max(abs(a - b) for a, b in zip(losses["before"], losses["after"]))}
 
 
 def op_counts(module: types.ModuleType, steps: int = 3) -> dict:
@@ -123,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("cpu_1_thread", "wall_2_threads"):
         r = result[key]
         print(f"{key}: before {r['before_ms']} ms/step, after {r['after_ms']} ms/step, ratio {r['ratio']} "
-              f"(quartiles {r['ratio_quartiles']}); 800 steps: {r['projected_800_steps_s']} s")
+              f"(quartiles {r['ratio_quartiles']}); 800 steps: {r['projected_800_steps_s']} s; "
+              f"largest loss difference over {args.steps} steps {r['max_loss_difference']:.1e}")
     ops = result["ops_per_step"]
     print(f"aten calls per step: before {ops['before']['aten_calls']}, after {ops['after']['aten_calls']}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
