@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import learner.pretrain as lp
 from learner.models import CharTokenizer, ModelConfig, build_policy
-from learner.models.packed import PackedBatch, RMSNorm, SwiGLU, group_sizes, lm_loss, make_batch, packed_loss
+from learner.models.packed import Experts, PackedBatch, RMSNorm, group_sizes, lm_loss, make_batch, packed_loss
 from learner.pretrain import PretrainConfig, Progress, Threads, config_hash, cosine_lr, encode_demo, pretrain
 from simulator.env import make_env
 from simulator.scenario import load_scenario
@@ -182,18 +182,28 @@ def test_rms_norm_function_matches_the_plain_expression(shape, wshape):
                                     (x.double().requires_grad_(), w.double().requires_grad_()))
 
 
-def test_swiglu_function_matches_the_plain_expression():
+def test_experts_function_matches_the_plain_expression():
     gen = torch.Generator().manual_seed(0)
-    gate_up, g = torch.randn(6, 10, generator=gen), torch.randn(6, 5, generator=gen)
+    counts = [3, 0, 4]  # the second expert gets no rows: no gradient, as the plain expression skipping it gives
+    x, g = torch.randn(7, 4, generator=gen), torch.randn(7, 4, generator=gen)
+    weights = [torch.randn(shape, generator=gen) for _ in counts for shape in ((5, 4), (5, 4), (4, 5))]
 
-    def plain(gate_up):
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+    def plain(x, *w):
+        return torch.cat([F.linear(F.silu(F.linear(xe, w[3 * e])) * F.linear(xe, w[3 * e + 1]), w[3 * e + 2])
+                          for e, xe in enumerate(x.split(counts)) if counts[e]])
 
-    for a, b in zip(_value_and_grads(SwiGLU.apply, [gate_up], g), _value_and_grads(plain, [gate_up], g)):
+    def grads(fn, dtype=torch.float32):
+        leaves = [t.detach().clone().to(dtype).requires_grad_() for t in [x, *weights]]
+        out = fn(*leaves)
+        out.backward(g.to(dtype))
+        return [out.detach()] + [t.grad for t in leaves]
+
+    got, want = grads(lambda x, *w: Experts.apply(x, counts, *w)), grads(plain)
+    assert got[5:8] == [None] * 3 and want[5:8] == [None] * 3
+    for a, b in zip(got[:5] + got[8:], want[:5] + want[8:]):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
-    assert torch.autograd.gradcheck(SwiGLU.apply, (gate_up.double().requires_grad_(),))
-
+    double = [t.double().requires_grad_() for t in [x, *weights]]
+    assert torch.autograd.gradcheck(lambda x, *w: Experts.apply(x, counts, *w), tuple(double))
 
 class FakeTTY(io.StringIO):
     def isatty(self) -> bool:

@@ -6,8 +6,8 @@ attention is padded, per group of similar lengths (split where they pad least). 
 forward's loss and gradients on a right-padded batch (`make_batch`, `lm_loss`: the reference, tested
 against it) and runs faster on CPU, where a step is mostly many passes over small tensors besides the
 matmuls: gathers with index_select (backward index_add, not index_put), q, k and v as one matmul and q
-and k normed and rotated together, each expert's gate and up as one matmul, and RMSNorm and SwiGLU as
-autograd Functions whose backwards take fewer passes than autograd's (bench/warmstart_step.py).
+and k normed and rotated together, each expert's gate and up as one matmul, and RMSNorm and the experts
+as autograd Functions whose backwards take fewer passes than autograd's (bench/warmstart_step.py).
 """
 
 from __future__ import annotations
@@ -108,38 +108,57 @@ class RMSNorm(torch.autograd.Function):
         return dx, prod.sum_to_size(weight.shape), None
 
 
-class SwiGLU(torch.autograd.Function):
-    """silu(gate) * up, of one tensor holding gate and up side by side (one matmul made both). Its backward writes
-    both gradients into one tensor: autograd's would make two and join them with a cat."""
+def _swiglu_backward(grad: torch.Tensor, gate_up: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+    """The gradient of silu(gate) * up with respect to gate_up (gate and up side by side; act = silu(gate)),
+    both halves written into one tensor."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = torch.empty_like(gate_up)
+    d_gate, d_up = out.chunk(2, dim=-1)
+    torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=d_gate)
+    torch.mul(grad, act, out=d_up)
+    return out
+
+
+class Experts(torch.autograd.Function):
+    """Each expert's down(silu(gate x) * up x) on its block of rows of `x` (`counts[e]` rows, in expert order), gate
+    and up as one matmul. The experts write their outputs into one tensor and, in backward, their input gradients
+    into one: autograd would join both with a cat, and its graph would hold a dozen nodes per expert. `weights`:
+    gate, up and down of each expert in turn; an expert without rows gets no gradient (None, as autograd gives)."""
 
     @staticmethod
-    def forward(ctx, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate)
-        ctx.save_for_backward(gate_up, act)
-        return act * up
+    def forward(ctx, x: torch.Tensor, counts: list[int], *weights: torch.Tensor) -> torch.Tensor:
+        y = x.new_empty(x.shape[0], weights[2].shape[0])
+        saved = []
+        for e, (xe, ye) in enumerate(zip(x.split(counts), y.split(counts))):
+            gate, up, down = weights[3 * e:3 * e + 3]
+            gate_up = F.linear(xe, torch.cat([gate, up]))
+            act = F.silu(gate_up[:, :gate.shape[0]])
+            hidden = act * gate_up[:, gate.shape[0]:]
+            torch.mm(hidden, down.t(), out=ye)
+            saved += [gate_up, act, hidden]
+        ctx.counts = counts
+        ctx.save_for_backward(x, *weights, *saved)
+        return y
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        gate_up, act = ctx.saved_tensors
-        gate, up = gate_up.chunk(2, dim=-1)
-        out = torch.empty_like(gate_up)
-        d_gate, d_up = out.chunk(2, dim=-1)
-        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=d_gate)
-        torch.mul(grad, act, out=d_up)
-        return out
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, *rest = ctx.saved_tensors
+        counts = ctx.counts
+        weights, saved = rest[:3 * len(counts)], rest[3 * len(counts):]
+        dx, d_weights = torch.empty_like(x), []
+        for e, (xe, ge, dxe) in enumerate(zip(x.split(counts), grad.split(counts), dx.split(counts))):
+            gate, up, down = weights[3 * e:3 * e + 3]
+            gate_up, act, hidden = saved[3 * e:3 * e + 3]
+            d_gate_up = _swiglu_backward(ge @ down, gate_up, act)
+            torch.mm(d_gate_up, torch.cat([gate, up]), out=dxe)
+            d_weights += [*(d_gate_up.t() @ xe).chunk(2), ge.t() @ hidden] if counts[e] else [None] * 3
+        return dx, None, *d_weights
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """HF's x * cos + rotate_half(x) * sin: rotate_half(x) * sin is the halves swapped (a roll, whose backward is
     one roll back) times sin with its first half negated."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
-
-
-def _expert(ex, x: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate x) * up x), with gate and up as one matmul (fewer, larger products run faster on CPU)."""
-    gate_up = F.linear(x, torch.cat([ex.gate_proj.weight, ex.up_proj.weight]))
-    return F.linear(SwiGLU.apply(gate_up), ex.down_proj.weight)
 
 
 def packed_loss(model, batch: PackedBatch) -> torch.Tensor:
@@ -181,9 +200,9 @@ def packed_loss(model, batch: PackedBatch) -> torch.Tensor:
         order = chosen.flatten().argsort(stable=True)  # (token, slot) pairs grouped by expert
         token = order // moe.top_k
         counts = torch.bincount(chosen.flatten(), minlength=moe.num_experts).tolist()
-        parts = [_expert(ex, xe)  # one gather for all experts, split: one scatter in backward
-                 for ex, xe, count in zip(moe.experts, h.index_select(0, token).split(counts), counts) if count]
-        y = torch.cat(parts) * weights.flatten().index_select(0, order).to(h.dtype).unsqueeze(-1)
+        experts = [w for ex in moe.experts for w in (ex.gate_proj.weight, ex.up_proj.weight, ex.down_proj.weight)]
+        y = Experts.apply(h.index_select(0, token), counts, *experts)  # one gather for all experts: one scatter back
+        y = y * weights.flatten().index_select(0, order).to(h.dtype).unsqueeze(-1)
         x = x.index_add(0, token, y)
     logits = F.linear(RMSNorm.apply(x.index_select(0, batch.pred), body.norm.weight, eps), model.lm_head.weight)
     return F.cross_entropy(logits, batch.target)
