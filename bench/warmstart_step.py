@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -108,10 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="docs/bench/warmstart_step.json")
     args = p.parse_args(argv)
     before, threads = packed_at(args.before), torch.get_num_threads()
-    t = time.perf_counter()
+    t, load = time.perf_counter(), os.getloadavg()
     try:
         result = {
-            "machine": {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__},
+            "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                        "torch": torch.__version__},
             "before": git("rev-parse", "--short", args.before),
             "after": git("rev-parse", "--short", "HEAD") + ("+changes" if git("status", "--porcelain") else ""),
             "warmup_steps": WARMUP,
@@ -123,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         use(packed_after)
         torch.set_num_threads(threads)
     result["bench_seconds"] = round(time.perf_counter() - t, 1)
+    result["load_average_1min"] = {"start": load[0], "end": os.getloadavg()[0]}  # other work on the cores
     for key in ("cpu_1_thread", "wall_2_threads"):
         r = result[key]
         print(f"{key}: before {r['before_ms']} ms/step, after {r['after_ms']} ms/step, ratio {r['ratio']} "

@@ -127,7 +127,7 @@ class Experts(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, counts: list[int], *weights: torch.Tensor) -> torch.Tensor:
-        y = x.new_empty(x.shape[0], weights[2].shape[0])
+        y = x.new_empty(x.shape[0], weights[2].shape[0])  # [rows, hidden]: down's outputs
         saved = []
         for e, (xe, ye) in enumerate(zip(x.split(counts), y.split(counts))):
             gate, up, down = weights[3 * e:3 * e + 3]
