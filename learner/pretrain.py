@@ -29,6 +29,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +62,7 @@ class PretrainConfig:
     eval_every: int = 0  # greedy reward on held-out phase-0 tasks at the end, and every this many steps if > 0
     eval_tasks: int = 256  # 0: no evaluation
     cache_dir: str = "runs/cache"
-    micro_batches: int = 8  # the batch is sorted by length and split into this many attention groups
+    micro_batches: int = 8  # the batch is sorted by length and split into this many attention groups (least padding)
     model: ModelConfig = field(default_factory=ModelConfig)
 
 
@@ -98,6 +99,30 @@ def train_step(model, tok: CharTokenizer, items: list[tuple[list[int], list[int]
     loss = packed_loss(model, PackedBatch(items, n_micro))
     loss.backward()
     return loss.item()
+
+
+def make_optimizer(model, cfg: PretrainConfig) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95),
+                             fused=True)  # one kernel over all tensors: same update, 3x less time
+
+
+def batches(scn: Scenario, cfg: PretrainConfig, tok: CharTokenizer) -> Iterator[list[tuple[list[int], list[int]]]]:
+    """The training batches: `cfg.batch_size` encoded demonstrations each, from the scenario's warm-start stream."""
+    stream = demos(scn, seed=cfg.seed)
+    while True:
+        yield [encode_demo(tok, d.task.prompt, d.text) for d in (next(stream) for _ in range(cfg.batch_size))]
+
+
+def optimizer_step(model, opt: torch.optim.Optimizer, tok: CharTokenizer, items: list[tuple[list[int], list[int]]],
+                   step: int, cfg: PretrainConfig) -> float:
+    """One training step on a batch: the scheduled lr, the batch's gradient, clipped, and AdamW. Returns the loss."""
+    for group in opt.param_groups:
+        group["lr"] = cosine_lr(step, cfg)
+    opt.zero_grad(set_to_none=True)
+    loss = train_step(model, tok, items, cfg.micro_batches)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    opt.step()
+    return loss
 
 
 def cosine_lr(step: int, cfg: PretrainConfig) -> float:
@@ -243,9 +268,8 @@ def train(cfg: PretrainConfig, scn: Scenario, log=print, progress: Progress | No
     torch.manual_seed(cfg.seed)
     tok = CharTokenizer()
     model = build_policy(cfg.model, tok.vocab_size, seed=cfg.seed).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95),
-                            fused=True)  # one kernel over all tensors: same update, 3x less time
-    stream = demos(scn, seed=cfg.seed)
+    opt = make_optimizer(model, cfg)
+    data = batches(scn, cfg, tok)
     phase0 = {f: c for f, c in scn.phases[0].concepts.items() if isinstance(c, str)}
     progress = progress or Progress(cfg.steps)
     threads = threads or Threads(cfg.threads)
@@ -253,13 +277,8 @@ def train(cfg: PretrainConfig, scn: Scenario, log=print, progress: Progress | No
     for step in range(cfg.steps):
         threads.check(step)
         ts = time.perf_counter()
-        items = [encode_demo(tok, d.task.prompt, d.text) for d in (next(stream) for _ in range(cfg.batch_size))]
-        for group in opt.param_groups:
-            group["lr"] = cosine_lr(step, cfg)
-        opt.zero_grad(set_to_none=True)
-        loss = train_step(model, tok, items, cfg.micro_batches)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
+        items = next(data)
+        loss = optimizer_step(model, opt, tok, items, step, cfg)
         threads.done(time.perf_counter() - ts, sum(len(ids) for ids, _ in items))
         last = step == cfg.steps - 1
         ev = None

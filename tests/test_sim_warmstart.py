@@ -9,10 +9,11 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import learner.pretrain as lp
 from learner.models import CharTokenizer, ModelConfig, build_policy
-from learner.models.packed import PackedBatch, lm_loss, make_batch, packed_loss
+from learner.models.packed import Experts, PackedBatch, RMSNorm, group_sizes, lm_loss, make_batch, packed_loss
 from learner.pretrain import PretrainConfig, Progress, Threads, config_hash, cosine_lr, encode_demo, pretrain
 from simulator.env import make_env
 from simulator.scenario import load_scenario
@@ -142,6 +143,67 @@ def test_packed_loss_equals_the_hf_forward_loss_and_gradients():
             torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-4)
         model.zero_grad()
 
+
+
+def test_group_sizes_pad_least_of_all_splits():
+    def slots(lens, sizes):
+        ends = list(itertools.accumulate(sizes))
+        return sum(size * lens[end - 1] for size, end in zip(sizes, ends))
+
+    for lens, groups in [([3, 3, 4, 9, 9, 30], 3), ([1, 2, 3, 4, 5, 6, 7], 2), ([5], 4), ([2, 2, 2, 8], 4)]:
+        sizes = group_sizes(lens, groups)
+        assert len(sizes) == min(groups, len(lens)) and min(sizes) > 0 and sum(sizes) == len(lens)
+        splits = itertools.combinations(range(1, len(lens)), len(sizes) - 1)
+        best = min(slots(lens, [b - a for a, b in zip((0, *cut), (*cut, len(lens)))]) for cut in splits)
+        assert slots(lens, sizes) == best
+    assert group_sizes([3, 3, 4, 9, 9, 30], 3) == [3, 2, 1]  # the long one alone, not [2, 2, 2]
+
+def _value_and_grads(fn, inputs: list[torch.Tensor], grad: torch.Tensor) -> list[torch.Tensor]:
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out.backward(grad)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("shape, wshape", [((5, 8), (8,)), ((5, 3, 4), (3, 4))])
+def test_rms_norm_function_matches_the_plain_expression(shape, wshape):
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(shape[0], 2 * math.prod(shape[1:]), generator=gen)
+    x = base[:, :math.prod(shape[1:])].view(shape)  # a strided view, as q and k are in packed_loss
+    w, g = torch.randn(wshape, generator=gen), torch.randn(shape, generator=gen)
+
+    def plain(x, w):  # HF's Qwen3MoeRMSNorm
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+    got = _value_and_grads(lambda x, w: RMSNorm.apply(x, w, 1e-6), [x, w], g)
+    for a, b in zip(got, _value_and_grads(plain, [x, w], g)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert torch.autograd.gradcheck(lambda x, w: RMSNorm.apply(x, w, 1e-6),
+                                    (x.double().requires_grad_(), w.double().requires_grad_()))
+
+
+def test_experts_function_matches_the_plain_expression():
+    gen = torch.Generator().manual_seed(0)
+    counts = [3, 0, 4]  # the second expert gets no rows: no gradient, as the plain expression skipping it gives
+    x, g = torch.randn(7, 4, generator=gen), torch.randn(7, 4, generator=gen)
+    weights = [torch.randn(shape, generator=gen) for _ in counts for shape in ((5, 4), (5, 4), (4, 5))]
+
+    def plain(x, *w):
+        return torch.cat([F.linear(F.silu(F.linear(xe, w[3 * e])) * F.linear(xe, w[3 * e + 1]), w[3 * e + 2])
+                          for e, xe in enumerate(x.split(counts)) if counts[e]])
+
+    def grads(fn, dtype=torch.float32):
+        leaves = [t.detach().clone().to(dtype).requires_grad_() for t in [x, *weights]]
+        out = fn(*leaves)
+        out.backward(g.to(dtype))
+        return [out.detach()] + [t.grad for t in leaves]
+
+    got, want = grads(lambda x, *w: Experts.apply(x, counts, *w)), grads(plain)
+    assert got[5:8] == [None] * 3 and want[5:8] == [None] * 3
+    for a, b in zip(got[:5] + got[8:], want[:5] + want[8:]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    double = [t.double().requires_grad_() for t in [x, *weights]]
+    assert torch.autograd.gradcheck(lambda x, *w: Experts.apply(x, counts, *w), tuple(double))
 
 class FakeTTY(io.StringIO):
     def isatty(self) -> bool:

@@ -2,15 +2,15 @@
 
 `packed_loss` computes the token-mean cross-entropy of a batch whose sequences are concatenated
 (`PackedBatch`), so every linear and MoE expert runs once per batch on all its tokens; only
-attention is padded, per group of similar lengths. It equals the HF forward's loss and gradients
-on a right-padded batch (`make_batch`, `lm_loss`: the reference, tested against it) and runs faster
-on CPU: gathers with index_select (backward index_add, not index_put), each expert's gate and up
-as one matmul.
+attention is padded, per group of similar lengths (split where they pad least). It equals the HF
+forward's loss and gradients on a right-padded batch (`make_batch`, `lm_loss`: the reference, tested
+against it) and runs faster on CPU, where a step is mostly many passes over small tensors besides the
+matmuls: gathers with index_select (backward index_add, not index_put), q, k and v as one matmul and q
+and k normed and rotated together, each expert's gate and up as one matmul, and RMSNorm and the experts
+as autograd Functions whose backwards take fewer passes than autograd's (bench/warmstart_step.py).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -36,47 +36,129 @@ def lm_loss(model, ids: torch.Tensor, mask: torch.Tensor, attn: torch.Tensor) ->
     return (nll * m.reshape(-1)).sum() / m.sum().clamp(min=1)
 
 
+def group_sizes(lens: list[int], groups: int) -> list[int]:
+    """Sizes of `groups` consecutive runs of the ascending `lens` (fewer if there are fewer lengths) with the fewest
+    padding slots in all, each run padded to its longest: dynamic programming over where the runs end."""
+    n, big = len(lens), 1 << 40  # big: more slots than any batch has
+    first, last = torch.arange(n)[:, None], torch.arange(n)[None]
+    slots = torch.where(first <= last, (last - first + 1) * torch.tensor(lens), big)  # the run lens[first..last]
+    fewest = torch.tensor([0] + [big] * n)  # [j]: fewest slots of lens[:j] in the runs so far
+    starts = []  # per run added: [last] where the run ending at `last` starts
+    for _ in range(min(groups, n)):
+        total, start = (fewest[:-1, None] + slots).min(0)
+        fewest = torch.cat([torch.tensor([big]), total])
+        starts.append(start)
+    sizes, j = [], n
+    for start in reversed(starts):
+        sizes.append(j - int(start[j - 1]))
+        j -= sizes[-1]
+    return sizes[::-1]
+
+
 class PackedBatch:
     """A batch's tokens concatenated without padding, with the indices `packed_loss` needs.
 
-    Sequences are sorted by length and split into `groups`; attention runs per group, right-padded
-    to the group's longest sequence (a causal mask then keeps every real query off the padding)."""
+    Sequences are sorted by length and split into `groups` runs with the fewest padding slots (`group_sizes`);
+    attention runs per group, right-padded to the group's longest sequence. Padding slots hold a copy of token 0:
+    the causal mask keeps every real query off them and their outputs are dropped, so they change no output and
+    get no gradient."""
 
     def __init__(self, items: list[tuple[list[int], list[int]]], groups: int) -> None:
         items = sorted(items, key=lambda x: len(x[0]))
         lens = [len(ids) for ids, _ in items]
         self.ids = torch.tensor([t for ids, _ in items for t in ids], dtype=torch.long)  # [N]
         self.pos = torch.cat([torch.arange(n) for n in lens])  # position within its sequence
-        n = len(self.ids)
         starts = torch.tensor([0] + lens[:-1]).cumsum(0)
         scored = torch.tensor([x for _, m in items for x in m], dtype=torch.bool)
         scored[starts] = False  # a sequence's first token has no prediction before it
         self.pred = scored.nonzero().flatten() - 1  # token j predicts token j + 1 of the same sequence
         self.target = self.ids[self.pred + 1]
-        size = math.ceil(len(items) / groups)
-        index, self.groups = [], []  # per group: rows, padded length, its real slots (row-major)
-        for g in range(0, len(items), size):
-            glens = torch.tensor(lens[g:g + size])
-            T = int(glens.max())
+        sizes = group_sizes(lens, groups)
+        index, slots, self.groups = [], [], []  # per group: rows and padded length
+        for gstarts, glens in zip(starts.split(sizes), torch.tensor(lens).split(sizes)):
+            T = int(glens[-1])
             real = torch.arange(T)[None] < glens[:, None]  # [b, T]
-            index.append(torch.where(real, starts[g:g + size, None] + torch.arange(T), n).flatten())  # n: padding
-            self.groups.append((len(glens), T, real.flatten().nonzero().flatten()))
-        self.gather = torch.cat(index)  # every group's padded layout, from the packed tokens plus a zero row
+            index.append(torch.where(real, gstarts[:, None] + torch.arange(T), 0).flatten())
+            slots.append(real.flatten())
+            self.groups.append((len(glens), T))
+        self.gather = torch.cat(index)  # every group's padded layout, from the packed tokens
+        self.real = torch.cat(slots).nonzero().flatten()  # the packed tokens' slots in that layout, in order
 
 
-def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.rms_norm(x, (x.shape[-1],), w, eps)
+class RMSNorm(torch.autograd.Function):
+    """`F.rms_norm` (the HF forward's arithmetic: x * rsqrt(mean(x^2) + eps) * weight) with a hand-written backward:
+    on CPU autograd differentiates the decomposed norm, twice as many passes over the tokens. `weight` may have more
+    dimensions than one (one row per head); its gradient is summed to its shape."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        xhat = x * rstd
+        ctx.save_for_backward(xhat, rstd, weight)
+        return weight * xhat
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        xhat, rstd, weight = ctx.saved_tensors
+        prod = grad * xhat  # summed over the tokens: the weight's gradient
+        d = xhat.shape[-1]
+        per_row = torch.block_diag(*weight.reshape(-1, 1, d)).t() / d  # [weight.numel(), rows]
+        dot = (prod.reshape(-1, weight.numel()) @ per_row).view(rstd.shape)  # mean(grad * weight * xhat) by a matmul
+        dx = (grad * weight).addcmul_(xhat, dot, value=-1).mul_(rstd)
+        return dx, prod.sum_to_size(weight.shape), None
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+def _swiglu_backward(grad: torch.Tensor, gate_up: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+    """The gradient of silu(gate) * up with respect to gate_up (gate and up side by side; act = silu(gate)),
+    both halves written into one tensor."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = torch.empty_like(gate_up)
+    d_gate, d_up = out.chunk(2, dim=-1)
+    torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=d_gate)
+    torch.mul(grad, act, out=d_up)
+    return out
 
 
-def _expert(ex, x: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate x) * up x), with gate and up as one matmul (fewer, larger products run faster on CPU)."""
-    gate, up = F.linear(x, torch.cat([ex.gate_proj.weight, ex.up_proj.weight])).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, ex.down_proj.weight)
+class Experts(torch.autograd.Function):
+    """Each expert's down(silu(gate x) * up x) on its block of rows of `x` (`counts[e]` rows, in expert order), gate
+    and up as one matmul. The experts write their outputs into one tensor and, in backward, their input gradients
+    into one: autograd would join both with a cat, and its graph would hold a dozen nodes per expert. `weights`:
+    gate, up and down of each expert in turn; an expert without rows gets no gradient (None, as autograd gives)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, counts: list[int], *weights: torch.Tensor) -> torch.Tensor:
+        y = x.new_empty(x.shape[0], weights[2].shape[0])  # [rows, hidden]: down's outputs
+        saved = []
+        for e, (xe, ye) in enumerate(zip(x.split(counts), y.split(counts))):
+            gate, up, down = weights[3 * e:3 * e + 3]
+            gate_up = F.linear(xe, torch.cat([gate, up]))
+            act = F.silu(gate_up[:, :gate.shape[0]])
+            hidden = act * gate_up[:, gate.shape[0]:]
+            torch.mm(hidden, down.t(), out=ye)
+            saved += [gate_up, act, hidden]
+        ctx.counts = counts
+        ctx.save_for_backward(x, *weights, *saved)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, *rest = ctx.saved_tensors
+        counts = ctx.counts
+        weights, saved = rest[:3 * len(counts)], rest[3 * len(counts):]
+        dx, d_weights = torch.empty_like(x), []
+        for e, (xe, ge, dxe) in enumerate(zip(x.split(counts), grad.split(counts), dx.split(counts))):
+            gate, up, down = weights[3 * e:3 * e + 3]
+            gate_up, act, hidden = saved[3 * e:3 * e + 3]
+            d_gate_up = _swiglu_backward(ge @ down, gate_up, act)
+            torch.mm(d_gate_up, torch.cat([gate, up]), out=dxe)
+            d_weights += [*(d_gate_up.t() @ xe).chunk(2), ge.t() @ hidden] if counts[e] else [None] * 3
+        return dx, None, *d_weights
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """HF's x * cos + rotate_half(x) * sin: rotate_half(x) * sin is the halves swapped (a roll, whose backward is
+    one roll back) times sin with its first half negated."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def packed_loss(model, batch: PackedBatch) -> torch.Tensor:
@@ -87,28 +169,30 @@ def packed_loss(model, batch: PackedBatch) -> torch.Tensor:
     d, eps = cfg.hidden_size // hq, cfg.rms_norm_eps
     rope = body.rotary_emb
     freqs = batch.pos[:, None].float() * rope.inv_freq.float()
-    emb = torch.cat([freqs, freqs], dim=-1)
-    cos, sin = (emb.cos() * rope.attention_scaling)[:, None], (emb.sin() * rope.attention_scaling)[:, None]
+    cos = (torch.cat([freqs, freqs], dim=-1).cos() * rope.attention_scaling)[:, None]
+    sin = freqs.sin() * rope.attention_scaling
+    signed_sin = torch.cat([-sin, sin], dim=-1)[:, None]
     x = body.embed_tokens(batch.ids)  # [N, H]
     n = x.shape[0]
     for layer in body.layers:
         att, moe = layer.self_attn, layer.mlp
         if not hasattr(moe, "experts") or att.q_proj.bias is not None:
             raise ValueError("packed_loss: every layer must be a sparse MoE layer without attention bias")
-        h = _rms(x, layer.input_layernorm.weight, eps)
-        q = _rotate(_rms(F.linear(h, att.q_proj.weight).view(n, hq, d), att.q_norm.weight, eps), cos, sin)
-        k = _rotate(_rms(F.linear(h, att.k_proj.weight).view(n, hkv, d), att.k_norm.weight, eps), cos, sin)
-        v = F.linear(h, att.v_proj.weight).view(n, hkv, d)
-        qkv = torch.cat([q, k, v], dim=1)  # [N, hq + 2 hkv, d]
-        padded = F.pad(qkv, (0, 0, 0, 0, 0, 1)).index_select(0, batch.gather)  # backward: index_add, not index_put
+        h = RMSNorm.apply(x, layer.input_layernorm.weight, eps)
+        w_qkv = torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])
+        qk, v = F.linear(h, w_qkv).view(n, hq + 2 * hkv, d).split([hq + hkv, hkv], dim=1)
+        w_qk = torch.cat([att.q_norm.weight.expand(hq, d), att.k_norm.weight.expand(hkv, d)])  # per head
+        qk = _rotate(RMSNorm.apply(qk, w_qk, eps), cos, signed_sin)
+        qkv = torch.cat([qk, v], dim=1)  # [N, hq + 2 hkv, d]
+        padded = qkv.index_select(0, batch.gather)  # backward: index_add, not index_put
         outs = []
-        for (b, T, real), g in zip(batch.groups, padded.split([b * T for b, T, _ in batch.groups])):
-            g = g.view(b, T, -1, d).transpose(1, 2)  # [b, heads, T, d]
-            o = F.scaled_dot_product_attention(g[:, :hq], g[:, hq:hq + hkv], g[:, hq + hkv:hq + 2 * hkv],
-                                               is_causal=True, scale=d ** -0.5, enable_gqa=hq != hkv)
-            outs.append(o.transpose(1, 2).reshape(b * T, hq * d).index_select(0, real))
-        x = x + F.linear(torch.cat(outs), att.o_proj.weight)
-        h = _rms(x, layer.post_attention_layernorm.weight, eps)
+        for (b, T), g in zip(batch.groups, padded.split([b * T for b, T in batch.groups])):
+            q, k, v = g.view(b, T, -1, d).split([hq, hkv, hkv], dim=2)  # split before the transpose: no copy back
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                                               scale=d ** -0.5, enable_gqa=hq != hkv)  # [b, heads, T, d]
+            outs.append(o.transpose(1, 2).reshape(b * T, hq * d))
+        x = x + F.linear(torch.cat(outs).index_select(0, batch.real), att.o_proj.weight)
+        h = RMSNorm.apply(x, layer.post_attention_layernorm.weight, eps)
         probs = torch.softmax(F.linear(h, moe.gate.weight), dim=-1, dtype=torch.float)
         weights, chosen = probs.topk(moe.top_k, dim=-1)
         if moe.norm_topk_prob:
@@ -116,9 +200,9 @@ def packed_loss(model, batch: PackedBatch) -> torch.Tensor:
         order = chosen.flatten().argsort(stable=True)  # (token, slot) pairs grouped by expert
         token = order // moe.top_k
         counts = torch.bincount(chosen.flatten(), minlength=moe.num_experts).tolist()
-        parts = [_expert(ex, xe)  # one gather for all experts, split: one scatter in backward
-                 for ex, xe, count in zip(moe.experts, h.index_select(0, token).split(counts), counts) if count]
-        y = torch.cat(parts) * weights.flatten().index_select(0, order).to(h.dtype).unsqueeze(-1)
-        x = x + torch.zeros_like(h).index_add(0, token, y)
-    logits = F.linear(_rms(x.index_select(0, batch.pred), body.norm.weight, eps), model.lm_head.weight)
+        experts = [w for ex in moe.experts for w in (ex.gate_proj.weight, ex.up_proj.weight, ex.down_proj.weight)]
+        y = Experts.apply(h.index_select(0, token), counts, *experts)  # one gather for all experts: one scatter back
+        y = y * weights.flatten().index_select(0, order).to(h.dtype).unsqueeze(-1)
+        x = x.index_add(0, token, y)
+    logits = F.linear(RMSNorm.apply(x.index_select(0, batch.pred), body.norm.weight, eps), model.lm_head.weight)
     return F.cross_entropy(logits, batch.target)

@@ -10,6 +10,7 @@ prompts when it has one. `load_tokenizer(dir)` picks the one a model directory h
 from __future__ import annotations
 
 import json
+import re
 import string
 from pathlib import Path
 from typing import Protocol
@@ -19,6 +20,7 @@ MARKUP = ["<call>", "</call>", "<obs>", "</obs>"]
 ALPHABET = string.ascii_lowercase + string.digits + " +-*/%=()[]{}<>:;,.?!_|#@'\"&^~$\n"
 
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+_MARKUP_RE = re.compile("(" + "|".join(map(re.escape, MARKUP)) + ")")
 
 
 class Tokenizer(Protocol):
@@ -51,16 +53,9 @@ class CharTokenizer:
 
     def encode(self, text: str, bos: bool = False) -> list[int]:
         ids = [self.bos_id] if bos else []
-        i = 0
-        while i < len(text):
-            for m in MARKUP:  # markup wins over its characters
-                if text.startswith(m, i):
-                    ids.append(self.token_to_id[m])
-                    i += len(m)
-                    break
-            else:
-                ids.append(self.token_to_id.get(text[i], self.unk_id))
-                i += 1
+        get = self.token_to_id.get
+        for i, part in enumerate(_MARKUP_RE.split(text)):  # markup wins over its characters; odd parts are markup
+            ids += [self.token_to_id[part]] if i % 2 else [get(c, self.unk_id) for c in part]
         return ids
 
     def encode_prompt(self, text: str, messages: list[dict] | None = None) -> list[int]:
