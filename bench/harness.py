@@ -2,8 +2,8 @@
 with simulated asynchrony (issue 15, item 1).
 
 Time is a simulated clock, never the wall clock. Tasks come from a scenario stream, at `SimConfig.rate` per
-simulated second (0: as fast as admission allows) with at most `max_in_flight` tasks in flight (a group counts as
-one task). Admission happens at ticks of `tick_s`: every task admitted at a tick starts then, with the policy
+simulated second (0: as fast as admission allows) with at most `max_in_flight` rollouts in flight (a group of n
+counts n). Admission happens at ticks of `tick_s`: every task admitted at a tick starts then, with the policy
 version the rollouts see at that moment, and all of them are generated in one engine batch (`run_tasks`). A rollout
 finishes at start + generated tokens / `gen_tokens_per_s` + the simulated latency of each of its tool calls
 (`simulator.latency`, long-tailed, sampled by the environment and not slept). A single rollout joins the learner's
@@ -74,7 +74,7 @@ class SimConfig:
     batch: int = 64  # B: trajectories per learner step (a multiple of group_size)
     eta: int = 4  # staleness bound: trajectories more than eta versions behind the learner are dropped
     group_size: int = 1  # rollouts per task (GRPO family: n)
-    max_in_flight: int = 256  # tasks in flight
+    max_in_flight: int = 256  # rollouts in flight (a task of a group of n takes n): the same engine load for every arm
     tick_s: float = 0.25  # admission period (simulated s): tasks admitted together share one engine batch
     rate: float = 0.0  # task arrivals per simulated second; 0: as fast as admission allows
     gen_tokens_per_s: float = 100.0  # simulated generation speed of one rollout
@@ -90,8 +90,8 @@ class SimConfig:
         if self.group_size < 1 or self.batch < 1 or self.batch % self.group_size:
             raise ValueError(f"SimConfig: batch {self.batch} must be a positive multiple of group_size "
                              f"{self.group_size}")
-        if self.eta < 0 or self.max_in_flight < 1 or self.ring < 1:
-            raise ValueError("SimConfig: eta >= 0, max_in_flight >= 1 and ring >= 1")
+        if self.eta < 0 or self.max_in_flight < self.group_size or self.ring < 1:
+            raise ValueError("SimConfig: eta >= 0, max_in_flight >= group_size and ring >= 1")
         if not (self.tick_s > 0 and self.gen_tokens_per_s > 0 and self.rate >= 0 and self.learner_step_s >= 0):
             raise ValueError("SimConfig: tick_s, gen_tokens_per_s > 0; rate, learner_step_s >= 0")
         if self.latency.sleep:
@@ -286,7 +286,8 @@ class Harness:
     # -------------------------------------------------------------------- admission and rollouts
     def _admit(self, arrivals: deque, now: float) -> None:
         batch: list[Task] = []
-        while arrivals and arrivals[0][0] <= now and self.in_flight + len(batch) < self.sim.max_in_flight:
+        n = self.sim.group_size
+        while arrivals and arrivals[0][0] <= now and self.in_flight + n * (len(batch) + 1) <= self.sim.max_in_flight:
             batch.append(arrivals.popleft()[1])
         if not batch:
             return
@@ -298,7 +299,7 @@ class Harness:
         with self._timed("generate"):
             done = run_tasks(self.engine, self.tok, batch, agent, latency=self.sim.latency)
         for task, trajs in zip(batch, done):
-            self.in_flight += 1
+            self.in_flight += len(trajs)
             finishes = [finish_time(now, sum(t.loss_mask), t.env_seconds, self.sim.gen_tokens_per_s) for t in trajs]
             for member, (t, fin) in enumerate(zip(trajs, finishes)):
                 self._row(task, member, t, now, fin)
@@ -317,7 +318,7 @@ class Harness:
             "staleness_at_train": -1})
 
     def _join(self, trajs: list[Trajectory], now: float) -> None:
-        self.in_flight -= 1
+        self.in_flight -= len(trajs)
         v = self.trainer.vindex
         for t in trajs:
             row = self.rows[self.row_of[t.traj_id]]
