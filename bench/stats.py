@@ -1,0 +1,55 @@
+"""The suite's statistics as short pure functions (issue 15, item 4): samples to a threshold with censoring, the
+Kaplan-Meier median of such times, a paired percentile bootstrap, and the seeds a power rule asks for."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def samples_to(values, threshold: float, window: int) -> tuple[int, bool]:
+    """(samples until the `window`-mean of `values` first reaches `threshold`, reached). Not reached: (len, False),
+    censored at the number observed. Fewer values than a window: never reached."""
+    x = np.asarray(values, float)
+    if x.size < window:
+        return int(x.size), False
+    means = np.convolve(x, np.ones(window) / window, mode="valid")
+    hit = np.flatnonzero(means >= threshold - 1e-12)
+    return (int(hit[0]) + window, True) if hit.size else (int(x.size), False)
+
+
+def km_curve(times, events) -> list[tuple[float, float]]:
+    """Kaplan-Meier survival S(t) just after each distinct event time: [(t, S(t))]. `events[i]` False: censored at
+    `times[i]` (at risk up to and including it)."""
+    t, e = np.asarray(times, float), np.asarray(events, bool)
+    out, s = [], 1.0
+    for u in np.unique(t[e]):
+        at_risk = int((t >= u).sum())
+        s *= 1.0 - int(((t == u) & e).sum()) / at_risk
+        out.append((float(u), s))
+    return out
+
+
+def km_median(times, events) -> float | None:
+    """The smallest event time at which S(t) <= 0.5; None when the curve never gets there (the median is censored:
+    report it as "> the longest observation")."""
+    return next((u for u, s in km_curve(times, events) if s <= 0.5 + 1e-12), None)
+
+
+def paired_bootstrap(diffs, n_boot: int = 10_000, level: float = 0.95, seed: int = 0) -> dict[str, float]:
+    """Mean of the paired differences and its percentile bootstrap interval (resampling the pairs)."""
+    d = np.asarray(diffs, float)
+    if d.size == 0:
+        return {"mean": math.nan, "low": math.nan, "high": math.nan, "n": 0}
+    means = np.random.default_rng(seed).choice(d, size=(n_boot, d.size), replace=True).mean(axis=1)
+    a = (1.0 - level) / 2
+    return {"mean": float(d.mean()), "low": float(np.quantile(means, a)), "high": float(np.quantile(means, 1 - a)),
+            "n": int(d.size)}
+
+
+def seeds_for(sd_diff: float, delta: float, k_sigma: float = 3.0, minimum: int = 5) -> int:
+    """Seeds n so that a mean paired difference of `delta` is `k_sigma` standard errors: n = ceil((k sd / delta)^2)."""
+    if not delta > 0:
+        raise ValueError(f"delta must be > 0, got {delta}")
+    return max(minimum, math.ceil((k_sigma * sd_diff / delta) ** 2 - 1e-9))  # 9.000000000000002 is 9

@@ -1,0 +1,218 @@
+"""Run a pre-registered drift suite (bench/suites/*.yaml) through the simulated harness: arms x drifts x seeds.
+
+Writes <out>/runs/<drift>-<arm>-s<seed>.json (summary, by-phase table, recoveries, step metrics, outcomes) and
+<out>/suite.json (every run's outcomes and, per drift and arm, Kaplan-Meier medians of samples-to-threshold and
+paired bootstrap intervals against the reference arm). A run that used a `pilot:` placeholder's provisional value
+says so (`provisional: true`).
+
+    .venv/bin/python bench/suite.py --suite bench/suites/drift_v1.yaml --init runs/cache/warmstart-XXXX --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # `python bench/suite.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import yaml  # noqa: E402
+
+from bench import stats  # noqa: E402
+from bench.arms import Arm, arms  # noqa: E402
+from bench.harness import Result, SimConfig, by_phase, phase_prefix, scenario_stream, simulate, summary  # noqa: E402
+from simulator.scenario import Scenario, validate_scenario  # noqa: E402
+from streamer.wire.config import load_config  # noqa: E402
+
+STEP_KEYS = ("step", "version", "skipped", "n", "sim_time", "staleness_mean", "staleness_max", "ess", "ess_frac",
+             "learner/policy_loss", "learner/value_loss", "learner/clip_frac", "learner/clip_frac_low",
+             "learner/clip_frac_high", "learner/kl_k1", "learner/kl_k3", "learner/kl_ref", "learner/ratio_max",
+             "learner/entropy", "learner/grad_norm", "learner/value_warmup", "learner/explained_variance")
+
+
+@dataclasses.dataclass
+class Plan:
+    """A suite resolved for one invocation: what runs, with which values, and whether any was provisional."""
+
+    name: str
+    arms: list[Arm]
+    drifts: list[dict]
+    seeds: list[int]
+    pre: int
+    post: int
+    lr: float
+    window: int
+    harness: dict[str, Any]
+    scenario: dict[str, Any]
+    provisional: list[str]  # the placeholders whose provisional value this plan uses
+
+
+def resolve(value: Any, name: str, used: list[str]) -> Any:
+    """A plain value, or a `pilot:` placeholder's provisional value (recorded in `used`)."""
+    if isinstance(value, dict) and "pilot" in value:
+        used.append(name)
+        return value["pilot"]["provisional"]
+    return value
+
+
+def load_plan(path: str | Path, quick: bool = False) -> Plan:
+    raw = yaml.safe_load(Path(path).read_text())
+    used: list[str] = []
+    drifts = {d["name"]: d for d in raw["drifts"]}
+    harness = dict(raw.get("harness", {}))
+    names, keep = raw["arms"], list(drifts)
+    seeds = resolve(raw["seeds"]["main"], "seeds.main", used)
+    pre, post = raw["pre_rollouts"], resolve(raw["post_rollouts"], "post_rollouts", used)
+    window = raw["outcomes"]["window"]
+    if quick:
+        q = raw["quick"]
+        names, keep, seeds, pre, post, window = q["arms"], q["drifts"], q["seeds"], q["pre_rollouts"], \
+            q["post_rollouts"], q["window"]
+        harness.update(q.get("harness", {}))
+        used.append("quick")
+    unknown = [d for d in keep if d not in drifts]
+    if unknown:
+        raise ValueError(f"unknown drift(s) {unknown}; the suite has {list(drifts)}")
+    return Plan(raw["name"], arms(names), [drifts[d] for d in keep], list(seeds), int(pre), int(post),
+                float(resolve(raw["lr"], "lr", used)), int(window), harness, raw["scenario"], used)
+
+
+def drift_scenario(plan: Plan, drift: dict) -> Scenario:
+    s = plan.scenario
+    raw = {"name": drift["name"], "rate": s["rate"], "arrival": s["arrival"], "options": s.get("options", {}),
+           "phases": [{"name": "pre", "duration_tasks": plan.pre, "families": {drift["family"]: 1},
+                       "concepts": {drift["family"]: drift["from"]}},
+                      {"name": drift["name"], "schedule": "abrupt", "duration_tasks": plan.post,
+                       "concepts": {drift["family"]: drift["to"]}}]}
+    scn = load_config(Scenario, None, [], base=raw)
+    validate_scenario(scn, f"suite drift {drift['name']}")
+    return scn
+
+
+def sim_config(plan: Plan, arm: Arm, seed: int) -> SimConfig:
+    base = {**plan.harness, **arm.sim, "group_size": arm.group_size, "seed": seed}
+    return load_config(SimConfig, None, [], base=base)
+
+
+def post_drift(traj: pd.DataFrame) -> pd.DataFrame:
+    """The drift phase's trajectories in stream order (task seq, then group member)."""
+    return traj[traj["phase"] == 1].sort_values(["seq", "member"]).reset_index(drop=True)
+
+
+def run_outcomes(post: pd.DataFrame, window: int, n_rollouts: int, n_tokens: int) -> dict[str, Any]:
+    """One run's outcomes at the (drift, seed)'s common budgets: `n_rollouts` trajectories, `n_tokens` tokens."""
+    reward, success = post["reward"].to_numpy(float), post["success"].to_numpy(float)
+    in_tokens = int(np.searchsorted(np.cumsum(post["n_gen"].to_numpy()), n_tokens, side="right"))
+    out = {"auc_equal_rollouts": float(reward[:n_rollouts].mean()) if n_rollouts else math.nan,
+           "auc_equal_tokens": float(reward[:in_tokens].mean()) if in_tokens else math.nan,
+           "equal_rollouts_n": n_rollouts, "equal_tokens_n": in_tokens,
+           "final_reward": float(reward[-window:].mean()) if len(reward) else math.nan,
+           "start_success": float(success[:window].mean()) if len(success) else math.nan}
+    for thr in (0.7, 0.8):
+        n, hit = stats.samples_to(success, thr, window)
+        out[f"samples_to_{thr}"], out[f"reached_{thr}"] = n, hit
+    return out
+
+
+def run_one(plan: Plan, arm: Arm, drift: dict, seed: int, init: str, out_dir: Path, log=print) -> dict[str, Any]:
+    scn = drift_scenario(plan, drift)
+    stream = phase_prefix(scenario_stream(scn, seed), arm.group_size)
+    sim = sim_config(plan, arm, seed)
+    learner = [*arm.learner, f"optim.lr={plan.lr}"]
+    log(f"[suite] {drift['name']} {arm.name} seed {seed}: {sum(1 for _ in stream)} stream items, sim {sim}")
+    res: Result = simulate(sim, init, stream, learner, [], scn.rate, log)
+    steps = res.steps[[k for k in STEP_KEYS if k in res.steps]] if len(res.steps) else res.steps
+    post = post_drift(res.trajectories)
+    run = {"suite": plan.name, "arm": arm.name, "drift": drift["name"], "seed": seed, "init": init,
+           "provisional": bool(plan.provisional), "provisional_values": plan.provisional, "learner_sets": learner,
+           "sim": dataclasses.asdict(sim), "summary": summary(res, sim.threads),
+           "by_phase": by_phase(res.trajectories), "recoveries": res.recoveries.to_dict("records"),
+           "steps": steps.to_dict("records"),
+           "post_drift": {"reward": post["reward"].tolist(), "success": post["success"].astype(float).tolist(),
+                          "n_gen": post["n_gen"].astype(int).tolist()}}
+    path = out_dir / "runs" / f"{drift['name']}-{arm.name}-s{seed}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(run, indent=1, default=_json_default))
+    return run
+
+
+def _json_default(x: Any) -> Any:
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.floating, float)):
+        return float(x)
+    if isinstance(x, np.bool_):
+        return bool(x)
+    if x is pd.NA:
+        return None
+    return str(x)
+
+
+def combine(plan: Plan, runs: list[dict]) -> dict[str, Any]:
+    """Outcomes at equal budgets per (drift, seed), then per (drift, arm): Kaplan-Meier medians of samples to each
+    threshold and paired bootstrap intervals of (arm - reference) over seeds."""
+    rows = []
+    for (drift, seed), group in _by(runs, ("drift", "seed")).items():
+        n_roll = min(len(r["post_drift"]["reward"]) for r in group)
+        n_tok = min(sum(r["post_drift"]["n_gen"]) for r in group)
+        for r in group:
+            post = pd.DataFrame(r["post_drift"])
+            rows.append({"drift": drift, "seed": seed, "arm": r["arm"],
+                         **run_outcomes(post, plan.window, n_roll, n_tok)})
+    table = pd.DataFrame(rows)
+    ref = "sao" if "sao" in {a.name for a in plan.arms} else plan.arms[0].name
+    per_arm = []
+    for (drift, arm), g in table.groupby(["drift", "arm"], sort=False):
+        entry: dict[str, Any] = {"drift": drift, "arm": arm, "seeds": int(len(g))}
+        for thr in (0.7, 0.8):
+            t, e = g[f"samples_to_{thr}"].to_numpy(), g[f"reached_{thr}"].to_numpy(bool)
+            entry[f"km_median_samples_to_{thr}"] = stats.km_median(t, e)
+            entry[f"censored_{thr}"] = int((~e).sum())
+        base = table[(table["drift"] == drift) & (table["arm"] == ref)].set_index("seed")
+        mine = g.set_index("seed")
+        for k in ("auc_equal_rollouts", "auc_equal_tokens", "final_reward"):
+            entry[k] = float(mine[k].mean())
+            if arm != ref:
+                common = mine.index.intersection(base.index)
+                entry[f"{k}_minus_{ref}"] = stats.paired_bootstrap((mine.loc[common, k] - base.loc[common, k]).values)
+        per_arm.append(entry)
+    return {"suite": plan.name, "provisional": bool(plan.provisional), "provisional_values": plan.provisional,
+            "reference_arm": ref, "runs": rows, "per_drift_arm": per_arm}
+
+
+def _by(runs: list[dict], keys: tuple[str, ...]) -> dict[tuple, list[dict]]:
+    out: dict[tuple, list[dict]] = {}
+    for r in runs:
+        out.setdefault(tuple(r[k] for k in keys), []).append(r)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--suite", required=True)
+    p.add_argument("--init", required=True, help="warm-start policy directory (the suite's warm start)")
+    p.add_argument("--quick", action="store_true", help="the suite's quick section: outputs only, no result")
+    p.add_argument("--out", default="runs/bench/suite")
+    a = p.parse_args(argv)
+    plan = load_plan(a.suite, a.quick)
+    out, t0 = Path(a.out), time.monotonic()
+    runs = [run_one(plan, arm, drift, seed, a.init, out)
+            for seed in plan.seeds for drift in plan.drifts for arm in plan.arms]
+    combined = {**combine(plan, runs), "wall_s": round(time.monotonic() - t0, 1), "init": a.init,
+                "suite_file": str(a.suite)}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "suite.json").write_text(json.dumps(combined, indent=1, default=_json_default))
+    print(json.dumps(combined["per_drift_arm"], indent=1, default=_json_default))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

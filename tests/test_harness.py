@@ -1,0 +1,170 @@
+"""The simulated online-learning harness (bench/harness.py), the drift suite (bench/suites/drift_v1.yaml, bench/arms.py,
+bench/suite.py) and its statistics (bench/stats.py), on the real engine and learner with a tiny random policy."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import stats
+from bench.arms import ARMS, arms
+from bench.harness import (
+    SimConfig,
+    arrival_times,
+    finish_time,
+    importance_ess,
+    phase_prefix,
+    scenario_stream,
+    simulate,
+)
+from bench.suite import drift_scenario, load_plan
+from bench.suite import main as suite_main
+from simulator.scenario import load_scenario
+from streamer.wire.schema import DriftEvent, Task
+
+SUITE = Path(__file__).resolve().parent.parent / "bench" / "suites" / "drift_v1.yaml"
+AGENT = ["max_new_tokens=6"]  # a random policy writes garbage: keep its answers short
+
+
+def smoke_stream(n_tasks: int, seed: int = 0):
+    return scenario_stream(load_scenario("smoke"), seed, n_tasks)
+
+
+def run(policy, sim: SimConfig, n_tasks: int = 48, learner=()):
+    return simulate(sim, str(policy), smoke_stream(n_tasks, sim.seed), list(learner), AGENT, 20.0, log=lambda *_: None)
+
+
+# ---------------------------------------------------------------------------------------------- pure functions
+
+def test_finish_time_adds_generation_and_tool_latency():
+    # 50 tokens at 100 tokens/s = 0.5 s, plus 2.5 s of tool calls, from t = 1
+    assert finish_time(1.0, 50, 2.5, 100.0) == pytest.approx(4.0)
+    assert finish_time(1.0, 50, 9.0, 100.0) > finish_time(1.0, 50, 2.5, 100.0)
+
+
+def test_arrival_times_rescale_the_stream():
+    tasks = [Task(task_id=str(i), family="format", concept="parens", prompt="p", answer="a", created_at=t)
+             for i, t in enumerate([0.5, 1.0, 2.0])]
+    assert arrival_times(tasks, 20.0, 0.0) == [0.0, 0.0, 0.0]
+    assert arrival_times(tasks, 20.0, 10.0) == pytest.approx([1.0, 2.0, 4.0])  # half the rate: twice the times
+    assert arrival_times(tasks, 0.0, 4.0) == pytest.approx([0.0, 0.25, 0.5])
+
+
+def test_importance_ess_hand_computed():
+    # log-ratios 0, 0, ln 2 on the masked tokens -> w = 1, 1, 2: ESS = 4^2 / 6 = 8/3; the unmasked token is ignored
+    new = torch.tensor([[0.0, 0.0, math.log(2.0), 5.0]])
+    old = torch.zeros(1, 4)
+    ess, frac = importance_ess(new, old, torch.tensor([[1, 1, 1, 0]]))
+    assert ess == pytest.approx(8 / 3) and frac == pytest.approx(8 / 9)
+    assert importance_ess(old, old, torch.ones(1, 4))[1] == pytest.approx(1.0)
+
+
+def test_phase_prefix_keeps_the_first_tasks_of_each_phase():
+    def task(i, phase):
+        return Task(task_id=f"t{i}", family="format", concept="c", prompt="p", answer="a", phase=phase, seq=i)
+    drift = DriftEvent(phase=1, prev_phase=0, name="d", schedule="abrupt", families=["format"],
+                       concepts={"format": "c"}, at_seq=5)
+    stream = [task(i, 0) for i in range(5)] + [drift] + [task(i, 1) for i in range(5, 8)]
+    kept = phase_prefix(stream, 2)  # ceil(5/2) = 3 and ceil(3/2) = 2
+    assert [m.task_id if isinstance(m, Task) else "drift" for m in kept] == ["t0", "t1", "t2", "drift", "t5", "t6"]
+    assert phase_prefix(stream, 1) == stream
+
+
+def test_stats_hand_computed():
+    # windows of 2 over 0,1,0,1,1: means .5,.5,.5,1 -> 0.8 first reached by the window ending at index 4: 5 samples
+    assert stats.samples_to([0, 1, 0, 1, 1], 0.8, 2) == (5, True)
+    assert stats.samples_to([0, 1, 0, 1, 0], 0.8, 2) == (5, False)  # censored at what was observed
+    # times 2, 3 (censored), 4, 5: S(2) = 3/4, S(4) = 3/4 * 1/2 = 3/8 -> median 4
+    assert stats.km_curve([2, 3, 4, 5], [True, False, True, True]) == [(2.0, 0.75), (4.0, 0.375), (5.0, 0.0)]
+    assert stats.km_median([2, 3, 4, 5], [True, False, True, True]) == 4.0
+    assert stats.km_median([2, 9, 9], [True, False, False]) is None  # S never reaches 0.5: a censored median
+    b = stats.paired_bootstrap([0.1, 0.1, 0.1])
+    assert (b["mean"], b["low"], b["high"], b["n"]) == pytest.approx((0.1, 0.1, 0.1, 3))
+    assert stats.seeds_for(0.02, 0.05) == 5  # (3 * 0.02 / 0.05)^2 = 1.44 -> the minimum 5
+    assert stats.seeds_for(0.05, 0.05) == 9  # (3 * 1)^2
+
+
+# ---------------------------------------------------------------------------------------------- the simulation
+
+def test_same_seed_same_trajectories(tiny_policy_dir):
+    sim = SimConfig(batch=8, eta=2, max_in_flight=16, seed=3)
+    a, b = run(tiny_policy_dir, sim), run(tiny_policy_dir, sim)
+    cols = ["traj_id", "reward", "policy_version", "n_gen", "finished_at", "status", "trained_step"]
+    assert len(a.trajectories) == 48 and len(a.steps) >= 3
+    assert a.trajectories[cols].equals(b.trajectories[cols])
+    assert a.steps["learner/policy_loss"].fillna(0).tolist() == b.steps["learner/policy_loss"].fillna(0).tolist()
+    assert a.steps["ess"].notna().all() and (a.steps["ess_frac"] <= 1.0 + 1e-9).all()
+
+
+def test_staleness_bound_and_finish_order(tiny_policy_dir):
+    eta = 1
+    res = run(tiny_policy_dir, SimConfig(batch=8, eta=eta, max_in_flight=32, seed=0), n_tasks=64)
+    t = res.trajectories
+    trained = t[t["status"] == "trained"]
+    assert len(trained) and (trained["staleness_at_train"] <= eta).all()
+    stale = t[t["status"] == "stale"]  # dropped on joining the buffer, or when their batch was trained
+    assert (stale[["staleness", "staleness_at_train"]].max(axis=1) > eta).all()
+    assert (t["status"] == "stale").any()  # 32 in flight against batches of 8: some go past eta
+    # a rollout finishes after its generation and its tool calls, joins when it finishes, and single rollouts are
+    # trained in the order they joined
+    assert (t["finished_at"] - t["started_at"] - t["gen_s"] - t["env_s"]).abs().max() < 1e-9
+    assert (t["joined_at"] == t["finished_at"]).all()
+    order = trained.sort_values(["joined_at", "seq"])["trained_step"].tolist()
+    assert order == sorted(order)
+
+
+def test_groups_join_and_go_stale_as_a_unit(tiny_policy_dir):
+    n = 4
+    sim = SimConfig(batch=8, eta=1, group_size=n, max_in_flight=32, seed=0)
+    res = run(tiny_policy_dir, sim, n_tasks=24, learner=["loss.name=ppo", "advantage.estimator=grpo"])
+    t = res.trajectories
+    assert len(t) == 24 * n
+    for _, g in t.groupby("task_id"):
+        assert len(g) == n
+        assert (g["joined_at"] == g["finished_at"].max()).all()  # the group joins when its last member finishes
+        assert g["status"].nunique() == 1 and g["trained_step"].nunique() == 1  # trained or dropped together
+        assert g["policy_version"].nunique() == 1
+    assert (t["status"] == "trained").any()
+
+
+def test_frozen_arm_never_steps(tiny_policy_dir):
+    res = run(tiny_policy_dir, SimConfig(batch=8, max_in_flight=16, train=False), n_tasks=24)
+    assert len(res.steps) == 0 and (res.trajectories["policy_version"] == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------- the suite
+
+def test_suite_file_names_seven_drifts_and_every_arm():
+    plan = load_plan(SUITE)
+    assert len(plan.drifts) >= 7 and {a.name for a in plan.arms} == set(ARMS)
+    kinds = {d["kind"] for d in plan.drifts}
+    for k in ("arithmetic operator A->B", "arithmetic operator A->C", "string rule A->B", "string rule A->C",
+              "answer format", "tool rename", "tool argument format"):
+        assert k in kinds
+    for d in plan.drifts:  # every drift's concepts exist in simulator/families
+        phases = drift_scenario(plan, d).phases
+        assert [p.concepts for p in phases] == [{d["family"]: d["from"]}, {d["family"]: d["to"]}]
+    assert {"post_rollouts", "lr", "seeds.main"} <= set(plan.provisional)  # the pilot's placeholders
+    assert {a.group_size for a in arms(["grpo", "dapo", "dr_grpo", "gspo", "cispo"])} == {8}
+    with pytest.raises(ValueError, match="unknown arm"):
+        arms(["sao", "reinforce"])
+
+
+@pytest.mark.slow
+def test_quick_suite_writes_well_formed_outputs(tiny_policy_dir, tmp_path):
+    assert suite_main(["--suite", str(SUITE), "--init", str(tiny_policy_dir), "--quick", "--out", str(tmp_path)]) == 0
+    combined = json.loads((tmp_path / "suite.json").read_text())
+    assert combined["provisional"] and {r["arm"] for r in combined["runs"]} == {"sao", "grpo"}
+    for arm in ("sao", "grpo"):
+        run_ = json.loads((tmp_path / "runs" / f"answer_format-{arm}-s0.json").read_text())
+        assert run_["summary"]["trajectories"] == 384  # 128 + 256 rollouts, groups of 8 included
+        assert [p["phase"] for p in run_["by_phase"]] == [0, 1]
+        assert run_["recoveries"] and run_["recoveries"][0]["family"] == "format"
+        assert run_["steps"] and {"ess", "learner/clip_frac", "learner/kl_k3"} <= set(run_["steps"][-1])
+        assert len(run_["post_drift"]["reward"]) == 256
+    entry = next(e for e in combined["per_drift_arm"] if e["arm"] == "grpo")
+    assert {"low", "high", "n"} <= set(entry["auc_equal_rollouts_minus_sao"])
