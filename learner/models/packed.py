@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from learner.models.tokenizer import CharTokenizer
+from learner.models.tokenizer import Tokenizer
 
 
-def make_batch(tok: CharTokenizer, items: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, ...]:
+def make_batch(tok: Tokenizer, items: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, ...]:
     T = max(len(ids) for ids, _ in items)
     ids = torch.full((len(items), T), tok.pad_id, dtype=torch.long)
     mask = torch.zeros(len(items), T, dtype=torch.long)
