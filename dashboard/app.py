@@ -171,6 +171,10 @@ def views() -> None:
                                                       name="throughput"), "throughput_chart", "No throughput data.")
     with right:
         _metric_view(frames, "idle", "Learner idle time", "idle", x_col, x_title)
+    left, _ = st.columns(2)
+    with left:  # a fall of the importance weights' ESS comes before a collapse of asynchronous RL
+        _metric_view(frames, "ess", "Effective sample size of the importance weights", "ESS / tokens", x_col,
+                     x_title)
 
 
 def _chart_or_info(df: pd.DataFrame, build, key: str, empty: str) -> None:

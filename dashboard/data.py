@@ -32,6 +32,7 @@ VIEW_METRICS: dict[str, str] = {
     "value": r"^(value_loss|explained_var(iance)?)$",
     "kl_entropy": r"^(kl(_k[123])?|entropy)$",
     "idle": r"^idle(_s|_seconds|_frac(tion)?)?$",
+    "ess": r"^ess_frac$",
 }
 
 

@@ -124,6 +124,10 @@ def test_kl_and_ratio_metrics():
     assert st["kl_k1"] == pytest.approx(0.0, abs=1e-12)
     assert st["kl_k3"] == pytest.approx(math.cosh(0.5) - 1.0)
     assert st["ratio_mean"] == pytest.approx(math.cosh(0.5))
+    # ess = (e^.5 + e^-.5)^2 / (2 (e + e^-1)) = cosh(.5)^2 / cosh(1) = (cosh(1) + 1) / (2 cosh(1))
+    assert st["ess_frac"] == pytest.approx((math.cosh(1.0) + 1.0) / (2.0 * math.cosh(1.0)))
+    _, _, on_policy = run("sao", [1.0, 1.0], [1.0, 1.0])
+    assert on_policy["ess_frac"] == pytest.approx(1.0)
     assert all(isinstance(v, float) for v in st.values())
 
 

@@ -8,7 +8,10 @@ Shared metric names (fractions are over trained tokens):
   clip_frac_low / clip_frac_high: tokens whose gradient the lower / upper bound cuts (for CISPO,
     whose gradient is never cut, the tokens whose IS weight the bound caps);
   ratio_mean, ratio_max; kl_k1 = E[log mu - log pi], kl_k3 = E[r - 1 - log r] (Schulman's
-  estimators of KL(mu || pi) from samples of mu, http://joschu.net/blog/kl-approx.html).
+  estimators of KL(mu || pi) from samples of mu, http://joschu.net/blog/kl-approx.html);
+  ess_frac = (sum r)^2 / (n sum r^2), the effective sample size of the per-token importance weights
+  over the n trained tokens (Kish), as a fraction: 1 on-policy; a fall predicts collapse in
+  asynchronous RL (with spikes of the gradient norm).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ def _stats(loss: torch.Tensor, logp: torch.Tensor, old_logp: torch.Tensor, mask:
             "ratio_max": float(r[m].max()) if m.any() else 1.0,
             "kl_k1": float(masked_mean(-lr, mask)),
             "kl_k3": float(masked_mean(r - 1.0 - lr, mask)),
+            "ess_frac": float(r[m].sum() ** 2 / (m.sum() * (r[m] ** 2).sum())) if m.any() else 1.0,
             "n_tokens": float(m.sum()),
         }
 

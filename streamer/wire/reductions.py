@@ -24,8 +24,8 @@ import numpy as np
 
 Reduction = Literal["mean", "sum", "max", "last"]
 
-_LEARNER_MEAN = ("policy_loss", "loss", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "kl_k1",
-                 "kl_k3", "kl_ref", "entropy", "behav_drop_frac", "behav_weight_mean", "value_loss",
+_LEARNER_MEAN = ("policy_loss", "loss", "clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "ess_frac",
+                 "kl_k1", "kl_k3", "kl_ref", "entropy", "behav_drop_frac", "behav_weight_mean", "value_loss",
                  "value_clip_frac", "explained_variance", "value_mean", "return_mean", "grad_norm",
                  "value_grad_norm", "value_warmup")
 
