@@ -47,9 +47,7 @@ import torch  # noqa: E402
 from learner.config import LearnerConfig  # noqa: E402
 from learner.engines import make_engine  # noqa: E402
 from learner.models import CharTokenizer  # noqa: E402
-from learner.models.scoring import token_logprobs  # noqa: E402
 from learner.train import build_models  # noqa: E402
-from learner.trainer.batching import by_length, collate  # noqa: E402
 from learner.trainer.loop import Trainer  # noqa: E402
 from learner.trainer.staleness import staleness  # noqa: E402
 from simulator.generator import generate  # noqa: E402
@@ -82,7 +80,6 @@ class SimConfig:
     learner_step_s: float = 0.0  # simulated duration of a learner step: its version is visible after it
     ring: int = 8  # policy snapshots kept
     train: bool = True  # False: the frozen control (no learner step; LearnerConfig refuses optim.lr=0)
-    ess: bool = True  # effective sample size of each batch's importance weights (one extra forward pass)
     threads: int = 2
     seed: int = 0
 
@@ -133,17 +130,6 @@ def arrival_times(tasks: list[Task], scenario_rate: float, rate: float) -> list[
 
 def finish_time(start: float, gen_tokens: int, env_seconds: float, gen_tokens_per_s: float) -> float:
     return start + gen_tokens / gen_tokens_per_s + env_seconds
-
-
-def importance_ess(new_logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
-    """(ESS, ESS / tokens) of the per-token weights w = pi_learner / mu over the masked tokens:
-    ESS = (sum w)^2 / sum w^2 (Kish). 1 per token when learner and behaviour policies agree."""
-    m = mask.bool()
-    if not m.any():
-        return math.nan, math.nan
-    w = (new_logp[m] - old_logp[m]).clamp(-20.0, 20.0).double().exp()
-    ess = float(w.sum() ** 2 / (w * w).sum())
-    return ess, ess / int(m.sum())
 
 
 def phase_prefix(stream: list[Task | DriftEvent], n: int) -> list[Task | DriftEvent]:
@@ -347,8 +333,6 @@ class Harness:
     def _train(self, trajs: list[Trajectory], now: float) -> None:
         v, eta = self.trainer.vindex, self.sim.eta
         fresh = [t for t in trajs if staleness(t, v) <= eta]  # what split_stale keeps (one version per group)
-        with self._timed("ess"):
-            ess = self._ess(fresh) if self.sim.ess and fresh else (math.nan, math.nan)
         t0 = time.monotonic()
         with self._timed("train"):
             event = self.trainer.train_on(trajs)
@@ -364,15 +348,7 @@ class Harness:
         self.steps.append({"step": event.step, "version": event.version, "skipped": event.skipped,
                            "n": event.n_trajectories, "n_tokens": event.n_tokens, "sim_time": now,
                            "staleness_mean": sum(stal) / len(stal), "staleness_max": max(stal),
-                           "ess": ess[0], "ess_frac": ess[1], "wall_step_s": wall, **event.metrics})
-
-    @torch.no_grad()
-    def _ess(self, trajs: list[Trajectory]) -> tuple[float, float]:
-        """The learner's weights before this step against the behaviour log-probs of the batch (the trainer
-        reports ratio_mean/max and KL, not the ESS, so it is computed here)."""
-        b = collate(by_length(trajs))
-        new = token_logprobs(self.models.policy, b.input_ids, b.attention_mask, b.temperature)
-        return importance_ess(new, b.old_logp, b.loss_mask)
+                           "wall_step_s": wall, **event.metrics})  # incl. learner/ess_frac, the weights' ESS
 
 
 def simulate(sim: SimConfig, init: str, stream: list[Task | DriftEvent], learner_sets: list[str] = (),

@@ -32,7 +32,7 @@ from bench.harness import Result, SimConfig, by_phase, phase_prefix, scenario_st
 from simulator.scenario import Scenario, validate_scenario  # noqa: E402
 from streamer.wire.config import load_config  # noqa: E402
 
-STEP_KEYS = ("step", "version", "skipped", "n", "sim_time", "staleness_mean", "staleness_max", "ess", "ess_frac",
+STEP_KEYS = ("step", "version", "skipped", "n", "sim_time", "staleness_mean", "staleness_max", "learner/ess_frac",
              "learner/policy_loss", "learner/value_loss", "learner/clip_frac", "learner/clip_frac_low",
              "learner/clip_frac_high", "learner/kl_k1", "learner/kl_k3", "learner/kl_ref", "learner/ratio_max",
              "learner/entropy", "learner/grad_norm", "learner/value_warmup", "learner/explained_variance")
