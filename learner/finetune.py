@@ -148,7 +148,7 @@ def main(argv: list[str]) -> int:
     add_config_args(p, "FinetuneConfig", "rows=256")
     args = p.parse_args(argv)
     try:
-        enable_plugins(args)
+        enable_plugins(args.verifier, args.tool_env)
         cfg = load_config(FinetuneConfig, args.config, args.overrides, section="finetune")
         if cfg.rows <= 0:
             raise ConfigError("finetune.rows: give the number of stream rows to take demonstrations from (> 0)")

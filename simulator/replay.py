@@ -222,9 +222,10 @@ def add_plugin_args(p: argparse.ArgumentParser) -> None:
                    help="enable a user tool environment (entry point NAME in group sao_lab.tools) that rows may name")
 
 
-def enable_plugins(args: argparse.Namespace) -> None:
-    verifiers.enable(args.verifier)
-    tool_envs.enable(args.tool_env)
+def enable_plugins(verifier_names: list[str], tool_env_names: list[str]) -> None:
+    """Load the user verifiers and tool environments a run enables by name (its rows may name them)."""
+    verifiers.enable(verifier_names)
+    tool_envs.enable(tool_env_names)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -265,7 +266,7 @@ def main(argv: list[str]) -> int:
         print(f"sao replay: {args.file}: no such file", file=sys.stderr)
         return 2
     try:
-        enable_plugins(args)
+        enable_plugins(args.verifier, args.tool_env)
         rule = prompt_rule(args.model)
     except (OSError, ValueError) as e:  # a PluginError is a ValueError
         print(f"sao replay: {e}", file=sys.stderr)

@@ -303,10 +303,9 @@ def main(argv: list[str]) -> int:
         s = settings_from_args(a)
         if bool(a.tasks) != bool(a.out):
             raise ConfigError("agent: --tasks and --out go together")
-        from simulator import tool_envs, verifiers
+        from simulator.replay import enable_plugins
 
-        verifiers.enable(s.verifiers)
-        tool_envs.enable(s.tool_envs)
+        enable_plugins(s.verifiers, s.tool_envs)
     except ValueError as e:  # ConfigError, or a bad run name
         print(f"sao agent: {e}", file=sys.stderr)
         return 2

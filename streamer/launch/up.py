@@ -115,10 +115,9 @@ def initial_model(cfg: RunConfig) -> Path:
         model = warm_start(cfg)
     if cfg.finetune.rows:
         from learner.finetune import finetune
-        from simulator import tool_envs, verifiers
+        from simulator.replay import enable_plugins
 
-        verifiers.enable(cfg.agent.verifiers)  # the rows may name the user plugins the run enables
-        tool_envs.enable(cfg.agent.tool_envs)
+        enable_plugins(cfg.agent.verifiers, cfg.agent.tool_envs)
         print(f"      supervised warm start on the demonstrations of the stream's first {cfg.finetune.rows} rows",
               flush=True)
         model = finetune(model, up.stream, cfg.finetune, log=lambda line: print(line, flush=True)).resolve()
