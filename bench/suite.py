@@ -5,7 +5,12 @@ Writes <out>/runs/<drift>-<arm>-s<seed>.json (summary, by-phase table, recoverie
 paired bootstrap intervals against the reference arm). A run that used a `pilot:` placeholder's provisional value
 says so (`provisional: true`).
 
-    .venv/bin/python bench/suite.py --suite bench/suites/drift_v1.yaml --init runs/cache/warmstart-XXXX --quick
+The policy every arm starts from is the suite's own warm start (`learner.pretrain` on the suite's `warm_start`
+section, cached under runs/cache; `--init DIR` uses another). `--admissibility` runs the pilot's first check alone:
+the frozen arm's post-drift start of every drift on the pilot seeds, against `admissible_start`.
+
+    .venv/bin/python bench/suite.py --suite bench/suites/drift_v1.yaml --quick
+    .venv/bin/python bench/suite.py --suite bench/suites/drift_v1.yaml --admissibility --out docs/bench/suite_pilot
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ import argparse
 import dataclasses
 import json
 import math
+import multiprocessing
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +36,7 @@ import yaml  # noqa: E402
 from bench import stats  # noqa: E402
 from bench.arms import Arm, arms  # noqa: E402
 from bench.harness import Result, SimConfig, by_phase, phase_prefix, scenario_stream, simulate, summary  # noqa: E402
+from learner.pretrain import PretrainConfig, pretrain  # noqa: E402
 from simulator.scenario import Scenario, validate_scenario  # noqa: E402
 from streamer.wire.config import load_config  # noqa: E402
 
@@ -53,6 +61,10 @@ class Plan:
     harness: dict[str, Any]
     scenario: dict[str, Any]
     provisional: list[str]  # the placeholders whose provisional value this plan uses
+    warm_start: dict[str, Any]  # the scenario the suite's warm start trains on (`warm_start_scenario`)
+    pretrain_sets: list[str]  # its learner.pretrain overrides
+    pilot_seeds: list[int]
+    admissible_start: tuple[float, float]
 
 
 def resolve(value: Any, name: str, used: list[str]) -> Any:
@@ -81,8 +93,34 @@ def load_plan(path: str | Path, quick: bool = False) -> Plan:
     unknown = [d for d in keep if d not in drifts]
     if unknown:
         raise ValueError(f"unknown drift(s) {unknown}; the suite has {list(drifts)}")
+    ws = dict(raw["scenario"]["warm_start"])
+    pretrain_sets = [str(x) for x in ws.pop("pretrain", [])]
     return Plan(raw["name"], arms(names), [drifts[d] for d in keep], list(seeds), int(pre), int(post),
-                float(resolve(raw["lr"], "lr", used)), int(window), harness, raw["scenario"], used)
+                float(resolve(raw["lr"], "lr", used)), int(window), harness, raw["scenario"], used,
+                warm_start_scenario(raw["name"], raw["scenario"], ws, raw["drifts"]), pretrain_sets,
+                list(raw["seeds"]["pilot"]), tuple(raw["admissible_start"]))
+
+
+def warm_start_scenario(name: str, scenario: dict, warm_start: dict, drifts: list[dict]) -> dict[str, Any]:
+    """The suite's warm-start scenario: its `warm_start` section, and one phase holding every drifted family at its
+    pre-drift concept (what `learner.pretrain` evaluates on). Every drift of a family must start from one concept."""
+    start: dict[str, str] = {}
+    for d in drifts:
+        if start.setdefault(d["family"], d["from"]) != d["from"]:
+            raise ValueError(f"suite {name}: drift {d['name']} starts family {d['family']} from {d['from']}, another "
+                             f"drift from {start[d['family']]}; the suite has one warm start, so one pre-drift concept "
+                             "per family")
+    return {"name": f"{name}-warm-start", "options": scenario.get("options", {}), "warm_start": warm_start,
+            "phases": [{"name": "pre", "duration_tasks": 1, "families": {f: 1 for f in start}, "concepts": start}]}
+
+
+def build_init(plan: Plan, cache_dir: str | Path = "runs/cache", log=print) -> Path:
+    """The suite's warm start: `learner.pretrain` on `plan.warm_start` with the suite's overrides, cached."""
+    path = Path(cache_dir) / f"{plan.name}-warm-start.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(plan.warm_start, sort_keys=False))
+    cfg = load_config(PretrainConfig, None, [*plan.pretrain_sets, f"scenario={path}", f"cache_dir={cache_dir}"])
+    return pretrain(cfg, log=log)
 
 
 def drift_scenario(plan: Plan, drift: dict) -> Scenario:
@@ -144,6 +182,19 @@ def run_one(plan: Plan, arm: Arm, drift: dict, seed: int, init: str, out_dir: Pa
     return run
 
 
+def run_all(plan: Plan, todo: list[tuple[Arm, dict, int]], init: str, out_dir: Path, jobs: int = 1) -> list[dict]:
+    """`run_one` for every (arm, drift, seed) in order, `jobs` at a time in worker processes (spawned: no torch
+    state is shared), the harness threads split between them."""
+    if jobs <= 1:
+        return [run_one(plan, arm, drift, seed, init, out_dir) for arm, drift, seed in todo]
+    threads = max(1, int(plan.harness.get("threads", 2)) // jobs)
+    plan = dataclasses.replace(plan, harness={**plan.harness, "threads": threads})
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+        futures = [pool.submit(run_one, plan, arm, drift, seed, init, out_dir) for arm, drift, seed in todo]
+        return [f.result() for f in futures]
+
+
 def _json_default(x: Any) -> Any:
     if isinstance(x, (np.integer,)):
         return int(x)
@@ -188,6 +239,27 @@ def combine(plan: Plan, runs: list[dict]) -> dict[str, Any]:
             "reference_arm": ref, "runs": rows, "per_drift_arm": per_arm}
 
 
+def admissibility(plan: Plan, init: str, out_dir: Path, jobs: int = 1) -> dict[str, Any]:
+    """The pilot's first check: the frozen arm's post-drift start (mean success of the first `window` post-drift
+    rollouts) and pre-drift reward of every drift on the pilot seeds, against `admissible_start`."""
+    short = dataclasses.replace(plan, post=plan.window)
+    frozen = arms(["frozen"])[0]
+    todo = [(frozen, drift, seed) for drift in plan.drifts for seed in plan.pilot_seeds]
+    rows = []
+    for run in run_all(short, todo, init, out_dir, jobs):
+        pre = next(p for p in run["by_phase"] if p["phase"] == 0)
+        rows.append({"drift": run["drift"], "seed": run["seed"], "pre_reward": pre["reward"],
+                     "start_success": float(np.mean(run["post_drift"]["success"]))})
+    low, high = plan.admissible_start
+    per_drift = []
+    for name, g in pd.DataFrame(rows).groupby("drift", sort=False):
+        start = float(g["start_success"].mean())
+        per_drift.append({"drift": name, "pre_reward": float(g["pre_reward"].mean()), "start_success": start,
+                          "start_by_seed": g["start_success"].round(4).tolist(), "admissible": low <= start <= high})
+    return {"suite": plan.name, "check": "admissibility", "init": init, "seeds": plan.pilot_seeds,
+            "window": plan.window, "admissible_start": [low, high], "runs": rows, "per_drift": per_drift}
+
+
 def _by(runs: list[dict], keys: tuple[str, ...]) -> dict[tuple, list[dict]]:
     out: dict[tuple, list[dict]] = {}
     for r in runs:
@@ -198,14 +270,24 @@ def _by(runs: list[dict], keys: tuple[str, ...]) -> dict[tuple, list[dict]]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--suite", required=True)
-    p.add_argument("--init", required=True, help="warm-start policy directory (the suite's warm start)")
+    p.add_argument("--init", help="warm-start policy directory (default: the suite's own, built and cached)")
     p.add_argument("--quick", action="store_true", help="the suite's quick section: outputs only, no result")
+    p.add_argument("--admissibility", action="store_true", help="the pilot's admissibility check alone")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once, in separate processes; each gets "
+                   "max(1, harness.threads // jobs) threads (the results of a run do not depend on its process)")
     p.add_argument("--out", default="runs/bench/suite")
     a = p.parse_args(argv)
     plan = load_plan(a.suite, a.quick)
     out, t0 = Path(a.out), time.monotonic()
-    runs = [run_one(plan, arm, drift, seed, a.init, out)
-            for seed in plan.seeds for drift in plan.drifts for arm in plan.arms]
+    a.init = a.init or str(build_init(plan))
+    if a.admissibility:
+        result = {**admissibility(plan, a.init, out, a.jobs), "wall_s": round(time.monotonic() - t0, 1)}
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "admissibility.json").write_text(json.dumps(result, indent=1, default=_json_default))
+        print(json.dumps(result["per_drift"], indent=1))
+        return 0
+    todo = [(arm, drift, seed) for seed in plan.seeds for drift in plan.drifts for arm in plan.arms]
+    runs = run_all(plan, todo, a.init, out, a.jobs)
     combined = {**combine(plan, runs), "wall_s": round(time.monotonic() - t0, 1), "init": a.init,
                 "suite_file": str(a.suite)}
     out.mkdir(parents=True, exist_ok=True)

@@ -18,9 +18,10 @@ from bench.harness import (
     scenario_stream,
     simulate,
 )
-from bench.suite import drift_scenario, load_plan
+from bench.suite import drift_scenario, load_plan, warm_start_scenario
 from bench.suite import main as suite_main
-from simulator.scenario import load_scenario
+from simulator.scenario import Scenario, load_scenario, validate_scenario
+from streamer.wire.config import load_config
 from streamer.wire.schema import DriftEvent, Task
 
 SUITE = Path(__file__).resolve().parent.parent / "bench" / "suites" / "drift_v1.yaml"
@@ -143,9 +144,36 @@ def test_suite_file_names_seven_drifts_and_every_arm():
         arms(["sao", "reinforce"])
 
 
+def test_the_suite_warm_start_trains_every_family_at_its_pre_drift_concept():
+    plan = load_plan(SUITE)
+    phase = plan.warm_start["phases"][0]
+    assert phase["concepts"] == {"arith": "add7", "string": "reverse", "format": "brackets", "tool": "look/plain/0"}
+    assert plan.warm_start["warm_start"]["mixture"]["tool"]["look/key/0"] > 0  # the argument-format drift's target
+    assert "pretrain" not in plan.warm_start["warm_start"] and plan.pretrain_sets  # overrides kept apart
+    validate_scenario(load_config(Scenario, None, [], base=plan.warm_start), "suite warm start")
+    clash = [{"name": "a", "family": "arith", "from": "add7"}, {"name": "b", "family": "arith", "from": "sub7"}]
+    with pytest.raises(ValueError, match="drift b starts family arith from sub7, another drift from add7"):
+        warm_start_scenario("s", {}, {}, clash)
+
+
+@pytest.mark.slow
+def test_admissibility_runs_the_frozen_arm_on_the_pilot_seeds(tiny_policy_dir, tmp_path):
+    assert suite_main(["--suite", str(SUITE), "--init", str(tiny_policy_dir), "--quick", "--admissibility",
+                       "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "admissibility.json").read_text())
+    plan = load_plan(SUITE, quick=True)
+    assert [(r["drift"], r["seed"]) for r in result["runs"]] == [("answer_format", s) for s in plan.pilot_seeds]
+    (entry,) = result["per_drift"]
+    assert entry["admissible"] == (0.05 <= entry["start_success"] <= 0.40)
+    for seed in plan.pilot_seeds:  # frozen: one policy version throughout, `window` post-drift rollouts
+        run_ = json.loads((tmp_path / "runs" / f"answer_format-frozen-s{seed}.json").read_text())
+        assert run_["summary"]["learner_steps"] == 0 and len(run_["post_drift"]["success"]) == plan.window
+
+
 @pytest.mark.slow
 def test_quick_suite_writes_well_formed_outputs(tiny_policy_dir, tmp_path):
-    assert suite_main(["--suite", str(SUITE), "--init", str(tiny_policy_dir), "--quick", "--out", str(tmp_path)]) == 0
+    assert suite_main(["--suite", str(SUITE), "--init", str(tiny_policy_dir), "--quick", "--jobs", "2",
+                       "--out", str(tmp_path)]) == 0  # two worker processes
     combined = json.loads((tmp_path / "suite.json").read_text())
     assert combined["provisional"] and {r["arm"] for r in combined["runs"]} == {"sao", "grpo"}
     for arm in ("sao", "grpo"):
