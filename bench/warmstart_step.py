@@ -77,7 +77,8 @@ def paired(before: types.ModuleType, after: types.ModuleType, steps: int, thread
     return {"threads": threads, "clock": clock.__name__, "steps": len(ratios), "before_ms": round(med["before"], 1),
             "after_ms": round(med["after"], 1), "ratio": round(statistics.median(ratios), 3),
             "ratio_quartiles": [round(q, 3) for q in statistics.quantiles(ratios, n=4)],
-            "projected_800_steps_s": {k: round(0.8 * v, 1) for k, v in med.items()},
+            "projected_warm_start_s": {k: round(cfg.steps * v / 1000, 1) for k, v in med.items()},
+            "warm_start_steps": cfg.steps,
             "last_loss": {k: v[-1] for k, v in losses.items()},
             "max_loss_difference": max(abs(a - b) for a, b in zip(losses["before"], losses["after"]))}
 
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     for key in ("cpu_1_thread", "wall_2_threads"):
         r = result[key]
         print(f"{key}: before {r['before_ms']} ms/step, after {r['after_ms']} ms/step, ratio {r['ratio']} "
-              f"(quartiles {r['ratio_quartiles']}); 800 steps: {r['projected_800_steps_s']} s; "
+              f"(quartiles {r['ratio_quartiles']}); {r['warm_start_steps']} steps: {r['projected_warm_start_s']} s; "
               f"largest loss difference over {args.steps} steps {r['max_loss_difference']:.1e}")
     ops = result["ops_per_step"]
     print(f"aten calls per step: before {ops['before']['aten_calls']}, after {ops['after']['aten_calls']}")

@@ -1,7 +1,7 @@
 """`sao pretrain`: supervised warm start of the tiny policy on a scenario's warm-start mixture.
 
 Demonstrations (`simulator.warmstart`) are trained with token cross-entropy on what the agent
-generates (tool observations are the environment's: masked), AdamW lr 2e-3, batch 128 and a
+generates (tool observations are the environment's: masked), AdamW lr 2.2e-3, batch 128 and a
 cosine schedule with warm-up (CALIBRATION.md: a constant lr stalled at 0.885 greedy accuracy).
 The result is an HF directory cached under `runs/cache/warmstart-<hash>` and reused when the
 config and the scenario file are unchanged.
@@ -14,7 +14,7 @@ min(cores, 4) unless a short probe, repeated every 30 s, finds several threads s
 The held-out evaluation (greedy, the agents' env loop) runs once at the end (`eval_every=N` adds one
 every N steps, `eval_tasks=0` none); a progress bar shows step, loss, speed and ETA.
 
-    sao pretrain [--scenario default] [--out DIR] [--force] [--config FILE] [--set steps=800 --set lr=2e-3 ...]
+    sao pretrain [--scenario default] [--out DIR] [--force] [--config FILE] [--set steps=720 --set lr=2.2e-3 ...]
 """
 
 from __future__ import annotations
@@ -50,11 +50,11 @@ EVAL_NEW_TOKENS, EVAL_TURNS = 24, 5  # per turn, and turns per episode, of the h
 @dataclass
 class PretrainConfig:
     scenario: str = "default"  # scenario file or name: its warm_start section is the data
-    steps: int = 800
+    steps: int = 720
     batch_size: int = 128
-    lr: float = 2e-3
+    lr: float = 2.2e-3
     min_lr_ratio: float = 0.05  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 50
+    warmup_steps: int = 40
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     seed: int = 0
@@ -331,7 +331,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--scenario", help="scenario file or name (default: default)")
     p.add_argument("--out", help="policy directory (default: <cache_dir>/warmstart-<hash>)")
     p.add_argument("--force", action="store_true", help="train even if a cached result exists")
-    add_config_args(p, "PretrainConfig", "steps=800")
+    add_config_args(p, "PretrainConfig", "steps=720")
     args = p.parse_args(argv)
     overrides = list(args.overrides) + ([f"scenario={args.scenario}"] if args.scenario else [])
     try:

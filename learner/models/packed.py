@@ -1,5 +1,4 @@
-"""The HF Qwen3-MoE forward over packed tokens, without padding, on the model's own weights: the warm start's loss
-and the learner's log-probs and values.
+"""The warm start's loss over packed tokens: the HF Qwen3-MoE forward without padding, on the model's own weights.
 
 `packed_loss` computes the token-mean cross-entropy of a batch whose sequences are concatenated
 (`PackedBatch`), so every linear and MoE expert runs once per batch on all its tokens; only
@@ -9,8 +8,8 @@ against it) and runs faster on CPU, where a step is mostly many passes over smal
 matmuls: gathers with index_select (backward index_add, not index_put), q, k and v as one matmul and q
 and k normed and rotated together, each expert's gate and up as one matmul, and RMSNorm and the experts
 as autograd Functions whose backwards take fewer passes than autograd's (bench/warmstart_step.py).
-`packed_hidden` is the same forward's last hidden state of every token, which `learner.models.scoring` scatters
-back to a padded batch for the learner's policy logits and values (`packable` models only).
+The last layer runs its attention output and MoE on the scored tokens only (the others' last-layer outputs feed
+nothing).
 """
 
 from __future__ import annotations
@@ -67,8 +66,7 @@ class PackedBatch:
     get no gradient."""
 
     def __init__(self, items: list[tuple[list[int], list[int]]], groups: int) -> None:
-        self.order = sorted(range(len(items)), key=lambda i: len(items[i][0]))  # packed order of the items
-        items = [items[i] for i in self.order]
+        items = sorted(items, key=lambda x: len(x[0]))
         lens = [len(ids) for ids, _ in items]
         self.ids = torch.tensor([t for ids, _ in items for t in ids], dtype=torch.long)  # [N]
         self.pos = torch.cat([torch.arange(n) for n in lens])  # position within its sequence
@@ -87,33 +85,6 @@ class PackedBatch:
             self.groups.append((len(glens), T))
         self.gather = torch.cat(index)  # every group's padded layout, from the packed tokens
         self.real = torch.cat(slots).nonzero().flatten()  # the packed tokens' slots in that layout, in order
-
-
-    @classmethod
-    def from_padded(cls, input_ids: torch.Tensor, attention_mask: torch.Tensor, groups: int) -> "PackedBatch":
-        """The real tokens of a padded [B, T] batch (each row's real tokens contiguous, either padding side), every
-        token scored; `slot` holds each packed token's flat index into [B, T], to scatter outputs back."""
-        rows = [r.nonzero().flatten() for r in attention_mask.bool()]
-        if any(len(c) and int(c[-1] - c[0]) + 1 != len(c) for c in rows):
-            raise ValueError("PackedBatch.from_padded: a row's real tokens must be contiguous (padding on one side)")
-        batch = cls([(input_ids[i, c].tolist(), [1] * len(c)) for i, c in enumerate(rows)], groups)
-        T = input_ids.shape[1]
-        batch.slot = torch.cat([rows[i] + i * T for i in batch.order])
-        return batch
-
-
-def packable(model) -> bool:
-    """A model whose forward `packed_hidden` computes: the HF Qwen3-MoE (the embedded policy's architecture, as a
-    causal LM or a bare backbone) with every layer sparse, no attention bias and no attention dropout."""
-    from transformers import Qwen3MoeForCausalLM, Qwen3MoeModel
-
-    body = model.model if isinstance(model, Qwen3MoeForCausalLM) else model
-    if not isinstance(body, Qwen3MoeModel):
-        return False
-    cfg = body.config
-    return (not cfg.attention_dropout and not cfg.use_sliding_window
-            and getattr(cfg, "head_dim", None) in (None, cfg.hidden_size // cfg.num_attention_heads)
-            and all(hasattr(layer.mlp, "experts") and layer.self_attn.q_proj.bias is None for layer in body.layers))
 
 
 class RMSNorm(torch.autograd.Function):
@@ -201,14 +172,9 @@ def packed_loss(model, batch: PackedBatch) -> torch.Tensor:
     return F.cross_entropy(logits, batch.target)
 
 
-def packed_hidden(body, batch: PackedBatch) -> torch.Tensor:
-    """[N, H]: the HF Qwen3-MoE backbone's last hidden state (final norm included) of every packed token."""
-    return RMSNorm.apply(_layers(body, batch), body.norm.weight, body.config.rms_norm_eps)
-
-
-def _layers(body, batch: PackedBatch, keep: torch.Tensor | None = None) -> torch.Tensor:
-    """[N, H]: the residual stream after the backbone's last layer (before its final norm); with `keep`, only
-    those tokens' rows: the last layer's attention still reads every token, its output and MoE run on `keep`."""
+def _layers(body, batch: PackedBatch, keep: torch.Tensor) -> torch.Tensor:
+    """[len(keep), H]: the residual stream after the backbone's last layer (before its final norm) at the packed
+    tokens `keep`: the last layer's attention reads every token, its output and MoE run on `keep` alone."""
     cfg = body.config
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     d, eps = cfg.hidden_size // hq, cfg.rms_norm_eps
@@ -237,7 +203,7 @@ def _layers(body, batch: PackedBatch, keep: torch.Tensor | None = None) -> torch
                                                scale=d ** -0.5, enable_gqa=hq != hkv)  # [b, heads, T, d]
             outs.append(o.transpose(1, 2).reshape(b * T, hq * d))
         real = batch.real
-        if keep is not None and i == len(body.layers) - 1:
+        if i == len(body.layers) - 1:
             x, real = x.index_select(0, keep), real.index_select(0, keep)
         x = x + F.linear(torch.cat(outs).index_select(0, real), att.o_proj.weight)
         h = RMSNorm.apply(x, layer.post_attention_layernorm.weight, eps)

@@ -18,11 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from learner.models.packed import PackedBatch, packable, packed_hidden
 from learner.models.value import ValueModel
 
 Temperature = torch.Tensor | float | None  # None or 1.0: the model's own distribution
-ATTENTION_GROUPS = 8  # the packed forward pads attention per group of similar lengths (learner.models.packed)
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -42,30 +40,14 @@ def _check(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torc
 
 
 def policy_logits(model: PreTrainedModel, input_ids: torch.Tensor,
-                  attention_mask: torch.Tensor | None = None, packed: bool = True) -> torch.Tensor:
-    """[B, T, V] fp32 logits; logits[:, t] predicts token t+1. `packed` (default): a `packable` model runs the
-    packed forward (`learner.models.packed`: same values, no padding, faster), its padded positions hold 0."""
+                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T, V] fp32 logits; logits[:, t] predicts token t+1."""
     mask = _check(input_ids, attention_mask)
-    if _packs(model, mask, packed):
-        batch = PackedBatch.from_padded(input_ids, mask, ATTENTION_GROUPS)
-        logits = model.lm_head(packed_hidden(model.model, batch)).float()
-        return _unpack(logits, batch, input_ids.shape)
     # MoE models take output_router_logits (off: we never want them here); others may not accept the keyword
     moe = {"output_router_logits": False} if hasattr(getattr(model, "config", None), "output_router_logits") else {}
     out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
                 use_cache=False, **moe)
     return out.logits.float()
-
-
-def _packs(model: nn.Module, mask: torch.Tensor, packed: bool) -> bool:
-    """Whether to run the packed forward: asked for, a `packable` model, and no row without a real token."""
-    return packed and bool(mask.any(1).all()) and packable(model)
-
-
-def _unpack(packed: torch.Tensor, batch: PackedBatch, shape: torch.Size) -> torch.Tensor:
-    """[N, ...] per packed token -> [B, T, ...] in the padded layout, 0 at padding (gradients flow back)."""
-    out = packed.new_zeros(shape[0] * shape[1], *packed.shape[1:])
-    return out.index_copy(0, batch.slot, packed).view(*shape, *packed.shape[1:])
 
 
 def _shift(per_pred: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -112,39 +94,35 @@ def entropy_from_logits(logits: torch.Tensor, mask: torch.Tensor, temperature: T
     return _shift(ent, mask)
 
 
-def token_logprobs(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                   temperature: Temperature = None, packed: bool = True) -> torch.Tensor:
+def token_logprobs(model: PreTrainedModel, input_ids: torch.Tensor,
+                   attention_mask: torch.Tensor | None = None, temperature: Temperature = None) -> torch.Tensor:
     """[B, T]: log pi_T(token t | tokens < t) (T = `temperature`, default 1); 0 at the first real token and
     at padding."""
     mask = _check(input_ids, attention_mask)
-    return logprobs_from_logits(policy_logits(model, input_ids, mask, packed), input_ids, mask, temperature)
+    return logprobs_from_logits(policy_logits(model, input_ids, mask), input_ids, mask, temperature)
 
 
-def token_entropy(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                  temperature: Temperature = None, packed: bool = True) -> torch.Tensor:
+def token_entropy(model: PreTrainedModel, input_ids: torch.Tensor,
+                  attention_mask: torch.Tensor | None = None, temperature: Temperature = None) -> torch.Tensor:
     """[B, T]: entropy of the distribution that token t was drawn from (same alignment as token_logprobs)."""
     mask = _check(input_ids, attention_mask)
-    return entropy_from_logits(policy_logits(model, input_ids, mask, packed), mask, temperature)
+    return entropy_from_logits(policy_logits(model, input_ids, mask), mask, temperature)
 
 
 def logprobs_and_entropy(model: PreTrainedModel, input_ids: torch.Tensor,
                          attention_mask: torch.Tensor | None = None,
-                         temperature: Temperature = None, packed: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                         temperature: Temperature = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Both from one forward pass (the trainer's usual call)."""
     mask = _check(input_ids, attention_mask)
-    logits = policy_logits(model, input_ids, mask, packed)
+    logits = policy_logits(model, input_ids, mask)
     return (logprobs_from_logits(logits, input_ids, mask, temperature),
             entropy_from_logits(logits, mask, temperature))
 
 
 def values(value_model: ValueModel, input_ids: torch.Tensor,
-           attention_mask: torch.Tensor | None = None, packed: bool = True) -> torch.Tensor:
-    """[B, T]: V(prefix ending at token t); 0 at padding. `packed`: as `policy_logits`."""
+           attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T]: V(prefix ending at token t); 0 at padding."""
     mask = _check(input_ids, attention_mask)
-    if _packs(value_model.backbone, mask, packed):
-        batch = PackedBatch.from_padded(input_ids, mask, ATTENTION_GROUPS)
-        v = value_model.head(packed_hidden(value_model.backbone, batch)).squeeze(-1)
-        return _unpack(v, batch, input_ids.shape)
     v = value_model(input_ids, mask, position_ids_from_mask(mask))
     return torch.where(mask.bool(), v, torch.zeros_like(v))
 

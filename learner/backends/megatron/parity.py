@@ -53,7 +53,7 @@ def with_behaviour(batches: list[dict], policy) -> list[dict]:
     from learner.models.scoring import token_logprobs
 
     with torch.no_grad():
-        return [{**b, "old_logp": token_logprobs(policy, b["input_ids"], b["attention_mask"], packed=False)
+        return [{**b, "old_logp": token_logprobs(policy, b["input_ids"], b["attention_mask"])
                  + 0.15 * b["noise"]} for b in batches]
 
 
@@ -92,7 +92,7 @@ def _hf_grads(policy, batches, loss_fn) -> dict[str, torch.Tensor]:
     from learner.models.scoring import token_logprobs
 
     policy.zero_grad(set_to_none=True)
-    losses = [loss_fn(token_logprobs(policy, b["input_ids"], b["attention_mask"], packed=False), b)[0] for b in batches]
+    losses = [loss_fn(token_logprobs(policy, b["input_ids"], b["attention_mask"]), b)[0] for b in batches]
     (sum(losses) / len(losses)).backward()
     return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
             for n, p in policy.named_parameters()}
@@ -121,10 +121,10 @@ def check_forward_and_grads(ep: int, out: dict, model_dir: str | None = None) ->
     lrn = MegatronLearner(policy, value, _opts(ep), OptimSettings(lr=1e-3, grad_clip=None), sao)
     with torch.no_grad():
         m_logits = megatron_logits(lrn.policy, mine["input_ids"], mine["attention_mask"])
-        h_logits = policy_logits(policy, mine["input_ids"], mine["attention_mask"], packed=False)
+        h_logits = policy_logits(policy, mine["input_ids"], mine["attention_mask"])
         out[f"logits_ep{ep}_vs_hf"] = _all_max(_max_abs(m_logits, h_logits, mine["attention_mask"]))
         m_logp = lrn.forward_logprobs(mine["input_ids"], mine["attention_mask"])
-        h_logp = token_logprobs(policy, mine["input_ids"], mine["attention_mask"], packed=False)
+        h_logp = token_logprobs(policy, mine["input_ids"], mine["attention_mask"])
         out[f"logprobs_ep{ep}_vs_hf"] = _all_max(_max_abs(m_logp, h_logp, mine["attention_mask"]))
         m_v = lrn.values(mine["input_ids"], mine["attention_mask"])
         h_v = value(mine["input_ids"], mine["attention_mask"])
