@@ -64,6 +64,7 @@ class Plan:
     warm_start: dict[str, Any]  # the scenario the suite's warm start trains on (`warm_start_scenario`)
     pretrain_sets: list[str]  # its learner.pretrain overrides
     pilot_seeds: list[int]
+    pilot_post: int  # the pilot's post-drift rollouts
     admissible_start: tuple[float, float]
 
 
@@ -98,7 +99,8 @@ def load_plan(path: str | Path, quick: bool = False) -> Plan:
     return Plan(raw["name"], arms(names), [drifts[d] for d in keep], list(seeds), int(pre), int(post),
                 float(resolve(raw["lr"], "lr", used)), int(window), harness, raw["scenario"], used,
                 warm_start_scenario(raw["name"], raw["scenario"], ws, raw["drifts"]), pretrain_sets,
-                list(raw["seeds"]["pilot"]), tuple(raw["admissible_start"]))
+                list(raw["seeds"]["pilot"]), int(raw["post_rollouts"]["pilot"]["pilot_runs"]),
+                tuple(raw["admissible_start"]))
 
 
 def warm_start_scenario(name: str, scenario: dict, warm_start: dict, drifts: list[dict]) -> dict[str, Any]:
@@ -239,6 +241,22 @@ def combine(plan: Plan, runs: list[dict]) -> dict[str, Any]:
             "reference_arm": ref, "runs": rows, "per_drift_arm": per_arm}
 
 
+def post_rollouts_rule(per_drift_arm: list[dict], pilot_post: int, quantum: int = 512) -> dict[str, dict]:
+    """drift_v1's post_rollouts rule on the pilot: 1.3 x the slower arm's Kaplan-Meier median samples-to-80%,
+    rounded up to a multiple of `quantum`; a censored median gives `pilot_post` and a flag."""
+    out: dict[str, dict] = {}
+    for e in per_drift_arm:
+        d = out.setdefault(e["drift"], {"medians": {}, "flagged": False})
+        d["medians"][e["arm"]] = e["km_median_samples_to_0.8"]
+    for d in out.values():
+        medians = list(d["medians"].values())
+        if any(m is None for m in medians):
+            d["post_rollouts"], d["flagged"] = pilot_post, True
+        else:
+            d["post_rollouts"] = quantum * math.ceil(1.3 * max(medians) / quantum)
+    return out
+
+
 def admissibility(plan: Plan, init: str, out_dir: Path, jobs: int = 1) -> dict[str, Any]:
     """The pilot's first check: the frozen arm's post-drift start (mean success of the first `window` post-drift
     rollouts) and pre-drift reward of every drift on the pilot seeds, against `admissible_start`."""
@@ -273,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--init", help="warm-start policy directory (default: the suite's own, built and cached)")
     p.add_argument("--quick", action="store_true", help="the suite's quick section: outputs only, no result")
     p.add_argument("--admissibility", action="store_true", help="the pilot's admissibility check alone")
+    p.add_argument("--pilot", action="store_true", help="the pilot: its seeds and post-drift length, pilot.json "
+                   "with the post_rollouts rule applied")
+    p.add_argument("--arms", default="", help="comma-separated arms instead of the suite's (e.g. the pilot's)")
     p.add_argument("--jobs", type=int, default=1, help="runs at once, in separate processes; each gets "
                    "max(1, harness.threads // jobs) threads (the results of a run do not depend on its process)")
     p.add_argument("--out", default="runs/bench/suite")
@@ -286,12 +307,19 @@ def main(argv: list[str] | None = None) -> int:
         (out / "admissibility.json").write_text(json.dumps(result, indent=1, default=_json_default))
         print(json.dumps(result["per_drift"], indent=1))
         return 0
+    if a.pilot:
+        plan = dataclasses.replace(plan, seeds=plan.pilot_seeds, post=plan.pilot_post)
+    if a.arms:
+        plan = dataclasses.replace(plan, arms=arms(a.arms.split(",")))
     todo = [(arm, drift, seed) for seed in plan.seeds for drift in plan.drifts for arm in plan.arms]
     runs = run_all(plan, todo, a.init, out, a.jobs)
     combined = {**combine(plan, runs), "wall_s": round(time.monotonic() - t0, 1), "init": a.init,
-                "suite_file": str(a.suite)}
+                "suite_file": str(a.suite), "pilot": a.pilot}
+    if a.pilot:
+        combined["post_rollouts_rule"] = post_rollouts_rule(combined["per_drift_arm"], plan.pilot_post)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "suite.json").write_text(json.dumps(combined, indent=1, default=_json_default))
+    (out / ("pilot.json" if a.pilot else "suite.json")).write_text(json.dumps(combined, indent=1,
+                                                                              default=_json_default))
     print(json.dumps(combined["per_drift_arm"], indent=1, default=_json_default))
     return 0
 

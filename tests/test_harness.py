@@ -18,7 +18,7 @@ from bench.harness import (
     scenario_stream,
     simulate,
 )
-from bench.suite import drift_scenario, load_plan, warm_start_scenario
+from bench.suite import drift_scenario, load_plan, post_rollouts_rule, warm_start_scenario
 from bench.suite import main as suite_main
 from simulator.scenario import Scenario, load_scenario, validate_scenario
 from streamer.wire.config import load_config
@@ -154,6 +154,17 @@ def test_the_suite_warm_start_trains_every_family_at_its_pre_drift_concept():
     clash = [{"name": "a", "family": "arith", "from": "add7"}, {"name": "b", "family": "arith", "from": "sub7"}]
     with pytest.raises(ValueError, match="drift b starts family arith from sub7, another drift from add7"):
         warm_start_scenario("s", {}, {}, clash)
+
+
+def test_post_rollouts_rule_by_hand():
+    per = [{"drift": "a", "arm": "sao", "km_median_samples_to_0.8": 1000},
+           {"drift": "a", "arm": "grpo", "km_median_samples_to_0.8": 1500},  # 1.3 x 1500 = 1950 -> 4 x 512
+           {"drift": "b", "arm": "sao", "km_median_samples_to_0.8": 300},
+           {"drift": "b", "arm": "grpo", "km_median_samples_to_0.8": None}]  # censored median
+    rule = post_rollouts_rule(per, pilot_post=4096)
+    assert rule["a"]["post_rollouts"] == 2048 and not rule["a"]["flagged"]
+    assert rule["b"]["post_rollouts"] == 4096 and rule["b"]["flagged"]
+    assert load_plan(SUITE).pilot_post == 4096
 
 
 @pytest.mark.slow
