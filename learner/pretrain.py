@@ -14,7 +14,7 @@ min(cores, 4) unless a short probe, repeated every 30 s, finds several threads s
 The held-out evaluation (greedy, the agents' env loop) runs once at the end (`eval_every=N` adds one
 every N steps, `eval_tasks=0` none); a progress bar shows step, loss, speed and ETA.
 
-    sao pretrain [--scenario default] [--out DIR] [--force] [--config FILE] [--set steps=720 --set lr=2.2e-3 ...]
+    sao pretrain [--scenario default] [--out DIR] [--force] [--config FILE] [--set steps=760 --set lr=2.2e-3 ...]
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ EVAL_NEW_TOKENS, EVAL_TURNS = 24, 5  # per turn, and turns per episode, of the h
 @dataclass
 class PretrainConfig:
     scenario: str = "default"  # scenario file or name: its warm_start section is the data
-    steps: int = 720
+    steps: int = 760
     batch_size: int = 128
     lr: float = 2.2e-3
     min_lr_ratio: float = 0.05  # cosine decays to lr * min_lr_ratio
@@ -331,7 +331,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--scenario", help="scenario file or name (default: default)")
     p.add_argument("--out", help="policy directory (default: <cache_dir>/warmstart-<hash>)")
     p.add_argument("--force", action="store_true", help="train even if a cached result exists")
-    add_config_args(p, "PretrainConfig", "steps=720")
+    add_config_args(p, "PretrainConfig", "steps=760")
     args = p.parse_args(argv)
     overrides = list(args.overrides) + ([f"scenario={args.scenario}"] if args.scenario else [])
     try:
