@@ -311,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = dataclasses.replace(plan, seeds=plan.pilot_seeds, post=plan.pilot_post)
     if a.arms:
         plan = dataclasses.replace(plan, arms=arms(a.arms.split(",")))
-    todo = [(arm, drift, seed) for seed in plan.seeds for drift in plan.drifts for arm in plan.arms]
+    # drift by drift: an interrupted suite leaves whole drifts (every seed and arm) in <out>/runs
+    todo = [(arm, drift, seed) for drift in plan.drifts for seed in plan.seeds for arm in plan.arms]
     runs = run_all(plan, todo, a.init, out, a.jobs)
     combined = {**combine(plan, runs), "wall_s": round(time.monotonic() - t0, 1), "init": a.init,
                 "suite_file": str(a.suite), "pilot": a.pilot}
