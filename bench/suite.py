@@ -257,6 +257,18 @@ def post_rollouts_rule(per_drift_arm: list[dict], pilot_post: int, quantum: int 
     return out
 
 
+def choose_lr(pilots: list[dict]) -> dict[str, dict]:
+    """drift_v1's lr rule on pilot results (`pilot.json` of one lr each): per arm, the lr with the highest mean
+    post-drift AUC at equal rollouts over every (drift, seed) run; ties go to the smaller lr."""
+    auc: dict[str, dict[float, float]] = {}
+    for pilot in pilots:
+        lr = pilot["lr"]
+        for arm, g in pd.DataFrame(pilot["runs"]).groupby("arm"):
+            auc.setdefault(arm, {})[lr] = float(g["auc_equal_rollouts"].mean())
+    return {arm: {"lr": min(by_lr, key=lambda lr: (-by_lr[lr], lr)), "auc_equal_rollouts_by_lr": by_lr}
+            for arm, by_lr in auc.items()}
+
+
 def admissibility(plan: Plan, init: str, out_dir: Path, jobs: int = 1) -> dict[str, Any]:
     """The pilot's first check: the frozen arm's post-drift start (mean success of the first `window` post-drift
     rollouts) and pre-drift reward of every drift on the pilot seeds, against `admissible_start`."""
@@ -294,12 +306,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pilot", action="store_true", help="the pilot: its seeds and post-drift length, pilot.json "
                    "with the post_rollouts rule applied")
     p.add_argument("--arms", default="", help="comma-separated arms instead of the suite's (e.g. the pilot's)")
+    p.add_argument("--choose-lr", nargs="+", metavar="PILOT_JSON", help="apply the lr rule to pilot.json files "
+                   "(one lr each) and write <out>/lr_choice.json")
+    p.add_argument("--lr", type=float, help="every trained arm at this lr (a point of the suite's lr_grid)")
     p.add_argument("--jobs", type=int, default=1, help="runs at once, in separate processes; each gets "
                    "max(1, harness.threads // jobs) threads (the results of a run do not depend on its process)")
     p.add_argument("--out", default="runs/bench/suite")
     a = p.parse_args(argv)
     plan = load_plan(a.suite, a.quick)
     out, t0 = Path(a.out), time.monotonic()
+    if a.choose_lr:
+        pilots = [json.loads(Path(f).read_text()) for f in a.choose_lr]
+        result = {"rule": "per arm, argmax over lr_grid of the mean post-drift AUC (equal rollouts) on the pilot "
+                  "seeds; ties: the smaller", "pilots": a.choose_lr, "per_arm": choose_lr(pilots)}
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "lr_choice.json").write_text(json.dumps(result, indent=1))
+        print(json.dumps(result["per_arm"], indent=1))
+        return 0
     a.init = a.init or str(build_init(plan))
     if a.admissibility:
         result = {**admissibility(plan, a.init, out, a.jobs), "wall_s": round(time.monotonic() - t0, 1)}
@@ -311,11 +334,13 @@ def main(argv: list[str] | None = None) -> int:
         plan = dataclasses.replace(plan, seeds=plan.pilot_seeds, post=plan.pilot_post)
     if a.arms:
         plan = dataclasses.replace(plan, arms=arms(a.arms.split(",")))
+    if a.lr is not None:  # one value of the lr grid (the pilot's lr choice): every trained arm at it
+        plan = dataclasses.replace(plan, lr=a.lr, provisional=[p for p in plan.provisional if p != "lr"] + ["lr grid"])
     # drift by drift: an interrupted suite leaves whole drifts (every seed and arm) in <out>/runs
     todo = [(arm, drift, seed) for drift in plan.drifts for seed in plan.seeds for arm in plan.arms]
     runs = run_all(plan, todo, a.init, out, a.jobs)
     combined = {**combine(plan, runs), "wall_s": round(time.monotonic() - t0, 1), "init": a.init,
-                "suite_file": str(a.suite), "pilot": a.pilot}
+                "suite_file": str(a.suite), "pilot": a.pilot, "lr": plan.lr}
     if a.pilot:
         combined["post_rollouts_rule"] = post_rollouts_rule(combined["per_drift_arm"], plan.pilot_post)
     out.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ from bench.harness import (
     scenario_stream,
     simulate,
 )
-from bench.suite import drift_scenario, load_plan, post_rollouts_rule, warm_start_scenario
+from bench.suite import choose_lr, drift_scenario, load_plan, post_rollouts_rule, warm_start_scenario
 from bench.suite import main as suite_main
 from simulator.scenario import Scenario, load_scenario, validate_scenario
 from streamer.wire.config import load_config
@@ -165,6 +165,17 @@ def test_post_rollouts_rule_by_hand():
     assert rule["a"]["post_rollouts"] == 2048 and not rule["a"]["flagged"]
     assert rule["b"]["post_rollouts"] == 4096 and rule["b"]["flagged"]
     assert load_plan(SUITE).pilot_post == 4096
+
+
+def test_choose_lr_by_hand():
+    def pilot(lr, sao, grpo):  # two (drift, seed) runs per arm
+        return {"lr": lr, "runs": [{"arm": "sao", "auc_equal_rollouts": x} for x in sao]
+                + [{"arm": "grpo", "auc_equal_rollouts": x} for x in grpo]}
+    pilots = [pilot(1e-4, [0.5, 0.7], [0.4, 0.4]), pilot(2e-4, [0.6, 0.8], [0.3, 0.5]),
+              pilot(4e-4, [0.9, 0.1], [0.2, 0.2])]
+    choice = choose_lr(pilots)
+    assert choice["sao"]["lr"] == 2e-4 and choice["sao"]["auc_equal_rollouts_by_lr"][2e-4] == pytest.approx(0.7)
+    assert choice["grpo"]["lr"] == 1e-4  # 0.4 at 1e-4 and 2e-4: the tie goes to the smaller lr
 
 
 @pytest.mark.slow
