@@ -319,16 +319,12 @@ def main(argv: list[str] | None = None) -> int:
         pilots = [json.loads(Path(f).read_text()) for f in a.choose_lr]
         result = {"rule": "per arm, argmax over lr_grid of the mean post-drift AUC (equal rollouts) on the pilot "
                   "seeds; ties: the smaller", "pilots": a.choose_lr, "per_arm": choose_lr(pilots)}
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "lr_choice.json").write_text(json.dumps(result, indent=1))
-        print(json.dumps(result["per_arm"], indent=1))
+        _write(out / "lr_choice.json", result, result["per_arm"])
         return 0
     a.init = a.init or str(build_init(plan))
     if a.admissibility:
         result = {**admissibility(plan, a.init, out, a.jobs), "wall_s": round(time.monotonic() - t0, 1)}
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "admissibility.json").write_text(json.dumps(result, indent=1, default=_json_default))
-        print(json.dumps(result["per_drift"], indent=1))
+        _write(out / "admissibility.json", result, result["per_drift"])
         return 0
     if a.pilot:
         plan = dataclasses.replace(plan, seeds=plan.pilot_seeds, post=plan.pilot_post)
@@ -343,11 +339,15 @@ def main(argv: list[str] | None = None) -> int:
                 "suite_file": str(a.suite), "pilot": a.pilot, "lr": plan.lr}
     if a.pilot:
         combined["post_rollouts_rule"] = post_rollouts_rule(combined["per_drift_arm"], plan.pilot_post)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / ("pilot.json" if a.pilot else "suite.json")).write_text(json.dumps(combined, indent=1,
-                                                                              default=_json_default))
-    print(json.dumps(combined["per_drift_arm"], indent=1, default=_json_default))
+    _write(out / ("pilot.json" if a.pilot else "suite.json"), combined, combined["per_drift_arm"])
     return 0
+
+
+def _write(path: Path, result: dict, shown: Any) -> None:
+    """`result` as JSON at `path`, and its `shown` part printed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, default=_json_default))
+    print(json.dumps(shown, indent=1, default=_json_default))
 
 
 if __name__ == "__main__":
