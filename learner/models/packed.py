@@ -188,7 +188,7 @@ def _layers(body, batch: PackedBatch, keep: torch.Tensor) -> torch.Tensor:
     for i, layer in enumerate(body.layers):
         att, moe = layer.self_attn, layer.mlp
         if not hasattr(moe, "experts") or att.q_proj.bias is not None:
-            raise ValueError("packed forward: every layer must be a sparse MoE layer without attention bias")
+            raise ValueError("packed_loss: every layer must be a sparse MoE layer without attention bias")
         h = RMSNorm.apply(x, layer.input_layernorm.weight, eps)
         w_qkv = torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])
         qk, v = F.linear(h, w_qkv).view(n, hq + 2 * hkv, d).split([hq + hkv, hkv], dim=1)
