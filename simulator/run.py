@@ -30,8 +30,9 @@ def simulate(scn: Scenario, sink: TaskSink, seed: int | None = None, limit: int 
     try:
         for msg in generate(scn, seed=seed, t0=t0, limit=limit):
             stamp = msg.time if isinstance(msg, DriftEvent) else msg.created_at
-            if realtime and scn.rate > 0 and stamp > time.time():
-                time.sleep(stamp - time.time())
+            wait = stamp - time.time()
+            if realtime and scn.rate > 0 and wait > 0:
+                time.sleep(wait)  # one reading of the clock: a second one could make the wait negative
             if isinstance(msg, DriftEvent):
                 sink.write_drift(msg)
                 counts["drift_events"] += 1
