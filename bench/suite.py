@@ -79,9 +79,8 @@ def resolve(value: Any, name: str, used: list[str]) -> Any:
 def load_plan(path: str | Path, quick: bool = False) -> Plan:
     raw = yaml.safe_load(Path(path).read_text())
     used: list[str] = []
-    drifts = {d["name"]: d for d in raw["drifts"]}
     harness = dict(raw.get("harness", {}))
-    names, keep = raw["arms"], list(drifts)
+    names, keep = raw["arms"], [d["name"] for d in raw["drifts"]]
     seeds = resolve(raw["seeds"]["main"], "seeds.main", used)
     pre, post = raw["pre_rollouts"], resolve(raw["post_rollouts"], "post_rollouts", used)
     window = raw["outcomes"]["window"]
@@ -91,12 +90,9 @@ def load_plan(path: str | Path, quick: bool = False) -> Plan:
             q["post_rollouts"], q["window"]
         harness.update(q.get("harness", {}))
         used.append("quick")
-    unknown = [d for d in keep if d not in drifts]
-    if unknown:
-        raise ValueError(f"unknown drift(s) {unknown}; the suite has {list(drifts)}")
     ws = dict(raw["scenario"]["warm_start"])
     pretrain_sets = [str(x) for x in ws.pop("pretrain", [])]
-    return Plan(raw["name"], arms(names), [drifts[d] for d in keep], list(seeds), int(pre), int(post),
+    return Plan(raw["name"], arms(names), pick_drifts(raw["drifts"], keep), list(seeds), int(pre), int(post),
                 float(resolve(raw["lr"], "lr", used)), int(window), harness, raw["scenario"], used,
                 warm_start_scenario(raw["name"], raw["scenario"], ws, raw["drifts"]), pretrain_sets,
                 list(raw["seeds"]["pilot"]), int(raw["post_rollouts"]["pilot"]["pilot_runs"]),
@@ -125,9 +121,18 @@ def build_init(plan: Plan, cache_dir: str | Path = "runs/cache", log=print) -> P
     return pretrain(cfg, log=log)
 
 
+def drift_options(scenario_options: dict, drift: dict) -> dict:
+    """The suite's family options with the drift's own `options` laid over them, family by family."""
+    out = {family: dict(opts) for family, opts in scenario_options.items()}
+    for family, extra in drift.get("options", {}).items():
+        out[family] = {**out.get(family, {}), **extra}
+    return out
+
+
 def drift_scenario(plan: Plan, drift: dict) -> Scenario:
     s = plan.scenario
-    raw = {"name": drift["name"], "rate": s["rate"], "arrival": s["arrival"], "options": s.get("options", {}),
+    raw = {"name": drift["name"], "rate": s["rate"], "arrival": s["arrival"],
+           "options": drift_options(s.get("options", {}), drift),
            "phases": [{"name": "pre", "duration_tasks": plan.pre, "families": {drift["family"]: 1},
                        "concepts": {drift["family"]: drift["from"]}},
                       {"name": drift["name"], "schedule": "abrupt", "duration_tasks": plan.post,
@@ -166,35 +171,65 @@ def run_one(plan: Plan, arm: Arm, drift: dict, seed: int, init: str, out_dir: Pa
     scn = drift_scenario(plan, drift)
     stream = phase_prefix(scenario_stream(scn, seed), arm.group_size)
     sim = sim_config(plan, arm, seed)
-    learner = [*arm.learner, f"optim.lr={plan.lr}"]
+    learner = run_settings(plan, arm, drift, seed)["learner_sets"]
     log(f"[suite] {drift['name']} {arm.name} seed {seed}: {sum(1 for _ in stream)} stream items, sim {sim}")
     res: Result = simulate(sim, init, stream, learner, [], scn.rate, log)
     steps = res.steps[[k for k in STEP_KEYS if k in res.steps]] if len(res.steps) else res.steps
     post = post_drift(res.trajectories)
     run = {"suite": plan.name, "arm": arm.name, "drift": drift["name"], "seed": seed, "init": init,
-           "provisional": bool(plan.provisional), "provisional_values": plan.provisional, "learner_sets": learner,
-           "sim": dataclasses.asdict(sim), "summary": summary(res, sim.threads),
+           "provisional": bool(plan.provisional), "provisional_values": plan.provisional,
+           **run_settings(plan, arm, drift, seed), "summary": summary(res, sim.threads),
            "by_phase": by_phase(res.trajectories), "recoveries": res.recoveries.to_dict("records"),
            "steps": steps.to_dict("records"),
            "post_drift": {"reward": post["reward"].tolist(), "success": post["success"].astype(float).tolist(),
                           "n_gen": post["n_gen"].astype(int).tolist()}}
-    path = out_dir / "runs" / f"{drift['name']}-{arm.name}-s{seed}.json"
+    path = run_path(out_dir, arm, drift, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(run, indent=1, default=_json_default))
     return run
 
 
+def run_path(out_dir: Path, arm: Arm, drift: dict, seed: int) -> Path:
+    return out_dir / "runs" / f"{drift['name']}-{arm.name}-s{seed}.json"
+
+
+def run_settings(plan: Plan, arm: Arm, drift: dict, seed: int) -> dict[str, Any]:
+    """What a run's result depends on besides its init: a run file with the same is that run (`finished_run`)."""
+    sim = dataclasses.asdict(sim_config(plan, arm, seed))
+    return {"drift_def": drift, "pre": plan.pre, "post": plan.post,
+            "learner_sets": [*arm.learner, f"optim.lr={plan.lr}"],
+            "sim": json.loads(json.dumps(sim, default=_json_default))}
+
+
+def finished_run(plan: Plan, arm: Arm, drift: dict, seed: int, init: str, out_dir: Path) -> dict | None:
+    """The run's file in `out_dir` when it was written with these very settings (an interrupted or extended suite
+    resumes), else None."""
+    path = run_path(out_dir, arm, drift, seed)
+    if not path.exists():
+        return None
+    run = json.loads(path.read_text())
+    want = {"init": init, **run_settings(plan, arm, drift, seed)}
+    return run if all(run.get(k) == v for k, v in want.items()) else None
+
+
 def run_all(plan: Plan, todo: list[tuple[Arm, dict, int]], init: str, out_dir: Path, jobs: int = 1) -> list[dict]:
     """`run_one` for every (arm, drift, seed) in order, `jobs` at a time in worker processes (spawned: no torch
     state is shared), the harness threads split between them."""
+    if jobs > 1:  # threads is a setting of the run (its file records it), so split before looking for finished runs
+        threads = max(1, int(plan.harness.get("threads", 2)) // jobs)
+        plan = dataclasses.replace(plan, harness={**plan.harness, "threads": threads})
+    done = {i: run for i, (arm, drift, seed) in enumerate(todo)
+            if (run := finished_run(plan, arm, drift, seed, init, out_dir)) is not None}
+    if done:
+        print(f"[suite] {len(done)} of {len(todo)} runs already in {out_dir / 'runs'} with these settings: reused")
+    left = [(i, t) for i, t in enumerate(todo) if i not in done]
     if jobs <= 1:
-        return [run_one(plan, arm, drift, seed, init, out_dir) for arm, drift, seed in todo]
-    threads = max(1, int(plan.harness.get("threads", 2)) // jobs)
-    plan = dataclasses.replace(plan, harness={**plan.harness, "threads": threads})
-    ctx = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-        futures = [pool.submit(run_one, plan, arm, drift, seed, init, out_dir) for arm, drift, seed in todo]
-        return [f.result() for f in futures]
+        done.update({i: run_one(plan, arm, drift, seed, init, out_dir) for i, (arm, drift, seed) in left})
+    else:
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {i: pool.submit(run_one, plan, arm, drift, seed, init, out_dir) for i, (arm, drift, seed) in left}
+            done.update({i: f.result() for i, f in futures.items()})
+    return [done[i] for i in range(len(todo))]
 
 
 def _json_default(x: Any) -> Any:
@@ -290,6 +325,15 @@ def admissibility(plan: Plan, init: str, out_dir: Path, jobs: int = 1) -> dict[s
             "window": plan.window, "admissible_start": [low, high], "runs": rows, "per_drift": per_drift}
 
 
+def pick_drifts(drifts: list[dict], names: list[str]) -> list[dict]:
+    """The drifts named, in that order; every unknown name is refused at once."""
+    known = {d["name"]: d for d in drifts}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown drift(s) {unknown}; the suite has {list(known)}")
+    return [known[n] for n in names]
+
+
 def _by(runs: list[dict], keys: tuple[str, ...]) -> dict[tuple, list[dict]]:
     out: dict[tuple, list[dict]] = {}
     for r in runs:
@@ -306,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pilot", action="store_true", help="the pilot: its seeds and post-drift length, pilot.json "
                    "with the post_rollouts rule applied")
     p.add_argument("--arms", default="", help="comma-separated arms instead of the suite's (e.g. the pilot's)")
+    p.add_argument("--drifts", default="", help="comma-separated drifts instead of the suite's")
     p.add_argument("--choose-lr", nargs="+", metavar="PILOT_JSON", help="apply the lr rule to pilot.json files "
                    "(one lr each) and write <out>/lr_choice.json")
     p.add_argument("--lr", type=float, help="every trained arm at this lr (a point of the suite's lr_grid)")
@@ -330,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = dataclasses.replace(plan, seeds=plan.pilot_seeds, post=plan.pilot_post)
     if a.arms:
         plan = dataclasses.replace(plan, arms=arms(a.arms.split(",")))
+    if a.drifts:
+        plan = dataclasses.replace(plan, drifts=pick_drifts(plan.drifts, a.drifts.split(",")))
     if a.lr is not None:  # one value of the lr grid (the pilot's lr choice): every trained arm at it
         plan = dataclasses.replace(plan, lr=a.lr, provisional=[p for p in plan.provisional if p != "lr"] + ["lr grid"])
     # drift by drift: an interrupted suite leaves whole drifts (every seed and arm) in <out>/runs

@@ -18,7 +18,15 @@ from bench.harness import (
     scenario_stream,
     simulate,
 )
-from bench.suite import choose_lr, drift_scenario, load_plan, post_rollouts_rule, warm_start_scenario
+from bench.suite import (
+    choose_lr,
+    drift_options,
+    drift_scenario,
+    load_plan,
+    pick_drifts,
+    post_rollouts_rule,
+    warm_start_scenario,
+)
 from bench.suite import main as suite_main
 from simulator.scenario import Scenario, load_scenario, validate_scenario
 from streamer.wire.config import load_config
@@ -156,6 +164,19 @@ def test_the_suite_warm_start_trains_every_family_at_its_pre_drift_concept():
         warm_start_scenario("s", {}, {}, clash)
 
 
+def test_a_drift_lays_its_own_options_over_the_suite_options():
+    suite = {"tool": {"max_turns": 3, "error_penalty": 0.75}, "arith": {"max_operand": 6}}
+    drift = {"name": "t", "options": {"tool": {"max_turns": 1}, "format": {"x": 2}}}
+    assert drift_options(suite, drift) == {"tool": {"max_turns": 1, "error_penalty": 0.75},
+                                           "arith": {"max_operand": 6}, "format": {"x": 2}}
+    assert suite["tool"]["max_turns"] == 3  # the suite's own options are not changed
+    plan = load_plan(SUITE)
+    tool_args = pick_drifts(plan.drifts, ["tool_args"])[0]
+    assert drift_scenario(plan, tool_args).options["tool"] == {"max_turns": 1, "error_penalty": 0.75}
+    with pytest.raises(ValueError, match=r"unknown drift\(s\) \['nope'\]"):
+        pick_drifts(plan.drifts, ["tool_args", "nope"])
+
+
 def test_post_rollouts_rule_by_hand():
     per = [{"drift": "a", "arm": "sao", "km_median_samples_to_0.8": 1000},
            {"drift": "a", "arm": "grpo", "km_median_samples_to_0.8": 1500},  # 1.3 x 1500 = 1950 -> 4 x 512
@@ -207,3 +228,14 @@ def test_quick_suite_writes_well_formed_outputs(tiny_policy_dir, tmp_path):
         assert len(run_["post_drift"]["reward"]) == 256
     entry = next(e for e in combined["per_drift_arm"] if e["arm"] == "grpo")
     assert {"low", "high", "n"} <= set(entry["auc_equal_rollouts_minus_sao"])
+    # a second invocation finds both runs written with the same settings and reuses them; a changed setting reruns
+    files = sorted((tmp_path / "runs").glob("*.json"))
+    stamps = [f.stat().st_mtime_ns for f in files]
+    assert suite_main(["--suite", str(SUITE), "--init", str(tiny_policy_dir), "--quick", "--jobs", "2",
+                       "--out", str(tmp_path)]) == 0
+    assert [f.stat().st_mtime_ns for f in files] == stamps
+    assert json.loads((tmp_path / "suite.json").read_text())["runs"] == combined["runs"]
+    assert suite_main(["--suite", str(SUITE), "--init", str(tiny_policy_dir), "--quick", "--arms", "sao",
+                       "--lr", "1e-4", "--out", str(tmp_path)]) == 0
+    rerun = json.loads((tmp_path / "runs" / "answer_format-sao-s0.json").read_text())
+    assert "optim.lr=0.0001" in rerun["learner_sets"] and rerun["sim"]["threads"] == 2
