@@ -1,0 +1,163 @@
+"""The main run's plan from a suite's pilot (issue 15, items 2-4): each `pilot:` placeholder's rule applied to the
+pilot's JSON alone, and what the 2-hour budget allows.
+
+Reads one pilot directory per point of the lr grid (`bench/suite.py --pilot --lr X --out DIR`; the run files in
+DIR/runs written with the pilot's settings, of the arms that ran every drift and pilot seed) and writes
+main_plan.json:
+- lr: per arm, the suite's lr rule (`suite.choose_lr`) over the grid points the arm ran;
+- post_rollouts: the suite's rule (`suite.post_rollouts_rule`) on SAO and GRPO, each at its chosen lr;
+- seeds: the power calculation. The primary outcome is the post-drift AUC (equal rollouts) averaged over the
+  suite's drifts, paired on the seed; sd_d is the SD over pilot seeds of its paired difference (arm - SAO), each arm
+  at its chosen lr; n = ceil((3 sd_d / delta)^2), at least `minimum`, delta = 10% of SAO's mean. `budget_seeds`
+  is how many seeds fit the budget at the pilot's measured CPU per rollout; when n is larger, the plan takes the
+  budget's seeds and states the difference it can detect at 3 standard errors, 3 sd_d / sqrt(n).
+
+    .venv/bin/python bench/suite_plan.py --suite bench/suites/drift_v1.yaml --init runs/cache/warmstart-XXXX \
+        --pilots 2e-4=runs/bench/suite-lr-2e-4 4e-4=runs/bench/suite-lr-4e-4 --frozen docs/bench/suite_pilot/v1.1 \
+        --out docs/bench/suite_pilot/main_plan.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # `python bench/suite_plan.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from bench import stats  # noqa: E402
+from bench.arms import ARMS  # noqa: E402
+from bench.suite import Plan, choose_lr, combine, finished_run, load_plan, post_rollouts_rule, run_path  # noqa: E402
+
+UNTRAINED_LIKE = {"frozen": "frozen", "eta0": "sao"}  # controls without a pilot: priced as (their own runs, else) this
+
+
+def pooled_differences(runs: pd.DataFrame, arm: str, ref: str, outcome: str = "auc_equal_rollouts") -> np.ndarray:
+    """Per seed, the mean over drifts of `outcome` for `arm` minus that of `ref` (seeds where both ran every drift
+    the other ran)."""
+    per_seed = runs.pivot_table(index=["seed", "drift"], columns="arm", values=outcome).dropna(subset=[arm, ref])
+    means = per_seed.groupby(level="seed")[[arm, ref]].mean()
+    return (means[arm] - means[ref]).to_numpy()
+
+
+def seeds_rule(runs: pd.DataFrame, ref: str, k_sigma: float = 3.0, rel: float = 0.10, minimum: int = 5
+               ) -> dict[str, Any]:
+    """The power calculation on pilot runs at each arm's chosen lr: sd_d per arm, delta and the seeds n."""
+    delta = rel * float(runs[runs["arm"] == ref].groupby("seed")["auc_equal_rollouts"].mean().mean())
+    per_arm = {}
+    for arm in sorted(set(runs["arm"]) - {ref}):
+        d = pooled_differences(runs, arm, ref)
+        sd = float(np.std(d, ddof=1)) if len(d) > 1 else math.nan
+        per_arm[arm] = {"paired_differences": d.round(5).tolist(), "mean": float(d.mean()), "sd": sd,
+                        "n": stats.seeds_for(sd, delta, k_sigma, minimum)}
+    worst = max(per_arm, key=lambda a: per_arm[a]["sd"])
+    return {"k_sigma": k_sigma, "delta": delta, "delta_rel": rel, "minimum": minimum, "per_arm": per_arm,
+            "largest_sd_arm": worst, "n": per_arm[worst]["n"]}
+
+
+def cpu_per_rollout(run_files: list[Path]) -> pd.DataFrame:
+    """Measured CPU seconds per rollout of each (arm, drift): the run files' summaries (one thread per run)."""
+    rows = []
+    for f in run_files:
+        r = json.loads(f.read_text())
+        s = r["summary"]
+        rows.append({"arm": r["arm"], "drift": r["drift"], "cpu_s": s["cpu_s"], "rollouts": s["trajectories"],
+                     "threads": r["sim"]["threads"]})
+    df = pd.DataFrame(rows)
+    df["cpu_per_rollout"] = df["cpu_s"] / df["rollouts"]
+    return df.groupby(["arm", "drift"], as_index=False)["cpu_per_rollout"].mean()
+
+
+def seed_cost(plan: Plan, cost: pd.DataFrame, post: dict[str, int]) -> dict[str, Any]:
+    """CPU seconds of one main seed (every arm, every drift) at the pilot's CPU per rollout; an arm without its own
+    measurement is priced as UNTRAINED_LIKE says."""
+    table = cost.set_index(["arm", "drift"])["cpu_per_rollout"]
+    per_arm, priced_as = {}, {}
+    for arm in (a.name for a in plan.arms):
+        src = arm if (arm, plan.drifts[0]["name"]) in table.index else UNTRAINED_LIKE.get(arm, "sao")
+        priced_as[arm] = src
+        per_arm[arm] = sum(float(table[(src, d["name"])]) * (plan.pre + post[d["name"]]) for d in plan.drifts)
+    return {"per_arm_cpu_s": per_arm, "priced_as": priced_as, "cpu_s": sum(per_arm.values())}
+
+
+def budget_seeds(seed_cpu_s: float, budget_s: float, cores: int) -> int:
+    """Seeds whose runs fit `budget_s` of wall time on `cores` cores, the runs spread evenly over them."""
+    return int(budget_s * cores // seed_cpu_s)
+
+
+def pilot_runs(plan: Plan, directory: Path, lr: float, init: str, jobs: int) -> list[dict]:
+    """The run files in `directory` written with the pilot's settings at `lr` (`suite.finished_run`): stale files
+    from an earlier version of the suite are left out."""
+    threads = max(1, int(plan.harness.get("threads", 2)) // jobs)
+    p = dataclasses.replace(plan, seeds=plan.pilot_seeds, post=plan.pilot_post, lr=lr,
+                            harness={**plan.harness, "threads": threads})
+    found = (finished_run(p, arm, d, s, init, directory) for arm in p.arms if arm.sim.get("train", True)
+             for d in p.drifts for s in p.seeds)
+    return [r for r in found if r is not None]
+
+
+def complete(runs: list[dict], n_cells: int) -> list[dict]:
+    """The runs of the arms that ran every (drift, seed) cell of the pilot."""
+    count: dict[str, int] = {}
+    for r in runs:
+        count[r["arm"]] = count.get(r["arm"], 0) + 1
+    return [r for r in runs if count[r["arm"]] == n_cells]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--suite", required=True)
+    p.add_argument("--pilots", nargs="+", required=True, metavar="LR=DIR",
+                   help="the pilot's directory at each lr grid point (bench/suite.py --pilot --lr LR --out DIR)")
+    p.add_argument("--init", required=True, help="the warm start the pilot ran from")
+    p.add_argument("--jobs", type=int, default=2, help="the --jobs the pilot ran with (its runs' threads)")
+    p.add_argument("--frozen", help="a directory with frozen-arm run files (e.g. the admissibility check's) to price "
+                   "the frozen control")
+    p.add_argument("--budget-s", type=float, default=7200.0)
+    p.add_argument("--cores", type=int, default=2)
+    p.add_argument("--out", default="runs/bench/suite/main_plan.json")
+    a = p.parse_args(argv)
+    plan = load_plan(a.suite)
+    cells = len(plan.drifts) * len(plan.pilot_seeds)
+    pilots, files = [], []
+    for item in a.pilots:
+        lr, directory = item.split("=", 1)
+        runs = complete(pilot_runs(plan, Path(directory), float(lr), a.init, a.jobs), cells)
+        pilots.append({**combine(plan, runs), "lr": float(lr)})
+        files += [run_path(Path(directory), ARMS[r["arm"]], {"name": r["drift"]}, r["seed"]) for r in runs]
+    lr = choose_lr(pilots)
+    chosen = pd.DataFrame([r for pl in pilots for r in pl["runs"] if lr[r["arm"]]["lr"] == pl["lr"]])
+    at_lr = [e for pl in pilots for e in pl["per_drift_arm"]
+             if e["arm"] in ("sao", "grpo") and lr[e["arm"]]["lr"] == pl["lr"]]
+    post = post_rollouts_rule(at_lr, plan.pilot_post)
+    files += sorted(Path(a.frozen).glob("runs/*-frozen-*.json")) if a.frozen else []
+    cost = seed_cost(plan, cpu_per_rollout(files), {k: v["post_rollouts"] for k, v in post.items()})
+    rule = seeds_rule(chosen, "sao")
+    fit = budget_seeds(cost["cpu_s"], a.budget_s, a.cores)
+    n = min(rule["n"], fit)
+    sd = rule["per_arm"][rule["largest_sd_arm"]]["sd"]
+    result = {"suite": plan.name, "pilots": a.pilots, "init": a.init,
+              "arms_in_pilot": {str(pl["lr"]): sorted({r["arm"] for r in pl["runs"]}) for pl in pilots},
+              "lr": lr, "post_rollouts": post, "seeds_rule": rule,
+              "seed_cost": cost, "budget_s": a.budget_s, "cores": a.cores, "budget_seeds": fit,
+              "main_seeds": n, "capped_by_budget": n < rule["n"],
+              "detectable_difference_3se": 3 * sd / math.sqrt(n) if n else math.nan,
+              "predicted_wall_s": n * cost["cpu_s"] / a.cores}
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: result[k] for k in ("arms_in_pilot", "main_seeds", "budget_seeds", "capped_by_budget",
+                                             "detectable_difference_3se", "predicted_wall_s")}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""The main run's plan from the pilot (bench/suite_plan.py): the power calculation and the budget, by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from bench.arms import arms
+from bench.suite import load_plan
+from bench.suite_plan import budget_seeds, complete, pooled_differences, seed_cost, seeds_rule
+
+SUITE = Path(__file__).resolve().parent.parent / "bench" / "suites" / "drift_v1.yaml"
+
+
+def pilot_runs() -> pd.DataFrame:
+    # two drifts x three seeds; SAO's pooled mean per seed: 0.5, 0.6, 0.7 (mean 0.6, delta = 0.06)
+    auc = {"sao": {1: (0.4, 0.6), 2: (0.5, 0.7), 3: (0.6, 0.8)},
+           "grpo": {1: (0.3, 0.5), 2: (0.5, 0.5), 3: (0.6, 0.6)},  # pooled 0.4, 0.5, 0.6: differences -0.1 each
+           "ppo": {1: (0.4, 0.6), 2: (0.5, 0.7), 3: (0.9, 0.9)}}  # differences 0, 0, +0.2
+    return pd.DataFrame([{"arm": a, "seed": s, "drift": d, "auc_equal_rollouts": x}
+                         for a, by_seed in auc.items() for s, pair in by_seed.items() for d, x in zip("ab", pair)])
+
+
+def test_pooled_paired_differences_by_hand():
+    runs = pilot_runs()
+    assert pooled_differences(runs, "grpo", "sao") == pytest.approx([-0.1, -0.1, -0.1])
+    assert pooled_differences(runs, "ppo", "sao") == pytest.approx([0.0, 0.0, 0.2])
+
+
+def test_seeds_rule_by_hand():
+    rule = seeds_rule(pilot_runs(), "sao")
+    assert rule["delta"] == pytest.approx(0.06)
+    assert rule["per_arm"]["grpo"]["sd"] == pytest.approx(0.0, abs=1e-12)
+    assert rule["per_arm"]["grpo"]["n"] == 5  # no spread: the minimum
+    # ppo: sd of (0, 0, 0.2) = 0.11547; (3 x 0.11547 / 0.06)^2 = 33.33 -> 34
+    assert rule["per_arm"]["ppo"]["sd"] == pytest.approx(0.2 / math.sqrt(3))
+    assert rule["largest_sd_arm"] == "ppo" and rule["n"] == 34
+
+
+def test_budget_and_seed_cost_by_hand():
+    plan = load_plan(SUITE)
+    plan = dataclasses.replace(plan, arms=arms(["sao", "grpo", "frozen", "eta0"]), drifts=plan.drifts[:2], pre=100)
+    a, b = (d["name"] for d in plan.drifts)
+    cost = pd.DataFrame([{"arm": "sao", "drift": a, "cpu_per_rollout": 0.01},
+                         {"arm": "sao", "drift": b, "cpu_per_rollout": 0.02},
+                         {"arm": "grpo", "drift": a, "cpu_per_rollout": 0.005},
+                         {"arm": "grpo", "drift": b, "cpu_per_rollout": 0.005},
+                         {"arm": "frozen", "drift": a, "cpu_per_rollout": 0.001},
+                         {"arm": "frozen", "drift": b, "cpu_per_rollout": 0.001}])
+    out = seed_cost(plan, cost, {a: 900, b: 400})  # 1000 and 500 rollouts per run
+    assert out["per_arm_cpu_s"] == pytest.approx({"sao": 20.0, "grpo": 7.5, "frozen": 1.5, "eta0": 20.0})
+    assert out["priced_as"]["eta0"] == "sao" and out["cpu_s"] == pytest.approx(49.0)
+    assert budget_seeds(49.0, budget_s=100.0, cores=2) == 4  # 200 CPU-s / 49 per seed
+
+
+def test_an_arm_missing_a_cell_is_left_out():
+    runs = [{"arm": "sao"}, {"arm": "sao"}, {"arm": "ppo"}]
+    assert complete(runs, 2) == runs[:2]
