@@ -266,14 +266,33 @@ def combine(plan: Plan, runs: list[dict]) -> dict[str, Any]:
             entry[f"censored_{thr}"] = int((~e).sum())
         base = table[(table["drift"] == drift) & (table["arm"] == ref)].set_index("seed")
         mine = g.set_index("seed")
-        for k in ("auc_equal_rollouts", "auc_equal_tokens", "final_reward"):
+        for k in OUTCOMES:
             entry[k] = float(mine[k].mean())
             if arm != ref:
                 common = mine.index.intersection(base.index)
                 entry[f"{k}_minus_{ref}"] = stats.paired_bootstrap((mine.loc[common, k] - base.loc[common, k]).values)
         per_arm.append(entry)
     return {"suite": plan.name, "provisional": bool(plan.provisional), "provisional_values": plan.provisional,
-            "reference_arm": ref, "runs": rows, "per_drift_arm": per_arm}
+            "reference_arm": ref, "runs": rows, "per_drift_arm": per_arm, "pooled": pooled(table, ref)}
+
+
+OUTCOMES = ("auc_equal_rollouts", "auc_equal_tokens", "final_reward")
+
+
+def pooled(table: pd.DataFrame, ref: str) -> list[dict[str, Any]]:
+    """Per arm, each outcome averaged over the drifts of a seed, then over seeds; against `ref`, the paired
+    bootstrap over seeds of the per-seed difference, on the (seed, drift) cells both arms ran."""
+    wide = {k: table.pivot_table(index=["seed", "drift"], columns="arm", values=k) for k in OUTCOMES}
+    out = []
+    for arm, g in table.groupby("arm", sort=False):
+        entry: dict[str, Any] = {"arm": arm, "seeds": int(g["seed"].nunique()), "drifts": int(g["drift"].nunique())}
+        for k in OUTCOMES:
+            entry[k] = float(g.groupby("seed")[k].mean().mean())
+            if arm != ref:
+                both = wide[k][[arm, ref]].dropna().groupby(level="seed").mean()
+                entry[f"{k}_minus_{ref}"] = stats.paired_bootstrap((both[arm] - both[ref]).values)
+        out.append(entry)
+    return out
 
 
 def post_rollouts_rule(per_drift_arm: list[dict], pilot_post: int, quantum: int = 512) -> dict[str, dict]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from bench import stats
@@ -24,6 +25,7 @@ from bench.suite import (
     drift_scenario,
     load_plan,
     pick_drifts,
+    pooled,
     post_rollouts_rule,
     warm_start_scenario,
 )
@@ -175,6 +177,17 @@ def test_a_drift_lays_its_own_options_over_the_suite_options():
     assert drift_scenario(plan, tool_args).options["tool"] == {"max_turns": 1, "error_penalty": 0.75}
     with pytest.raises(ValueError, match=r"unknown drift\(s\) \['nope'\]"):
         pick_drifts(plan.drifts, ["tool_args", "nope"])
+
+
+def test_pooled_outcomes_by_hand():
+    cells = {"sao": {(1, "a"): 0.4, (1, "b"): 0.6, (2, "a"): 0.5, (2, "b"): 0.7},
+             "grpo": {(1, "a"): 0.3, (1, "b"): 0.5, (2, "a"): 0.5, (2, "b"): 0.3}}
+    table = pd.DataFrame([{"arm": a, "seed": s, "drift": d, "auc_equal_rollouts": x, "auc_equal_tokens": x,
+                           "final_reward": x} for a, m in cells.items() for (s, d), x in m.items()])
+    sao, grpo = pooled(table, "sao")
+    assert sao["auc_equal_rollouts"] == pytest.approx(0.55) and grpo["auc_equal_rollouts"] == pytest.approx(0.4)
+    diff = grpo["auc_equal_rollouts_minus_sao"]  # per seed: (-0.1 - 0.1) / 2 = -0.1 and (0 - 0.4) / 2 = -0.2
+    assert (diff["mean"], diff["low"], diff["high"], diff["n"]) == pytest.approx((-0.15, -0.2, -0.1, 2))
 
 
 def test_post_rollouts_rule_by_hand():
