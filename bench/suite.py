@@ -273,7 +273,8 @@ def combine(plan: Plan, runs: list[dict]) -> dict[str, Any]:
                 entry[f"{k}_minus_{ref}"] = stats.paired_bootstrap((mine.loc[common, k] - base.loc[common, k]).values)
         per_arm.append(entry)
     return {"suite": plan.name, "provisional": bool(plan.provisional), "provisional_values": plan.provisional,
-            "reference_arm": ref, "runs": rows, "per_drift_arm": per_arm, "pooled": pooled(table, ref)}
+            "reference_arm": ref, "window": plan.window, "runs": rows, "per_drift_arm": per_arm,
+            "pooled": pooled(table, ref)}
 
 
 OUTCOMES = ("auc_equal_rollouts", "auc_equal_tokens", "final_reward")

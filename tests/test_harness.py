@@ -4,6 +4,7 @@ bench/suite.py) and its statistics (bench/stats.py), on the real engine and lear
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -30,6 +31,7 @@ from bench.suite import (
     warm_start_scenario,
 )
 from bench.suite import main as suite_main
+from bench.suite_report import report as suite_report
 from simulator.scenario import Scenario, load_scenario, validate_scenario
 from streamer.wire.config import load_config
 from streamer.wire.schema import DriftEvent, Task
@@ -241,6 +243,12 @@ def test_quick_suite_writes_well_formed_outputs(tiny_policy_dir, tmp_path):
         assert len(run_["post_drift"]["reward"]) == 256
     entry = next(e for e in combined["per_drift_arm"] if e["arm"] == "grpo")
     assert {"low", "high", "n"} <= set(entry["auc_equal_rollouts_minus_sao"])
+    shown = suite_report(tmp_path)  # the report: figure and tables from suite.json and the run files
+    table = (tmp_path / "report.md").read_text()
+    assert Path(shown["png"]).stat().st_size > 10_000 and "| answer_format | grpo |" in table
+    medians = re.findall(r"\| ([^|]*censored\)) ", table)  # a censored median is "> phase", never a number
+    assert len(medians) == 4 and all(re.fullmatch(r"> 256 \(1/1 censored\)|[\d,]+ \(0/1 censored\)", m)
+                                     for m in medians)
     # a second invocation finds both runs written with the same settings and reuses them; a changed setting reruns
     files = sorted((tmp_path / "runs").glob("*.json"))
     stamps = [f.stat().st_mtime_ns for f in files]
