@@ -56,7 +56,7 @@ class Plan:
     seeds: list[int]
     pre: int
     post: int
-    lr: float
+    lr: float | dict[str, float]  # one for every arm, or per arm (the lr rule's choice; eta0 takes SAO's)
     window: int
     harness: dict[str, Any]
     scenario: dict[str, Any]
@@ -93,10 +93,25 @@ def load_plan(path: str | Path, quick: bool = False) -> Plan:
     ws = dict(raw["scenario"]["warm_start"])
     pretrain_sets = [str(x) for x in ws.pop("pretrain", [])]
     return Plan(raw["name"], arms(names), pick_drifts(raw["drifts"], keep), list(seeds), int(pre), int(post),
-                float(resolve(raw["lr"], "lr", used)), int(window), harness, raw["scenario"], used,
+                read_lr(resolve(raw["lr"], "lr", used)), int(window), harness, raw["scenario"], used,
                 warm_start_scenario(raw["name"], raw["scenario"], ws, raw["drifts"]), pretrain_sets,
                 list(raw["seeds"]["pilot"]), int(raw["post_rollouts"]["pilot"]["pilot_runs"]),
                 tuple(raw["admissible_start"]))
+
+
+def read_lr(value: Any) -> float | dict[str, float]:
+    return {k: float(v) for k, v in value.items()} if isinstance(value, dict) else float(value)
+
+
+def lr_of(plan: Plan, arm: Arm) -> float:
+    """The arm's learning rate: the suite's one value, or its own entry (the controls eta0 and frozen take SAO's;
+    frozen never steps)."""
+    if not isinstance(plan.lr, dict):
+        return plan.lr
+    name = "sao" if arm.name in ("eta0", "frozen") else arm.name
+    if name not in plan.lr:
+        raise ValueError(f"suite {plan.name}: no lr for arm {arm.name} (lr has {sorted(plan.lr)})")
+    return plan.lr[name]
 
 
 def warm_start_scenario(name: str, scenario: dict, warm_start: dict, drifts: list[dict]) -> dict[str, Any]:
@@ -197,7 +212,7 @@ def run_settings(plan: Plan, arm: Arm, drift: dict, seed: int) -> dict[str, Any]
     """What a run's result depends on besides its init: a run file with the same is that run (`finished_run`)."""
     sim = dataclasses.asdict(sim_config(plan, arm, seed))
     return {"drift_def": drift, "pre": plan.pre, "post": plan.post,
-            "learner_sets": [*arm.learner, f"optim.lr={plan.lr}"],
+            "learner_sets": [*arm.learner, f"optim.lr={lr_of(plan, arm)}"],
             "sim": json.loads(json.dumps(sim, default=_json_default))}
 
 

@@ -93,13 +93,26 @@ def budget_seeds(seed_cpu_s: float, budget_s: float, cores: int) -> int:
     return int(budget_s * cores // seed_cpu_s)
 
 
+def trained_arms(plan: Plan) -> list[str]:
+    """The arms with a learning rate of their own: trained, and not a control of SAO (eta0 runs at SAO's)."""
+    return [a.name for a in plan.arms if a.sim.get("train", True) and a.name != "eta0"]
+
+
+def with_grid_edges(choice: dict[str, dict]) -> dict[str, dict]:
+    """Marks a choice at the smallest or largest lr its arm ran: the best lr may lie outside the points run."""
+    for c in choice.values():
+        ran = sorted(c["auc_equal_rollouts_by_lr"])
+        c["at_grid_edge"] = len(ran) < 2 or c["lr"] in (ran[0], ran[-1])
+    return choice
+
+
 def pilot_runs(plan: Plan, directory: Path, lr: float, init: str, jobs: int) -> list[dict]:
     """The run files in `directory` written with the pilot's settings at `lr` (`suite.finished_run`): stale files
     from an earlier version of the suite are left out."""
     threads = max(1, int(plan.harness.get("threads", 2)) // jobs)
     p = dataclasses.replace(plan, seeds=plan.pilot_seeds, post=plan.pilot_post, lr=lr,
                             harness={**plan.harness, "threads": threads})
-    found = (finished_run(p, arm, d, s, init, directory) for arm in p.arms if arm.sim.get("train", True)
+    found = (finished_run(p, ARMS[name], d, s, init, directory) for name in trained_arms(plan)
              for d in p.drifts for s in p.seeds)
     return [r for r in found if r is not None]
 
@@ -133,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         runs = complete(pilot_runs(plan, Path(directory), float(lr), a.init, a.jobs), cells)
         pilots.append({**combine(plan, runs), "lr": float(lr)})
         files += [run_path(Path(directory), ARMS[r["arm"]], {"name": r["drift"]}, r["seed"]) for r in runs]
-    lr = choose_lr(pilots)
+    lr = with_grid_edges(choose_lr(pilots))
+    for name in trained_arms(plan):  # an arm the pilot did not cover inherits SAO's lr, and says so
+        lr.setdefault(name, {"lr": lr["sao"]["lr"], "auc_equal_rollouts_by_lr": {}, "not_in_pilot": True})
     chosen = pd.DataFrame([r for pl in pilots for r in pl["runs"] if lr[r["arm"]]["lr"] == pl["lr"]])
     at_lr = [e for pl in pilots for e in pl["per_drift_arm"]
              if e["arm"] in ("sao", "grpo") and lr[e["arm"]]["lr"] == pl["lr"]]

@@ -3,6 +3,7 @@ bench/suite.py) and its statistics (bench/stats.py), on the real engine and lear
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -25,9 +26,11 @@ from bench.suite import (
     drift_options,
     drift_scenario,
     load_plan,
+    lr_of,
     pick_drifts,
     pooled,
     post_rollouts_rule,
+    read_lr,
     warm_start_scenario,
 )
 from bench.suite import main as suite_main
@@ -190,6 +193,14 @@ def test_pooled_outcomes_by_hand():
     assert sao["auc_equal_rollouts"] == pytest.approx(0.55) and grpo["auc_equal_rollouts"] == pytest.approx(0.4)
     diff = grpo["auc_equal_rollouts_minus_sao"]  # per seed: (-0.1 - 0.1) / 2 = -0.1 and (0 - 0.4) / 2 = -0.2
     assert (diff["mean"], diff["low"], diff["high"], diff["n"]) == pytest.approx((-0.15, -0.2, -0.1, 2))
+
+
+def test_each_arm_runs_at_its_own_lr_and_the_controls_at_saos():
+    plan = dataclasses.replace(load_plan(SUITE), lr=read_lr({"sao": "2e-4", "grpo": 4e-4}))
+    assert [lr_of(plan, a) for a in arms(["sao", "grpo", "eta0", "frozen"])] == [2e-4, 4e-4, 2e-4, 2e-4]
+    with pytest.raises(ValueError, match="no lr for arm ppo"):
+        lr_of(plan, arms(["ppo"])[0])
+    assert lr_of(dataclasses.replace(plan, lr=1e-4), arms(["ppo"])[0]) == 1e-4
 
 
 def test_post_rollouts_rule_by_hand():

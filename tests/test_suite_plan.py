@@ -11,7 +11,15 @@ import pytest
 
 from bench.arms import arms
 from bench.suite import load_plan
-from bench.suite_plan import budget_seeds, complete, pooled_differences, seed_cost, seeds_rule
+from bench.suite_plan import (
+    budget_seeds,
+    complete,
+    pooled_differences,
+    seed_cost,
+    seeds_rule,
+    trained_arms,
+    with_grid_edges,
+)
 
 SUITE = Path(__file__).resolve().parent.parent / "bench" / "suites" / "drift_v1.yaml"
 
@@ -60,3 +68,11 @@ def test_budget_and_seed_cost_by_hand():
 def test_an_arm_missing_a_cell_is_left_out():
     runs = [{"arm": "sao"}, {"arm": "sao"}, {"arm": "ppo"}]
     assert complete(runs, 2) == runs[:2]
+
+
+def test_a_choice_at_the_end_of_the_points_run_is_flagged():
+    choice = with_grid_edges({"sao": {"lr": 2e-4, "auc_equal_rollouts_by_lr": {1e-4: 0.4, 2e-4: 0.5, 4e-4: 0.45}},
+                              "grpo": {"lr": 4e-4, "auc_equal_rollouts_by_lr": {2e-4: 0.35, 4e-4: 0.36}}})
+    assert not choice["sao"]["at_grid_edge"] and choice["grpo"]["at_grid_edge"]
+    assert trained_arms(load_plan(SUITE)) == ["sao", "ppo", "sao_no_warmup", "sao_coupled_lambda",
+                                              "sao_no_strict_clip", "grpo", "dapo", "dr_grpo", "gspo", "cispo"]
