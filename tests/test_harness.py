@@ -21,6 +21,7 @@ from bench.harness import (
     scenario_stream,
     simulate,
 )
+from bench.offpolicy import main as offpolicy_main
 from bench.suite import (
     choose_lr,
     drift_options,
@@ -271,3 +272,18 @@ def test_quick_suite_writes_well_formed_outputs(tiny_policy_dir, tmp_path):
                        "--lr", "1e-4", "--out", str(tmp_path)]) == 0
     rerun = json.loads((tmp_path / "runs" / "answer_format-sao-s0.json").read_text())
     assert "optim.lr=0.0001" in rerun["learner_sets"] and rerun["sim"]["threads"] == 2
+
+
+@pytest.mark.slow
+def test_offpolicy_quick_reaches_its_staleness_and_logs_ess(tiny_policy_dir, tmp_path):
+    assert offpolicy_main(["--suite", str(SUITE), "--init", str(tiny_policy_dir), "--quick", "--families", "format",
+                           "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "quick.json").read_text())
+    assert (tmp_path / "quick.png").stat().st_size > 10_000
+    rows = {(r["arm"], r["eta"], r["updates"]): r for r in result["table"]}
+    assert set(rows) == {(a, e, u) for a in ("sao", "grpo") for e, u in ((0, 1), (4, 2))}
+    for (_, eta, _), r in rows.items():  # eta is reached, never passed; every policy step logs its ESS
+        assert r["staleness_max"] <= eta and (eta == 0 or r["staleness_max"] >= 1)
+        assert 0 < r["ess_frac_min"] <= r["ess_frac_median"] <= 1
+    run_ = next(r for r in result["runs"] if r["arm"] == "sao" and r["eta"] == 4)
+    assert 5 < len(run_["steps"]) <= 9 and all("learner/ess_frac" in s for s in run_["steps"])  # stale ones dropped
