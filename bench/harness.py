@@ -27,6 +27,7 @@ import argparse
 import copy
 import dataclasses
 import heapq
+import itertools
 import json
 import math
 import sys
@@ -60,6 +61,12 @@ from streamer.wire.schema import DriftEvent, PolicyVersion, Task, Trajectory  # 
 from streamer.wire.settings import AgentSettings  # noqa: E402
 
 UNBOUNDED_TOKENS = 1 << 40  # batches close on their trajectory count alone
+# How rollouts are started (SimConfig.mode). async: whenever fewer than max_in_flight run. The synchronous baselines
+# start one round of `batch` rollouts at a time once a whole batch of tasks has arrived: sync waits for the round's
+# last rollout and for the learner's step on it (eta 0); sync_one_step starts the next round as soon as the last one
+# has finished, while the learner trains on it (eta 1); sync_overprovision starts batch x (1 + overprovision)
+# rollouts, trains on the first `batch` to finish and drops the stragglers still running (eta 0).
+MODES = {"async": None, "sync": 0, "sync_one_step": 1, "sync_overprovision": 0}  # mode -> the eta it implies
 
 
 def default_latency() -> LatencyConfig:
@@ -82,8 +89,23 @@ class SimConfig:
     train: bool = True  # False: the frozen control (no learner step; LearnerConfig refuses optim.lr=0)
     threads: int = 2
     seed: int = 0
+    mode: str = "async"  # one of MODES
+    overprovision: float = 0.25  # sync_overprovision: extra rollouts started per round, as a fraction of batch
+
+    def round_size(self) -> int:
+        """Rollouts a synchronous round starts: a whole batch, over-provisioned to whole groups."""
+        extra = self.overprovision if self.mode == "sync_overprovision" else 0.0
+        return self.group_size * math.ceil(self.batch * (1.0 + extra) / self.group_size)
 
     def validate(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"SimConfig.mode '{self.mode}': expected one of {list(MODES)}")
+        if MODES[self.mode] is not None and self.eta != MODES[self.mode]:
+            raise ValueError(f"SimConfig: mode {self.mode} trains at staleness {MODES[self.mode]}: set eta to it, "
+                             f"got {self.eta}")
+        if self.mode != "async" and (self.overprovision < 0 or self.max_in_flight < self.round_size()):
+            raise ValueError(f"SimConfig: mode {self.mode} starts {self.round_size()} rollouts a round: "
+                             f"max_in_flight {self.max_in_flight} is too small (or overprovision < 0)")
         if self.group_size < 1 or self.batch < 1 or self.batch % self.group_size:
             raise ValueError(f"SimConfig: batch {self.batch} must be a positive multiple of group_size "
                              f"{self.group_size}")
@@ -220,6 +242,7 @@ class Harness:
         self.steps: list[dict] = []
         self.in_flight = 0
         self.row_of: dict[str, int] = {}  # traj_id -> index into rows
+        self.dropped: set[str] = set()  # stragglers dropped by sync_overprovision (their joins are ignored)
         self.sections: dict[str, dict[str, float]] = defaultdict(lambda: {"wall_s": 0.0, "cpu_s": 0.0})
 
     @contextmanager
@@ -270,10 +293,22 @@ class Harness:
                       time.process_time() - t_cpu, sections)
 
     # -------------------------------------------------------------------- admission and rollouts
+    def _room(self, arrivals: deque, now: float) -> int:
+        """Rollouts that may start now (see MODES)."""
+        if self.sim.mode == "async":
+            return self.sim.max_in_flight - self.in_flight
+        idle = now >= self.busy_until and not self.trainer.batcher.has_batch()
+        if self.in_flight or (self.sim.mode != "sync_one_step" and not idle):
+            return 0
+        size, n = self.sim.round_size(), self.sim.group_size
+        arrived = sum(1 for _ in itertools.islice(itertools.takewhile(lambda a: a[0] <= now, arrivals), size // n))
+        whole = arrived * n >= size or arrived == len(arrivals)  # a whole round has arrived, or the stream's rest
+        return size if whole else 0
+
     def _admit(self, arrivals: deque, now: float) -> None:
         batch: list[Task] = []
-        n = self.sim.group_size
-        while arrivals and arrivals[0][0] <= now and self.in_flight + n * (len(batch) + 1) <= self.sim.max_in_flight:
+        n, room = self.sim.group_size, self._room(arrivals, now)
+        while arrivals and arrivals[0][0] <= now and n * (len(batch) + 1) <= room:
             batch.append(arrivals.popleft()[1])
         if not batch:
             return
@@ -304,6 +339,8 @@ class Harness:
             "staleness_at_train": -1})
 
     def _join(self, trajs: list[Trajectory], now: float) -> None:
+        if trajs[0].traj_id in self.dropped:  # a straggler of sync_overprovision: already dropped
+            return
         self.in_flight -= len(trajs)
         v = self.trainer.vindex
         for t in trajs:
@@ -324,11 +361,21 @@ class Harness:
                     self.rows[self.row_of[t.traj_id]]["status"] = "untrained (frozen)"
                 continue
             self._train(trajs, now)
+            if self.sim.mode == "sync_overprovision":
+                self._drop_stragglers(now)
             if self.sim.learner_step_s > 0:
                 self.busy_until = now + self.sim.learner_step_s
                 self._push(self.busy_until, "publish", self.trainer.version)
                 return
             self.rollout_version = self.trainer.version
+
+    def _drop_stragglers(self, now: float) -> None:
+        """sync_overprovision: the round's rollouts still running when its batch is trained are dropped."""
+        for row in self.rows:
+            if row["status"] == "in flight":
+                row.update(status="straggler dropped", joined_at=now)
+                self.dropped.add(row["traj_id"])
+        self.in_flight = 0
 
     def _train(self, trajs: list[Trajectory], now: float) -> None:
         v, eta = self.trainer.vindex, self.sim.eta

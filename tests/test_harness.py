@@ -137,6 +137,48 @@ def test_groups_join_and_go_stale_as_a_unit(tiny_policy_dir):
     assert (t["status"] == "trained").any()
 
 
+def rounds(t):
+    """Rollouts grouped by their start time: a synchronous baseline starts one round at a time."""
+    return [g for _, g in t.sort_values("started_at").groupby("started_at")]
+
+
+def test_sync_waits_for_the_round_and_the_learner(tiny_policy_dir):
+    res = run(tiny_policy_dir, SimConfig(batch=8, eta=0, mode="sync", learner_step_s=1.0, seed=0), n_tasks=32)
+    t = res.trajectories
+    assert [len(g) for g in rounds(t)] == [8, 8, 8, 8] and (t["status"] == "trained").all()
+    assert (t["staleness_at_train"] == 0).all()
+    for prev, nxt in zip(rounds(t), rounds(t)[1:]):  # the round's last rollout, then the learner's step
+        assert nxt["started_at"].iloc[0] >= prev["finished_at"].max() + 1.0 - 1e-9
+        assert (nxt["policy_version"] == prev["policy_version"].iloc[0] + 1).all()
+
+
+def test_sync_one_step_overlaps_the_step_with_the_next_round(tiny_policy_dir):
+    res = run(tiny_policy_dir, SimConfig(batch=8, eta=1, mode="sync_one_step", learner_step_s=100.0, seed=0),
+              n_tasks=32)
+    t = res.trajectories
+    r = rounds(t)
+    assert [len(g) for g in r] == [8, 8, 8, 8]
+    # round 2 starts when round 1 has finished, though the learner is busy for 100 s with round 1's step
+    assert r[1]["started_at"].iloc[0] < r[0]["finished_at"].max() + 100.0
+    trained = t[t["status"] == "trained"]
+    assert set(trained["staleness_at_train"]) == {0, 1} and (trained["staleness_at_train"] <= 1).all()
+
+
+def test_sync_overprovision_trains_the_first_batch_and_drops_the_stragglers(tiny_policy_dir):
+    sim = SimConfig(batch=8, eta=0, mode="sync_overprovision", overprovision=0.5, seed=0)
+    assert sim.round_size() == 12
+    t = run(tiny_policy_dir, sim, n_tasks=36).trajectories
+    for g in rounds(t):
+        assert len(g) == 12 and (g["status"] == "trained").sum() == 8
+        assert (g["status"] == "straggler dropped").sum() == 4
+        done = g[g["status"] == "trained"]["finished_at"].max()  # the 8 trained are the first 8 to finish
+        assert (g[g["status"] == "straggler dropped"]["finished_at"] >= done).all()
+    with pytest.raises(ValueError, match="mode sync trains at staleness 0"):
+        SimConfig(mode="sync", eta=4).validate()
+    with pytest.raises(ValueError, match="mode 'lockstep'"):
+        SimConfig(mode="lockstep").validate()
+
+
 def test_frozen_arm_never_steps(tiny_policy_dir):
     res = run(tiny_policy_dir, SimConfig(batch=8, max_in_flight=16, train=False), n_tasks=24)
     assert len(res.steps) == 0 and (res.trajectories["policy_version"] == 0).all()
