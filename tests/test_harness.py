@@ -36,6 +36,7 @@ from bench.suite import (
 )
 from bench.suite import main as suite_main
 from bench.suite_report import report as suite_report
+from bench.sync_baselines import main as sync_main
 from simulator.scenario import Scenario, load_scenario, validate_scenario
 from streamer.wire.config import load_config
 from streamer.wire.schema import DriftEvent, Task
@@ -329,3 +330,18 @@ def test_offpolicy_quick_reaches_its_staleness_and_logs_ess(tiny_policy_dir, tmp
         assert 0 < r["ess_frac_min"] <= r["ess_frac_median"] <= 1
     run_ = next(r for r in result["runs"] if r["arm"] == "sao" and r["eta"] == 4)
     assert 5 < len(run_["steps"]) <= 9 and all("learner/ess_frac" in s for s in run_["steps"])  # stale ones dropped
+
+
+@pytest.mark.slow
+def test_sync_baselines_quick_writes_every_mode(tiny_policy_dir, tmp_path):
+    assert sync_main(["--suite", str(SUITE), "--init", str(tiny_policy_dir), "--quick", "--drift", "answer_format",
+                      "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "sync_baselines.json").read_text())
+    assert (tmp_path / "sync_baselines.png").stat().st_size > 10_000
+    runs = {r["mode"]: r for r in result["runs"]}
+    assert set(runs) == {"async", "sync", "sync_one_step", "sync_overprovision"}
+    assert set(runs["sync"]["staleness_at_train"]) == {"0"} and runs["sync"]["eta"] == 0
+    assert runs["sync_overprovision"]["dropped"].get("straggler dropped", 0) > 0
+    for r in runs.values():  # 64 + 128 rollouts arriving at 24 per simulated second: the run outlasts the arrivals
+        assert r["trajectories"] == 192 and r["sim_s"] >= 191 / 24 and r["trained"] <= 192
+        assert r["trained_per_sim_s"] == pytest.approx(r["trained"] / r["sim_s"])
