@@ -224,7 +224,10 @@ def finished_run(plan: Plan, arm: Arm, drift: dict, seed: int, init: str, out_di
         return None
     run = json.loads(path.read_text())
     want = {"init": init, **run_settings(plan, arm, drift, seed)}
-    return run if all(run.get(k) == v for k, v in want.items()) else None
+    # a SimConfig field added after the file was written had its default then
+    defaults = json.loads(json.dumps(dataclasses.asdict(SimConfig()), default=_json_default))
+    have = {**run, "sim": {**defaults, **run.get("sim", {})}}
+    return run if all(have.get(k) == v for k, v in want.items()) else None
 
 
 def run_all(plan: Plan, todo: list[tuple[Arm, dict, int]], init: str, out_dir: Path, jobs: int = 1) -> list[dict]:

@@ -26,12 +26,15 @@ from bench.suite import (
     choose_lr,
     drift_options,
     drift_scenario,
+    finished_run,
     load_plan,
     lr_of,
     pick_drifts,
     pooled,
     post_rollouts_rule,
     read_lr,
+    run_path,
+    run_settings,
     warm_start_scenario,
 )
 from bench.suite import main as suite_main
@@ -245,6 +248,21 @@ def test_each_arm_runs_at_its_own_lr_and_the_controls_at_saos():
     with pytest.raises(ValueError, match="no lr for arm ppo"):
         lr_of(plan, arms(["ppo"])[0])
     assert lr_of(dataclasses.replace(plan, lr=1e-4), arms(["ppo"])[0]) == 1e-4
+
+
+def test_a_run_file_from_before_a_new_sim_field_is_still_that_run(tmp_path):
+    plan = load_plan(SUITE, quick=True)
+    sao, drift = arms(["sao"])[0], plan.drifts[0]
+    settings = run_settings(plan, sao, drift, 0)
+    old = {**settings, "init": "w", "sim": {k: v for k, v in settings["sim"].items() if k not in ("mode",
+                                                                                                   "overprovision")}}
+    path = run_path(tmp_path, sao, drift, 0)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(old))
+    assert finished_run(plan, sao, drift, 0, "w", tmp_path) == old  # the field's default is what it ran with
+    assert finished_run(plan, sao, drift, 0, "another-init", tmp_path) is None
+    path.write_text(json.dumps({**old, "sim": {**old["sim"], "mode": "sync"}}))
+    assert finished_run(plan, sao, drift, 0, "w", tmp_path) is None
 
 
 def test_post_rollouts_rule_by_hand():
