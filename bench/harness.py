@@ -90,6 +90,11 @@ class SimConfig:
     threads: int = 2
     seed: int = 0
     mode: str = "async"  # one of MODES
+    # async admission paced by the learner, as the agents of `sao up` do (AReaL's staleness-bounded rollout): at
+    # most tasks_per_version tasks per policy version, up to versions_ahead versions ahead of the newest one the
+    # rollouts may use; 0: off (only max_in_flight bounds admission)
+    tasks_per_version: int = 0
+    versions_ahead: int = 1
     overprovision: float = 0.25  # sync_overprovision: extra rollouts started per round, as a fraction of batch
 
     def round_size(self) -> int:
@@ -103,6 +108,8 @@ class SimConfig:
         if MODES[self.mode] is not None and self.eta != MODES[self.mode]:
             raise ValueError(f"SimConfig: mode {self.mode} trains at staleness {MODES[self.mode]}: set eta to it, "
                              f"got {self.eta}")
+        if self.tasks_per_version < 0 or self.versions_ahead < 0:
+            raise ValueError("SimConfig: tasks_per_version and versions_ahead >= 0")
         if self.mode != "async" and (self.overprovision < 0 or self.max_in_flight < self.round_size()):
             raise ValueError(f"SimConfig: mode {self.mode} starts {self.round_size()} rollouts a round: "
                              f"max_in_flight {self.max_in_flight} is too small (or overprovision < 0)")
@@ -243,6 +250,7 @@ class Harness:
         self.in_flight = 0
         self.row_of: dict[str, int] = {}  # traj_id -> index into rows
         self.dropped: set[str] = set()  # stragglers dropped by sync_overprovision (their joins are ignored)
+        self.started_tasks = 0
         self.sections: dict[str, dict[str, float]] = defaultdict(lambda: {"wall_s": 0.0, "cpu_s": 0.0})
 
     @contextmanager
@@ -296,7 +304,11 @@ class Harness:
     def _room(self, arrivals: deque, now: float) -> int:
         """Rollouts that may start now (see MODES)."""
         if self.sim.mode == "async":
-            return self.sim.max_in_flight - self.in_flight
+            room = self.sim.max_in_flight - self.in_flight
+            if self.sim.tasks_per_version:
+                versions = self.rollout_version + 1 + self.sim.versions_ahead
+                room = min(room, (versions * self.sim.tasks_per_version - self.started_tasks) * self.sim.group_size)
+            return room
         idle = now >= self.busy_until and not self.trainer.batcher.has_batch()
         if self.in_flight or (self.sim.mode != "sync_one_step" and not idle):
             return 0
@@ -319,6 +331,7 @@ class Harness:
         agent = dataclasses.replace(self.agent, concurrency=len(batch))
         with self._timed("generate"):
             done = run_tasks(self.engine, self.tok, batch, agent, latency=self.sim.latency)
+        self.started_tasks += len(batch)
         for task, trajs in zip(batch, done):
             self.in_flight += len(trajs)
             finishes = [finish_time(now, sum(t.loss_mask), t.env_seconds, self.sim.gen_tokens_per_s) for t in trajs]

@@ -183,6 +183,18 @@ def test_sync_overprovision_trains_the_first_batch_and_drops_the_stragglers(tiny
         SimConfig(mode="lockstep").validate()
 
 
+def test_learner_paced_admission_starts_tasks_per_version(tiny_policy_dir):
+    sim = SimConfig(batch=8, eta=2, max_in_flight=64, tasks_per_version=8, versions_ahead=1, learner_step_s=1.0,
+                    seed=0)
+    t = run(tiny_policy_dir, sim, n_tasks=48).trajectories.sort_values(["started_at", "seq"])
+    started = pd.Series(range(1, len(t) + 1), index=t.index)
+    # by the time version v is what rollouts start with, at most (v + 1 + versions_ahead) x 8 tasks have started
+    assert (started <= (t["policy_version"] + 2) * 8).all()
+    assert (started == (t["policy_version"] + 2) * 8).any()  # and the bound is reached
+    free = run(tiny_policy_dir, dataclasses.replace(sim, tasks_per_version=0), n_tasks=48).trajectories
+    assert (free["policy_version"] == 0).all()  # unpaced: all 48 start at once, before any step
+
+
 def test_frozen_arm_never_steps(tiny_policy_dir):
     res = run(tiny_policy_dir, SimConfig(batch=8, max_in_flight=16, train=False), n_tasks=24)
     assert len(res.steps) == 0 and (res.trajectories["policy_version"] == 0).all()
