@@ -12,7 +12,8 @@ with tolerances fixed here before any comparison was run:
 The harness is not the pipeline (one process, a simulated clock), so agreement is expected in what the learner
 sees, not in timing.
 
-    .venv/bin/python bench/harness_validation.py runs/default-seed0 --out docs/bench/harness_validation.json
+    .venv/bin/python bench/harness_validation.py runs/default-seed0 --others runs/default-seed1 runs/default-seed2 \
+        runs/default-seed-1 --out docs/bench/harness_validation.json
 """
 
 from __future__ import annotations
@@ -103,12 +104,30 @@ def validate(run_dir: Path) -> dict[str, Any]:
             "harness_summary": summary(res, sim.threads)}
 
 
+def real_spread(run_dir: Path, others: list[Path]) -> list[dict[str, Any]]:
+    """The same comparisons between the real run and other real runs of the scenario (other seeds): the spread the
+    pipeline itself shows, to read the harness's differences against."""
+    cells = reward_cells(pd.read_parquet(run_dir / "trajectories.parquet"))
+    rec = statuses(json.loads((run_dir / "summary.json").read_text())["recoveries"])
+    out = []
+    for other in others:
+        diff = (cells - reward_cells(pd.read_parquet(other / "trajectories.parquet"))).abs()
+        rec_o = statuses(json.loads((other / "summary.json").read_text())["recoveries"])
+        out.append({"run": str(other), "reward_abs_diff_max": float(diff.max()),
+                    "cells_over_tol": int((diff > REWARD_TOL).sum()),
+                    "recovery_status_differs": sorted(k for k in rec if rec[k] != rec_o.get(k))})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("run_dir")
+    p.add_argument("--others", nargs="*", default=[], help="other real runs of the scenario (other seeds): the "
+                   "pipeline's own spread, reported next to the harness's differences")
     p.add_argument("--out", default="runs/bench/harness_validation.json")
     a = p.parse_args(argv)
     result = validate(Path(a.run_dir))
+    result["real_spread"] = real_spread(Path(a.run_dir), [Path(o) for o in a.others])
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1, default=str))
     print(json.dumps({k: result[k] for k in ("checks", "agree", "reward_abs_diff_max", "staleness_real",
