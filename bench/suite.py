@@ -298,18 +298,23 @@ def combine(plan: Plan, runs: list[dict]) -> dict[str, Any]:
 OUTCOMES = ("auc_equal_rollouts", "auc_equal_tokens", "final_reward")
 
 
+def seed_differences(table: pd.DataFrame, outcome: str, arm: str, ref: str) -> pd.Series:
+    """Per seed, `outcome` averaged over the drifts both arms ran on that seed, `arm` minus `ref`."""
+    wide = table.pivot_table(index=["seed", "drift"], columns="arm", values=outcome)
+    both = wide[[arm, ref]].dropna().groupby(level="seed").mean()
+    return both[arm] - both[ref]
+
+
 def pooled(table: pd.DataFrame, ref: str) -> list[dict[str, Any]]:
     """Per arm, each outcome averaged over the drifts of a seed, then over seeds; against `ref`, the paired
-    bootstrap over seeds of the per-seed difference, on the (seed, drift) cells both arms ran."""
-    wide = {k: table.pivot_table(index=["seed", "drift"], columns="arm", values=k) for k in OUTCOMES}
+    bootstrap over seeds of the per-seed difference (`seed_differences`)."""
     out = []
     for arm, g in table.groupby("arm", sort=False):
         entry: dict[str, Any] = {"arm": arm, "seeds": int(g["seed"].nunique()), "drifts": int(g["drift"].nunique())}
         for k in OUTCOMES:
             entry[k] = float(g.groupby("seed")[k].mean().mean())
             if arm != ref:
-                both = wide[k][[arm, ref]].dropna().groupby(level="seed").mean()
-                entry[f"{k}_minus_{ref}"] = stats.paired_bootstrap((both[arm] - both[ref]).values)
+                entry[f"{k}_minus_{ref}"] = stats.paired_bootstrap(seed_differences(table, k, arm, ref).values)
         out.append(entry)
     return out
 

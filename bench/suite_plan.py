@@ -35,17 +35,18 @@ import pandas as pd  # noqa: E402
 
 from bench import stats  # noqa: E402
 from bench.arms import ARMS  # noqa: E402
-from bench.suite import Plan, choose_lr, combine, finished_run, load_plan, post_rollouts_rule, run_path  # noqa: E402
+from bench.suite import (  # noqa: E402
+    Plan,
+    choose_lr,
+    combine,
+    finished_run,
+    load_plan,
+    post_rollouts_rule,
+    run_path,
+    seed_differences,
+)
 
 UNTRAINED_LIKE = {"frozen": "frozen", "eta0": "sao"}  # controls without a pilot: priced as (their own runs, else) this
-
-
-def pooled_differences(runs: pd.DataFrame, arm: str, ref: str, outcome: str = "auc_equal_rollouts") -> np.ndarray:
-    """Per seed, the mean over drifts of `outcome` for `arm` minus that of `ref` (seeds where both ran every drift
-    the other ran)."""
-    per_seed = runs.pivot_table(index=["seed", "drift"], columns="arm", values=outcome).dropna(subset=[arm, ref])
-    means = per_seed.groupby(level="seed")[[arm, ref]].mean()
-    return (means[arm] - means[ref]).to_numpy()
 
 
 def seeds_rule(runs: pd.DataFrame, ref: str, k_sigma: float = 3.0, rel: float = 0.10, minimum: int = 5
@@ -54,7 +55,7 @@ def seeds_rule(runs: pd.DataFrame, ref: str, k_sigma: float = 3.0, rel: float = 
     delta = rel * float(runs[runs["arm"] == ref].groupby("seed")["auc_equal_rollouts"].mean().mean())
     per_arm = {}
     for arm in sorted(set(runs["arm"]) - {ref}):
-        d = pooled_differences(runs, arm, ref)
+        d = seed_differences(runs, "auc_equal_rollouts", arm, ref).to_numpy()
         sd = float(np.std(d, ddof=1)) if len(d) > 1 else math.nan
         per_arm[arm] = {"paired_differences": d.round(5).tolist(), "mean": float(d.mean()), "sd": sd,
                         "n": stats.seeds_for(sd, delta, k_sigma, minimum)}

@@ -10,11 +10,10 @@ import pandas as pd
 import pytest
 
 from bench.arms import arms
-from bench.suite import load_plan
+from bench.suite import load_plan, seed_differences
 from bench.suite_plan import (
     budget_seeds,
     complete,
-    pooled_differences,
     seed_cost,
     seeds_rule,
     trained_arms,
@@ -35,8 +34,8 @@ def pilot_runs() -> pd.DataFrame:
 
 def test_pooled_paired_differences_by_hand():
     runs = pilot_runs()
-    assert pooled_differences(runs, "grpo", "sao") == pytest.approx([-0.1, -0.1, -0.1])
-    assert pooled_differences(runs, "ppo", "sao") == pytest.approx([0.0, 0.0, 0.2])
+    assert seed_differences(runs, "auc_equal_rollouts", "grpo", "sao").tolist() == pytest.approx([-0.1, -0.1, -0.1])
+    assert seed_differences(runs, "auc_equal_rollouts", "ppo", "sao").tolist() == pytest.approx([0.0, 0.0, 0.2])
 
 
 def test_seeds_rule_by_hand():
