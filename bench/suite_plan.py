@@ -46,8 +46,6 @@ from bench.suite import (  # noqa: E402
     seed_differences,
 )
 
-UNTRAINED_LIKE = {"frozen": "frozen", "eta0": "sao"}  # controls without a pilot: priced as (their own runs, else) this
-
 
 def seeds_rule(runs: pd.DataFrame, ref: str, k_sigma: float = 3.0, rel: float = 0.10, minimum: int = 5
                ) -> dict[str, Any]:
@@ -79,11 +77,12 @@ def cpu_per_rollout(run_files: list[Path]) -> pd.DataFrame:
 
 def seed_cost(plan: Plan, cost: pd.DataFrame, post: dict[str, int]) -> dict[str, Any]:
     """CPU seconds of one main seed (every arm, every drift) at the pilot's CPU per rollout; an arm without its own
-    measurement is priced as UNTRAINED_LIKE says."""
+    measurement is priced as GRPO when it runs groups, else as SAO."""
     table = cost.set_index(["arm", "drift"])["cpu_per_rollout"]
     per_arm, priced_as = {}, {}
-    for arm in (a.name for a in plan.arms):
-        src = arm if (arm, plan.drifts[0]["name"]) in table.index else UNTRAINED_LIKE.get(arm, "sao")
+    for a in plan.arms:
+        arm = a.name
+        src = arm if (arm, plan.drifts[0]["name"]) in table.index else "grpo" if a.group_size > 1 else "sao"
         priced_as[arm] = src
         per_arm[arm] = sum(float(table[(src, d["name"])]) * (plan.pre + post[d["name"]]) for d in plan.drifts)
     return {"per_arm_cpu_s": per_arm, "priced_as": priced_as, "cpu_s": sum(per_arm.values())}

@@ -50,7 +50,8 @@ def test_seeds_rule_by_hand():
 
 def test_budget_and_seed_cost_by_hand():
     plan = load_plan(SUITE)
-    plan = dataclasses.replace(plan, arms=arms(["sao", "grpo", "frozen", "eta0"]), drifts=plan.drifts[:2], pre=100)
+    plan = dataclasses.replace(plan, arms=arms(["sao", "grpo", "frozen", "eta0", "gspo"]), drifts=plan.drifts[:2],
+                               pre=100)
     a, b = (d["name"] for d in plan.drifts)
     cost = pd.DataFrame([{"arm": "sao", "drift": a, "cpu_per_rollout": 0.01},
                          {"arm": "sao", "drift": b, "cpu_per_rollout": 0.02},
@@ -59,9 +60,10 @@ def test_budget_and_seed_cost_by_hand():
                          {"arm": "frozen", "drift": a, "cpu_per_rollout": 0.001},
                          {"arm": "frozen", "drift": b, "cpu_per_rollout": 0.001}])
     out = seed_cost(plan, cost, {a: 900, b: 400})  # 1000 and 500 rollouts per run
-    assert out["per_arm_cpu_s"] == pytest.approx({"sao": 20.0, "grpo": 7.5, "frozen": 1.5, "eta0": 20.0})
-    assert out["priced_as"]["eta0"] == "sao" and out["cpu_s"] == pytest.approx(49.0)
-    assert budget_seeds(49.0, budget_s=100.0, cores=2) == 4  # 200 CPU-s / 49 per seed
+    assert out["per_arm_cpu_s"] == pytest.approx({"sao": 20.0, "grpo": 7.5, "frozen": 1.5, "eta0": 20.0, "gspo": 7.5})
+    assert out["priced_as"]["eta0"] == "sao" and out["priced_as"]["gspo"] == "grpo"  # no pilot of their own
+    assert out["cpu_s"] == pytest.approx(56.5)
+    assert budget_seeds(56.5, budget_s=100.0, cores=2) == 3  # 200 CPU-s / 56.5 per seed
 
 
 def test_an_arm_missing_a_cell_is_left_out():
