@@ -10,7 +10,8 @@ main_plan.json:
   suite's drifts, paired on the seed; sd_d is the SD over pilot seeds of its paired difference (arm - SAO), each arm
   at its chosen lr; n = ceil((3 sd_d / delta)^2), at least `minimum`, delta = 10% of SAO's mean. `budget_seeds`
   is how many seeds fit the budget at the pilot's measured CPU per rollout; when n is larger, the plan takes the
-  budget's seeds and states the difference it can detect at 3 standard errors, 3 sd_d / sqrt(n).
+  budget's seeds and states the difference it can detect at 3 standard errors, 3 sd_d / sqrt(n);
+and beside it pilot-lr-<lr>.json: each grid point's outcomes (`suite.combine`), which bench/suite_report.py draws.
 
     .venv/bin/python bench/suite_plan.py --suite bench/suites/drift_v1.yaml --init runs/cache/warmstart-XXXX \
         --pilots 2e-4=runs/bench/suite-lr-2e-4 4e-4=runs/bench/suite-lr-4e-4 --frozen docs/bench/suite_pilot/v1.1 \
@@ -169,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
+    for pilot, item in zip(pilots, a.pilots):  # each grid point's outcomes, for bench/suite_report.py
+        pilot_out = {**pilot, "pilot": True, "runs_dir": str(Path(item.split("=", 1)[1]) / "runs")}
+        (out.parent / f"pilot-lr-{pilot['lr']:g}.json").write_text(json.dumps(pilot_out, indent=1, default=str))
     print(json.dumps({k: result[k] for k in ("arms_in_pilot", "main_seeds", "budget_seeds", "capped_by_budget",
                                              "detectable_difference_3se", "predicted_wall_s")}, indent=1))
     return 0

@@ -1,11 +1,12 @@
 """The drift suite's report (issue 15, item 8): a figure and Markdown tables from a suite's JSON and run files.
 
-Reads DIR/suite.json (or DIR/pilot.json with --pilot) and DIR/runs/*.json; writes DIR/suite.png (post-drift
-success per drift and arm, mean over seeds, and the pooled AUC difference to SAO with its 95% interval per arm)
-and DIR/report.md (the pooled table, then per drift and arm: AUCs with their paired differences, final reward and
-the Kaplan-Meier medians of samples to 70% and 80% with their censoring counts; a censored median is "> N").
+Reads a suite's JSON (DIR/suite.json, a pilot.json, or suite_plan's pilot-lr-*.json) and the run files it names
+(DIR/runs/*.json, or --runs); writes <stem>.png beside it (post-drift success per drift and arm, mean over seeds,
+and the pooled AUC difference to SAO with its 95% interval per arm) and <stem>.md (the pooled table, then per
+drift and arm: AUCs with their paired differences, final reward and the Kaplan-Meier medians of samples to 70% and
+80% with their censoring counts; a censored median is "> N").
 
-    .venv/bin/python bench/suite_report.py runs/bench/suite
+    .venv/bin/python bench/suite_report.py runs/bench/suite/suite.json
 """
 
 from __future__ import annotations
@@ -119,26 +120,31 @@ def figure(result: dict, runs: list[dict], window: int, path: Path) -> Path:
     return path
 
 
-def report(directory: Path, pilot: bool = False) -> dict[str, Any]:
-    result = json.loads((directory / ("pilot.json" if pilot else "suite.json")).read_text())
+def report(result_path: Path, runs_dir: Path | None = None, out_dir: Path | None = None) -> dict[str, Any]:
+    """<stem>.png and <stem>.md for a suite's (or pilot's) JSON, from the run files in `runs_dir` (default: the
+    JSON's directory's runs/) it names."""
+    result = json.loads(result_path.read_text())
+    runs_dir = runs_dir or result_path.parent / "runs"
+    out_dir = out_dir or result_path.parent
     keep = {(r["arm"], r["drift"], r["seed"]) for r in result["runs"]}
-    runs = [r for f in sorted((directory / "runs").glob("*.json")) if (r := json.loads(f.read_text()))
+    runs = [r for f in sorted(runs_dir.glob("*.json")) if (r := json.loads(f.read_text()))
             and (r["arm"], r["drift"], r["seed"]) in keep]
     window = int(result.get("window", 64))  # pilot.json files of drift_v1 1.0 did not record it: 64 then
     phase = {r["drift"]: len(r["post_drift"]["success"]) for r in runs}
-    png = figure(result, runs, window, directory / "suite.png")
-    md = "\n\n".join([f"Pooled over drifts ({result['suite']}; `*`: the 95% interval excludes 0)",
-                      pooled_table(result), "Per drift and arm", drift_table(result, phase)])
-    (directory / "report.md").write_text(md + "\n")
-    return {"png": str(png), "report": str(directory / "report.md")}
+    png = figure(result, runs, window, out_dir / f"{result_path.stem}.png")
+    md = out_dir / f"{result_path.stem}.md"
+    md.write_text("\n\n".join([f"Pooled over drifts ({result['suite']}; `*`: the 95% interval excludes 0)",
+                                pooled_table(result), "Per drift and arm", drift_table(result, phase)]) + "\n")
+    return {"png": str(png), "report": str(md)}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("directory")
-    p.add_argument("--pilot", action="store_true", help="read pilot.json instead of suite.json")
+    p.add_argument("result", help="a suite.json, pilot.json or pilot-lr-*.json")
+    p.add_argument("--runs", help="the run files' directory (default: runs/ beside the JSON)")
+    p.add_argument("--out", help="where the PNG and Markdown go (default: beside the JSON)")
     a = p.parse_args(argv)
-    print(json.dumps(report(Path(a.directory), a.pilot)))
+    print(json.dumps(report(Path(a.result), a.runs and Path(a.runs), a.out and Path(a.out))))
     return 0
 
 

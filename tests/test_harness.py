@@ -328,8 +328,8 @@ def test_quick_suite_writes_well_formed_outputs(tiny_policy_dir, tmp_path):
         assert len(run_["post_drift"]["reward"]) == 256
     entry = next(e for e in combined["per_drift_arm"] if e["arm"] == "grpo")
     assert {"low", "high", "n"} <= set(entry["auc_equal_rollouts_minus_sao"])
-    shown = suite_report(tmp_path)  # the report: figure and tables from suite.json and the run files
-    table = (tmp_path / "report.md").read_text()
+    shown = suite_report(tmp_path / "suite.json")  # the report: figure and tables from suite.json and the run files
+    table = (tmp_path / "suite.md").read_text()
     assert Path(shown["png"]).stat().st_size > 10_000 and "| answer_format | grpo |" in table
     medians = re.findall(r"\| ([^|]*censored\)) ", table)  # a censored median is "> phase", never a number
     assert len(medians) == 4 and all(re.fullmatch(r"> 256 \(1/1 censored\)|[\d,]+ \(0/1 censored\)", m)
