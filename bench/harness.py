@@ -249,6 +249,7 @@ class Harness:
         self.steps: list[dict] = []
         self.in_flight = 0
         self.row_of: dict[str, int] = {}  # traj_id -> index into rows
+        self.running: set[str] = set()  # traj_ids in flight
         self.dropped: set[str] = set()  # stragglers dropped by sync_overprovision (their joins are ignored)
         self.started_tasks = 0
         self.sections: dict[str, dict[str, float]] = defaultdict(lambda: {"wall_s": 0.0, "cpu_s": 0.0})
@@ -342,6 +343,7 @@ class Harness:
     def _row(self, task: Task, member: int, t: Trajectory, start: float, fin: float) -> None:
         n_gen = sum(t.loss_mask)
         self.row_of[t.traj_id] = len(self.rows)
+        self.running.add(t.traj_id)
         self.rows.append({
             "seq": task.seq, "member": member, "task_id": t.task_id, "traj_id": t.traj_id, "phase": t.phase,
             "family": t.family, "concept": t.concept, "reward": t.reward, "success": t.success,
@@ -355,6 +357,7 @@ class Harness:
         if trajs[0].traj_id in self.dropped:  # a straggler of sync_overprovision: already dropped
             return
         self.in_flight -= len(trajs)
+        self.running.difference_update(t.traj_id for t in trajs)
         v = self.trainer.vindex
         for t in trajs:
             row = self.rows[self.row_of[t.traj_id]]
@@ -384,10 +387,10 @@ class Harness:
 
     def _drop_stragglers(self, now: float) -> None:
         """sync_overprovision: the round's rollouts still running when its batch is trained are dropped."""
-        for row in self.rows:
-            if row["status"] == "in flight":
-                row.update(status="straggler dropped", joined_at=now)
-                self.dropped.add(row["traj_id"])
+        for traj_id in self.running:
+            self.rows[self.row_of[traj_id]].update(status="straggler dropped", joined_at=now)
+        self.dropped |= self.running
+        self.running.clear()
         self.in_flight = 0
 
     def _train(self, trajs: list[Trajectory], now: float) -> None:
