@@ -3,7 +3,8 @@
 Writes <out>/runs/<drift>-<arm>-s<seed>.json (summary, by-phase table, recoveries, step metrics, outcomes) and
 <out>/suite.json (every run's outcomes and, per drift and arm, Kaplan-Meier medians of samples-to-threshold and
 paired bootstrap intervals against the reference arm). A run that used a `pilot:` placeholder's provisional value
-says so (`provisional: true`).
+says so (`provisional: true`). A run file already in <out>/runs written with the same settings (`run_settings`) is
+reused, not rerun: an interrupted suite resumes, and a pilot grows arm by arm.
 
 The policy every arm starts from is the suite's own warm start (`learner.pretrain` on the suite's `warm_start`
 section, cached under runs/cache; `--init DIR` uses another). `--admissibility` runs the pilot's first check alone:
@@ -185,15 +186,14 @@ def run_outcomes(post: pd.DataFrame, window: int, n_rollouts: int, n_tokens: int
 def run_one(plan: Plan, arm: Arm, drift: dict, seed: int, init: str, out_dir: Path, log=print) -> dict[str, Any]:
     scn = drift_scenario(plan, drift)
     stream = phase_prefix(scenario_stream(scn, seed), arm.group_size)
-    sim = sim_config(plan, arm, seed)
-    learner = run_settings(plan, arm, drift, seed)["learner_sets"]
+    sim, settings = sim_config(plan, arm, seed), run_settings(plan, arm, drift, seed)
     log(f"[suite] {drift['name']} {arm.name} seed {seed}: {sum(1 for _ in stream)} stream items, sim {sim}")
-    res: Result = simulate(sim, init, stream, learner, [], scn.rate, log)
+    res: Result = simulate(sim, init, stream, settings["learner_sets"], [], scn.rate, log)
     steps = res.steps[[k for k in STEP_KEYS if k in res.steps]] if len(res.steps) else res.steps
     post = post_drift(res.trajectories)
     run = {"suite": plan.name, "arm": arm.name, "drift": drift["name"], "seed": seed, "init": init,
            "provisional": bool(plan.provisional), "provisional_values": plan.provisional,
-           **run_settings(plan, arm, drift, seed), "summary": summary(res, sim.threads),
+           **settings, "summary": summary(res, sim.threads),
            "by_phase": by_phase(res.trajectories), "recoveries": res.recoveries.to_dict("records"),
            "steps": steps.to_dict("records"),
            "post_drift": {"reward": post["reward"].tolist(), "success": post["success"].astype(float).tolist(),
