@@ -247,12 +247,15 @@ class Harness:
         self._n_events = 0
         self.rows: list[dict] = []
         self.steps: list[dict] = []
-        self.in_flight = 0
         self.row_of: dict[str, int] = {}  # traj_id -> index into rows
         self.running: set[str] = set()  # traj_ids in flight
         self.dropped: set[str] = set()  # stragglers dropped by sync_overprovision (their joins are ignored)
         self.started_tasks = 0
         self.sections: dict[str, dict[str, float]] = defaultdict(lambda: {"wall_s": 0.0, "cpu_s": 0.0})
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.running)
 
     @contextmanager
     def _timed(self, name: str):
@@ -334,7 +337,6 @@ class Harness:
             done = run_tasks(self.engine, self.tok, batch, agent, latency=self.sim.latency)
         self.started_tasks += len(batch)
         for task, trajs in zip(batch, done):
-            self.in_flight += len(trajs)
             finishes = [finish_time(now, sum(t.loss_mask), t.env_seconds, self.sim.gen_tokens_per_s) for t in trajs]
             for member, (t, fin) in enumerate(zip(trajs, finishes)):
                 self._row(task, member, t, now, fin)
@@ -356,7 +358,6 @@ class Harness:
     def _join(self, trajs: list[Trajectory], now: float) -> None:
         if trajs[0].traj_id in self.dropped:  # a straggler of sync_overprovision: already dropped
             return
-        self.in_flight -= len(trajs)
         self.running.difference_update(t.traj_id for t in trajs)
         v = self.trainer.vindex
         for t in trajs:
@@ -391,7 +392,6 @@ class Harness:
             self.rows[self.row_of[traj_id]].update(status="straggler dropped", joined_at=now)
         self.dropped |= self.running
         self.running.clear()
-        self.in_flight = 0
 
     def _train(self, trajs: list[Trajectory], now: float) -> None:
         v, eta = self.trainer.vindex, self.sim.eta
