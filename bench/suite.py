@@ -104,12 +104,16 @@ def read_lr(value: Any) -> float | dict[str, float]:
     return {k: float(v) for k, v in value.items()} if isinstance(value, dict) else float(value)
 
 
+def has_own_lr(arm: Arm) -> bool:
+    """Trained and not a control of SAO: eta0 (SAO at staleness 0) and frozen (never steps) take SAO's lr."""
+    return bool(arm.sim.get("train", True)) and arm.name != "eta0"
+
+
 def lr_of(plan: Plan, arm: Arm) -> float:
-    """The arm's learning rate: the suite's one value, or its own entry (the controls eta0 and frozen take SAO's;
-    frozen never steps)."""
+    """The arm's learning rate: the suite's one value, or its own entry (`has_own_lr`; else SAO's)."""
     if not isinstance(plan.lr, dict):
         return plan.lr
-    name = "sao" if arm.name in ("eta0", "frozen") else arm.name
+    name = arm.name if has_own_lr(arm) else "sao"
     if name not in plan.lr:
         raise ValueError(f"suite {plan.name}: no lr for arm {arm.name} (lr has {sorted(plan.lr)})")
     return plan.lr[name]
@@ -233,9 +237,7 @@ def finished_run(plan: Plan, arm: Arm, drift: dict, seed: int, init: str, out_di
 def run_all(plan: Plan, todo: list[tuple[Arm, dict, int]], init: str, out_dir: Path, jobs: int = 1) -> list[dict]:
     """`run_one` for every (arm, drift, seed) in order, `jobs` at a time in worker processes (spawned: no torch
     state is shared), the harness threads split between them."""
-    if jobs > 1:  # threads is a setting of the run (its file records it), so split before looking for finished runs
-        threads = max(1, int(plan.harness.get("threads", 2)) // jobs)
-        plan = dataclasses.replace(plan, harness={**plan.harness, "threads": threads})
+    plan = split_threads(plan, jobs)  # threads is a setting of the run (its file records it): split first
     done = {i: run for i, (arm, drift, seed) in enumerate(todo)
             if (run := finished_run(plan, arm, drift, seed, init, out_dir)) is not None}
     if done:
@@ -248,6 +250,14 @@ def run_all(plan: Plan, todo: list[tuple[Arm, dict, int]], init: str, out_dir: P
             futures = {i: pool.submit(run_one, plan, arm, drift, seed, init, out_dir) for i, (arm, drift, seed) in left}
             done.update({i: f.result() for i, f in futures.items()})
     return [done[i] for i in range(len(todo))]
+
+
+def split_threads(plan: Plan, jobs: int) -> Plan:
+    """The plan as each of `jobs` worker processes runs it: the harness threads shared out, at least one each."""
+    if jobs <= 1:
+        return plan
+    threads = max(1, int(plan.harness.get("threads", 2)) // jobs)
+    return dataclasses.replace(plan, harness={**plan.harness, "threads": threads})
 
 
 def _json_default(x: Any) -> Any:

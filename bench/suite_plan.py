@@ -41,10 +41,12 @@ from bench.suite import (  # noqa: E402
     choose_lr,
     combine,
     finished_run,
+    has_own_lr,
     load_plan,
     post_rollouts_rule,
     run_path,
     seed_differences,
+    split_threads,
 )
 
 
@@ -95,8 +97,8 @@ def budget_seeds(seed_cpu_s: float, budget_s: float, cores: int) -> int:
 
 
 def trained_arms(plan: Plan) -> list[str]:
-    """The arms with a learning rate of their own: trained, and not a control of SAO (eta0 runs at SAO's)."""
-    return [a.name for a in plan.arms if a.sim.get("train", True) and a.name != "eta0"]
+    """The arms with a learning rate of their own (`suite.has_own_lr`)."""
+    return [a.name for a in plan.arms if has_own_lr(a)]
 
 
 def with_grid_edges(choice: dict[str, dict]) -> dict[str, dict]:
@@ -110,9 +112,7 @@ def with_grid_edges(choice: dict[str, dict]) -> dict[str, dict]:
 def pilot_runs(plan: Plan, directory: Path, lr: float, init: str, jobs: int) -> list[dict]:
     """The run files in `directory` written with the pilot's settings at `lr` (`suite.finished_run`): stale files
     from an earlier version of the suite are left out."""
-    threads = max(1, int(plan.harness.get("threads", 2)) // jobs)
-    p = dataclasses.replace(plan, seeds=plan.pilot_seeds, post=plan.pilot_post, lr=lr,
-                            harness={**plan.harness, "threads": threads})
+    p = split_threads(dataclasses.replace(plan, seeds=plan.pilot_seeds, post=plan.pilot_post, lr=lr), jobs)
     found = (finished_run(p, ARMS[name], d, s, init, directory) for name in trained_arms(plan)
              for d in p.drifts for s in p.seeds)
     return [r for r in found if r is not None]
