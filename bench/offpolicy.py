@@ -37,6 +37,7 @@ if __package__ in (None, ""):  # `python bench/offpolicy.py`
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from bench import stats  # noqa: E402
 from bench.arms import Arm, arms  # noqa: E402
 from bench.common import pyplot  # noqa: E402
 from bench.harness import SimConfig, phase_prefix, scenario_stream, simulate, summary  # noqa: E402
@@ -120,9 +121,8 @@ def figure(runs: list[dict], path: Path, window: int) -> Path:
     cmap = plt.get_cmap("tab20")
     for i, r in enumerate(runs):
         label, colour = f"{r['arm']} eta{r['eta']} x{r['updates']} s{r['seed']}", cmap(i % 20)
-        rew = np.asarray(r["reward"], float)
-        if len(rew) >= window:
-            axes[0].plot(np.convolve(rew, np.ones(window) / window, mode="valid"), color=colour, lw=0.8, label=label)
+        if len(r["reward"]) >= window:
+            axes[0].plot(stats.window_means(r["reward"], window), color=colour, lw=0.8, label=label)
         st = pd.DataFrame(r["steps"])
         for ax, key in ((axes[1], "learner/ess_frac"), (axes[2], "learner/kl_k3")):
             if key in st:

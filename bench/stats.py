@@ -8,13 +8,19 @@ import math
 import numpy as np
 
 
+def window_means(values, window: int) -> np.ndarray:
+    """The mean of every `window` consecutive values (len(values) - window + 1 of them; none when fewer)."""
+    x = np.asarray(values, float)
+    return np.convolve(x, np.ones(window) / window, mode="valid") if x.size >= window else np.zeros(0)
+
+
 def samples_to(values, threshold: float, window: int) -> tuple[int, bool]:
     """(samples until the `window`-mean of `values` first reaches `threshold`, reached). Not reached: (len, False),
     censored at the number observed. Fewer values than a window: never reached."""
     x = np.asarray(values, float)
     if x.size < window:
         return int(x.size), False
-    means = np.convolve(x, np.ones(window) / window, mode="valid")
+    means = window_means(x, window)
     hit = np.flatnonzero(means >= threshold - 1e-12)
     return (int(hit[0]) + window, True) if hit.size else (int(x.size), False)
 

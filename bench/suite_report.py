@@ -22,6 +22,7 @@ if __package__ in (None, ""):  # `python bench/suite_report.py`
 
 import numpy as np  # noqa: E402
 
+from bench import stats  # noqa: E402
 from bench.common import pyplot  # noqa: E402
 
 
@@ -68,11 +69,10 @@ def drift_table(result: dict, phase: dict[str, int]) -> str:
 def success_curves(runs: list[dict], window: int) -> dict[str, dict[str, np.ndarray]]:
     """Per drift and arm, the `window`-mean post-drift success, averaged over the seeds (cut to the shortest)."""
     by: dict[str, dict[str, list[np.ndarray]]] = {}
-    kernel = np.ones(window) / window
     for r in runs:
-        s = np.asarray(r["post_drift"]["success"], float)
-        if s.size >= window:
-            by.setdefault(r["drift"], {}).setdefault(r["arm"], []).append(np.convolve(s, kernel, mode="valid"))
+        s = r["post_drift"]["success"]
+        if len(s) >= window:
+            by.setdefault(r["drift"], {}).setdefault(r["arm"], []).append(stats.window_means(s, window))
     return {d: {a: np.mean([c[:min(map(len, cs))] for c in cs], axis=0) for a, cs in arms.items()}
             for d, arms in by.items()}
 

@@ -67,7 +67,7 @@ def run_mode(plan, drift: dict, mode: str, seed: int, init: str, rate: float, st
     post = t[t["phase"] == 1]
     secs, hit = time_to(post, drift_at, THRESHOLD, window)
     fin = t.sort_values("finished_at")
-    curve = pd.Series(fin["success"].astype(float).to_numpy()).rolling(window).mean()
+    curve = stats.window_means(fin["success"].astype(float), window)  # curve[i] ends at fin's row i + window - 1
     keep = np.linspace(window - 1, len(fin) - 1, min(400, max(len(fin) - window + 1, 1))).astype(int)
     return {"mode": mode, "seed": seed, "eta": eta, "sim": dataclasses.asdict(sim), "sim_s": float(res.sim_s),
             "trajectories": int(len(t)), "trained": int(len(trained)),
@@ -78,7 +78,7 @@ def run_mode(plan, drift: dict, mode: str, seed: int, init: str, rate: float, st
             f"s_to_{THRESHOLD}": secs, f"reached_{THRESHOLD}": hit,
             "post_auc": float(post["reward"].mean()) if len(post) else float("nan"),
             "curve": {"t": fin["finished_at"].to_numpy()[keep].round(2).tolist(),
-                      "success": curve.to_numpy()[keep].round(4).tolist()}}
+                      "success": curve[keep - (window - 1)].round(4).tolist()}}
 
 
 def per_mode(runs: list[dict]) -> list[dict]:

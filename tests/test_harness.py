@@ -85,6 +85,8 @@ def test_phase_prefix_keeps_the_first_tasks_of_each_phase():
 
 def test_stats_hand_computed():
     # windows of 2 over 0,1,0,1,1: means .5,.5,.5,1 -> 0.8 first reached by the window ending at index 4: 5 samples
+    assert stats.window_means([0, 1, 0, 1, 1], 2).tolist() == [0.5, 0.5, 0.5, 1.0]
+    assert stats.window_means([1], 2).size == 0
     assert stats.samples_to([0, 1, 0, 1, 1], 0.8, 2) == (5, True)
     assert stats.samples_to([0, 1, 0, 1, 0], 0.8, 2) == (5, False)  # censored at what was observed
     # times 2, 3 (censored), 4, 5: S(2) = 3/4, S(4) = 3/4 * 1/2 = 3/8 -> median 4
