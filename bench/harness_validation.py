@@ -32,7 +32,7 @@ import yaml  # noqa: E402
 
 from bench.harness import SimConfig, scenario_stream, simulate, summary  # noqa: E402
 from simulator.latency import LatencyConfig  # noqa: E402
-from simulator.scenario import load_scenario  # noqa: E402
+from simulator.scenario import Scenario, load_scenario  # noqa: E402
 
 REWARD_TOL = 0.10
 STALENESS_TV_TOL = 0.25
@@ -57,12 +57,11 @@ def statuses(recoveries: list[dict] | pd.DataFrame) -> dict[str, str]:
     return {f"{r['name']}/{r['family']}": r["status"] for r in rows}
 
 
-def calibrate(run_dir: Path, cfg: dict) -> SimConfig:
-    t = pd.read_parquet(run_dir / "trajectories.parquet")
+def calibrate(run_dir: Path, cfg: dict, t: pd.DataFrame, scn: Scenario) -> SimConfig:
+    """The harness settings of the run: its trajectories `t`, learner table, admission and scenario `scn`."""
     steps = pd.read_parquet(run_dir / "learner.parquet")
     up, agent, learner = cfg["launch"], cfg["agent"], cfg["learner"]
     agents = max(1, json.loads((run_dir / "config.json").read_text())["plan"]["agents"])
-    scn = load_scenario(up["scenario"])
     return SimConfig(batch=learner["batch"]["max_trajectories"], eta=learner["batch"]["max_staleness"],
                      max_in_flight=agent["tasks_per_version"] * (agent["versions_ahead"] + 1) * agents,
                      tasks_per_version=agent["tasks_per_version"] * agents, versions_ahead=agent["versions_ahead"],
@@ -73,9 +72,9 @@ def calibrate(run_dir: Path, cfg: dict) -> SimConfig:
 
 def validate(run_dir: Path) -> dict[str, Any]:
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
-    sim = calibrate(run_dir, cfg)
     real = pd.read_parquet(run_dir / "trajectories.parquet")
     scn = load_scenario(cfg["launch"]["scenario"])
+    sim = calibrate(run_dir, cfg, real, scn)
     stream = scenario_stream(scn, cfg["launch"]["seed"])
     agent_sets = [f"{k}={cfg['agent'][k]}" for k in AGENT_KEYS]
     res = simulate(sim, cfg["learner"]["io"]["init"], stream, [], agent_sets, scn.rate)
