@@ -56,7 +56,7 @@ class Plan:
     drifts: list[dict]
     seeds: list[int]
     pre: int
-    post: int
+    post: int | dict[str, int]  # post-drift rollouts: one for every drift, or per drift (`post_of`)
     lr: float | dict[str, float]  # one for every arm, or per arm (the lr rule's choice; eta0 takes SAO's)
     window: int
     harness: dict[str, Any]
@@ -70,8 +70,11 @@ class Plan:
 
 
 def resolve(value: Any, name: str, used: list[str]) -> Any:
-    """A plain value, or a `pilot:` placeholder's provisional value (recorded in `used`)."""
+    """A plain value, a `pilot:` placeholder's `filled` value (its rule applied to the pilot), or else its
+    provisional value (recorded in `used`)."""
     if isinstance(value, dict) and "pilot" in value:
+        if "filled" in value:
+            return value["filled"]
         used.append(name)
         return value["pilot"]["provisional"]
     return value
@@ -93,11 +96,24 @@ def load_plan(path: str | Path, quick: bool = False) -> Plan:
         used.append("quick")
     ws = dict(raw["scenario"]["warm_start"])
     pretrain_sets = [str(x) for x in ws.pop("pretrain", [])]
-    return Plan(raw["name"], arms(names), pick_drifts(raw["drifts"], keep), list(seeds), int(pre), int(post),
+    return Plan(raw["name"], arms(names), pick_drifts(raw["drifts"], keep), list(seeds), int(pre), read_post(post),
                 read_lr(resolve(raw["lr"], "lr", used)), int(window), harness, raw["scenario"], used,
                 warm_start_scenario(raw["name"], raw["scenario"], ws, raw["drifts"]), pretrain_sets,
                 list(raw["seeds"]["pilot"]), int(raw["post_rollouts"]["pilot"]["pilot_runs"]),
                 tuple(raw["admissible_start"]))
+
+
+def read_post(value: Any) -> int | dict[str, int]:
+    return {k: int(v) for k, v in value.items()} if isinstance(value, dict) else int(value)
+
+
+def post_of(plan: Plan, drift: dict) -> int:
+    """The drift's post-drift rollouts: the suite's one value, or its own entry."""
+    if not isinstance(plan.post, dict):
+        return plan.post
+    if drift["name"] not in plan.post:
+        raise ValueError(f"suite {plan.name}: no post_rollouts for drift {drift['name']} (it has {sorted(plan.post)})")
+    return plan.post[drift["name"]]
 
 
 def read_lr(value: Any) -> float | dict[str, float]:
@@ -155,7 +171,7 @@ def drift_scenario(plan: Plan, drift: dict) -> Scenario:
            "options": drift_options(s.get("options", {}), drift),
            "phases": [{"name": "pre", "duration_tasks": plan.pre, "families": {drift["family"]: 1},
                        "concepts": {drift["family"]: drift["from"]}},
-                      {"name": drift["name"], "schedule": "abrupt", "duration_tasks": plan.post,
+                      {"name": drift["name"], "schedule": "abrupt", "duration_tasks": post_of(plan, drift),
                        "concepts": {drift["family"]: drift["to"]}}]}
     scn = load_config(Scenario, None, [], base=raw)
     validate_scenario(scn, f"suite drift {drift['name']}")
@@ -215,7 +231,7 @@ def run_path(out_dir: Path, arm: Arm, drift: dict, seed: int) -> Path:
 def run_settings(plan: Plan, arm: Arm, drift: dict, seed: int) -> dict[str, Any]:
     """What a run's result depends on besides its init: a run file with the same is that run (`finished_run`)."""
     sim = dataclasses.asdict(sim_config(plan, arm, seed))
-    return {"drift_def": drift, "pre": plan.pre, "post": plan.post,
+    return {"drift_def": drift, "pre": plan.pre, "post": post_of(plan, drift),
             "learner_sets": [*arm.learner, f"optim.lr={lr_of(plan, arm)}"],
             "sim": json.loads(json.dumps(sim, default=_json_default))}
 
@@ -432,8 +448,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = dataclasses.replace(plan, drifts=pick_drifts(plan.drifts, a.drifts.split(",")))
     if a.lr is not None:  # one value of the lr grid (the pilot's lr choice): every trained arm at it
         plan = dataclasses.replace(plan, lr=a.lr, provisional=[p for p in plan.provisional if p != "lr"] + ["lr grid"])
-    # drift by drift: an interrupted suite leaves whole drifts (every seed and arm) in <out>/runs
-    todo = [(arm, drift, seed) for drift in plan.drifts for seed in plan.seeds for arm in plan.arms]
+    # seed by seed: an interrupted suite leaves whole seeds (every drift and arm, the pairing unit) in <out>/runs
+    todo = [(arm, drift, seed) for seed in plan.seeds for drift in plan.drifts for arm in plan.arms]
     runs = run_all(plan, todo, a.init, out, a.jobs)
     combined = {**combine(plan, runs), "wall_s": round(time.monotonic() - t0, 1), "init": a.init,
                 "suite_file": str(a.suite), "pilot": a.pilot, "lr": plan.lr}

@@ -31,8 +31,10 @@ from bench.suite import (
     lr_of,
     pick_drifts,
     pooled,
+    post_of,
     post_rollouts_rule,
     read_lr,
+    resolve,
     run_path,
     run_settings,
     warm_start_scenario,
@@ -214,7 +216,11 @@ def test_suite_file_names_seven_drifts_and_every_arm():
     for d in plan.drifts:  # every drift's concepts exist in simulator/families
         phases = drift_scenario(plan, d).phases
         assert [p.concepts for p in phases] == [{d["family"]: d["from"]}, {d["family"]: d["to"]}]
-    assert {"post_rollouts", "lr", "seeds.main"} <= set(plan.provisional)  # the pilot's placeholders
+    assert plan.provisional == [] and plan.seeds == [0, 1, 2]  # 1.2 filled the pilot's three placeholders
+    post = {d["name"]: post_of(plan, d) for d in plan.drifts}
+    assert post["tool_rename"] == 2560 and post["arith_op_ab"] == 4608
+    assert [p.duration_tasks for p in drift_scenario(plan, plan.drifts[-1]).phases] == [1024, 4608]
+    assert lr_of(plan, arms(["dapo"])[0]) == 2e-4 and lr_of(plan, arms(["eta0"])[0]) == lr_of(plan, arms(["sao"])[0])
     assert {a.group_size for a in arms(["grpo", "dapo", "dr_grpo", "gspo", "cispo"])} == {8}
     with pytest.raises(ValueError, match="unknown arm"):
         arms(["sao", "reinforce"])
@@ -230,6 +236,16 @@ def test_the_suite_warm_start_trains_every_family_at_its_pre_drift_concept():
     clash = [{"name": "a", "family": "arith", "from": "add7"}, {"name": "b", "family": "arith", "from": "sub7"}]
     with pytest.raises(ValueError, match="drift b starts family arith from sub7, another drift from add7"):
         warm_start_scenario("s", {}, {}, clash)
+
+
+def test_a_placeholder_resolves_to_its_filled_value_else_to_its_provisional_one():
+    used: list[str] = []
+    assert resolve({"pilot": {"provisional": 2}}, "a", used) == 2 and used == ["a"]
+    assert resolve({"pilot": {"provisional": 2}, "filled": {"x": 5}}, "b", used) == {"x": 5} and used == ["a"]
+    assert resolve(7, "c", used) == 7 and used == ["a"]
+    plan = dataclasses.replace(load_plan(SUITE), post={"x": 5})
+    with pytest.raises(ValueError, match="no post_rollouts for drift y"):
+        post_of(plan, {"name": "y"})
 
 
 def test_a_drift_lays_its_own_options_over_the_suite_options():
