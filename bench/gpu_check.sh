@@ -6,6 +6,7 @@
 #   VLLM_PY=~/vllm-env/bin/python bash bench/gpu_check.sh   # also the vLLM engine (SKIP_MEGATRON=1: only it)
 # Model: bench/megatron_step.py --size gpu (8 layers, hidden 1024, 16 experts top-2, width 1024).
 # On CPU-only machines it stops: the CPU path is tested by tests/test_megatron_backend.py.
+# Last, the drift suite's pilot sized to 8 minutes (SKIP_PILOT=1 skips it; PILOT_BUDGET_S=... changes it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -67,4 +68,13 @@ if "$VLLM_PY" -c "import vllm" 2>/dev/null && [ "${SKIP_OWN_MODEL:-0}" != 1 ]; t
     --set backend.expert_parallel="$OWN_NPROC" --set backend.dtype=bfloat16 --set loss.kl_coef=0 \
     --set batch.max_trajectories=32 --max-steps 4 --set io.events="$OWN/events.jsonl"
   echo "saved $OWN (trajectories.jsonl, events.jsonl)"
+fi
+
+# The drift suite's pilot (issue 15, item 7) in 8 minutes: a timing pilot prices every arm's runs, then the arms that
+# fit run many at once, one thread each (bench/pilot_sizing.py). The tiny model's harness runs on CPU threads: this
+# uses the machine's cores, not the GPU. The warm start is built first when runs/cache lacks it (timed apart).
+if [ "${SKIP_PILOT:-0}" != 1 ]; then
+  "$PY" bench/pilot_sizing.py --suite bench/suites/drift_v1.yaml --budget-s "${PILOT_BUDGET_S:-480}" \
+    --out runs/bench/gpu_pilot
+  echo "saved runs/bench/gpu_pilot/pilot.json"
 fi
