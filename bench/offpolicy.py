@@ -41,7 +41,8 @@ from bench import stats  # noqa: E402
 from bench.arms import Arm, arms  # noqa: E402
 from bench.common import pyplot  # noqa: E402
 from bench.harness import SimConfig, phase_prefix, scenario_stream, simulate, summary  # noqa: E402
-from bench.suite import STEP_KEYS, Plan, _json_default, build_init, load_plan  # noqa: E402
+from bench.parallel import run_parallel  # noqa: E402
+from bench.suite import STEP_KEYS, Plan, build_init, json_default, load_plan, split_threads  # noqa: E402
 from simulator.scenario import Scenario, validate_scenario  # noqa: E402
 from streamer.runs.stability import collapsed, policy_events  # noqa: E402
 from streamer.wire.config import load_config  # noqa: E402
@@ -177,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plan", help="main_plan.json (bench/suite_plan.py): each arm's lr")
     p.add_argument("--lr", type=float, help="every arm at this lr instead")
     p.add_argument("--init", help="warm start (default: the suite's own, built and cached)")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once, in separate processes (threads shared out)")
     p.add_argument("--out", default="runs/bench/offpolicy")
     a = p.parse_args(argv)
     plan = load_plan(a.suite)
@@ -192,19 +194,17 @@ def main(argv: list[str] | None = None) -> int:
     init = a.init or str(build_init(plan))
     out, t0 = Path(a.out), time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
-    runs = []
-    for arm in arms(names):
-        for regime in regimes:
-            for seed in seeds:
-                print(f"[offpolicy] {arm.name} eta {regime.eta} updates {regime.updates} seed {seed}", flush=True)
-                runs.append(run_regime(plan, arm, regime, seed, a.steps, a.batch, lrs[arm.name],
-                                       a.families.split(","), init, a.window))
+    plan = split_threads(plan, a.jobs)
+    calls = [(plan, arm, regime, seed, a.steps, a.batch, lrs[arm.name], a.families.split(","), init, a.window)
+             for arm in arms(names) for regime in regimes for seed in seeds]
+    print(f"[offpolicy] {len(calls)} runs, {a.jobs} at a time", flush=True)
+    runs = run_parallel(run_regime, calls, a.jobs)
     name = "quick" if a.quick else "sweep" if a.sweep else f"stability-eta{a.eta}-x{a.updates}"
     tab = table(runs)
     result = {"mode": name, "suite": plan.name, "init": init, "steps": a.steps, "batch": a.batch,
               "families": a.families, "window": a.window, "wall_s": round(time.monotonic() - t0, 1),
               "table": tab.to_dict("records"), "runs": runs}
-    (out / f"{name}.json").write_text(json.dumps(result, indent=1, default=_json_default))
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1, default=json_default))
     figure(runs, out / f"{name}.png", a.window)
     print(tab.to_string(index=False))
     return 0

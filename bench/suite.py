@@ -20,10 +20,8 @@ import argparse
 import dataclasses
 import json
 import math
-import multiprocessing
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +35,7 @@ import yaml  # noqa: E402
 from bench import stats  # noqa: E402
 from bench.arms import Arm, arms  # noqa: E402
 from bench.harness import Result, SimConfig, by_phase, phase_prefix, scenario_stream, simulate, summary  # noqa: E402
+from bench.parallel import run_parallel  # noqa: E402
 from learner.pretrain import PretrainConfig, pretrain  # noqa: E402
 from simulator.scenario import Scenario, validate_scenario  # noqa: E402
 from streamer.wire.config import load_config  # noqa: E402
@@ -220,7 +219,7 @@ def run_one(plan: Plan, arm: Arm, drift: dict, seed: int, init: str, out_dir: Pa
                           "n_gen": post["n_gen"].astype(int).tolist()}}
     path = run_path(out_dir, arm, drift, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(run, indent=1, default=_json_default))
+    path.write_text(json.dumps(run, indent=1, default=json_default))
     return run
 
 
@@ -233,7 +232,7 @@ def run_settings(plan: Plan, arm: Arm, drift: dict, seed: int) -> dict[str, Any]
     sim = dataclasses.asdict(sim_config(plan, arm, seed))
     return {"drift_def": drift, "pre": plan.pre, "post": post_of(plan, drift),
             "learner_sets": [*arm.learner, f"optim.lr={lr_of(plan, arm)}"],
-            "sim": json.loads(json.dumps(sim, default=_json_default))}
+            "sim": json.loads(json.dumps(sim, default=json_default))}
 
 
 def finished_run(plan: Plan, arm: Arm, drift: dict, seed: int, init: str, out_dir: Path) -> dict | None:
@@ -245,7 +244,7 @@ def finished_run(plan: Plan, arm: Arm, drift: dict, seed: int, init: str, out_di
     run = json.loads(path.read_text())
     want = {"init": init, **run_settings(plan, arm, drift, seed)}
     # a SimConfig field added after the file was written had its default then
-    defaults = json.loads(json.dumps(dataclasses.asdict(SimConfig()), default=_json_default))
+    defaults = json.loads(json.dumps(dataclasses.asdict(SimConfig()), default=json_default))
     have = {**run, "sim": {**defaults, **run.get("sim", {})}}
     return run if all(have.get(k) == v for k, v in want.items()) else None
 
@@ -258,13 +257,9 @@ def run_all(plan: Plan, todo: list[tuple[Arm, dict, int]], init: str, out_dir: P
             if (run := finished_run(plan, arm, drift, seed, init, out_dir)) is not None}
     if done:
         print(f"[suite] {len(done)} of {len(todo)} runs already in {out_dir / 'runs'} with these settings: reused")
-    left = [(i, t) for i, t in enumerate(todo) if i not in done]
-    if jobs <= 1:
-        done.update({i: run_one(plan, arm, drift, seed, init, out_dir) for i, (arm, drift, seed) in left})
-    else:
-        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = {i: pool.submit(run_one, plan, arm, drift, seed, init, out_dir) for i, (arm, drift, seed) in left}
-            done.update({i: f.result() for i, f in futures.items()})
+    left = [i for i in range(len(todo)) if i not in done]
+    results = run_parallel(run_one, [(plan, *todo[i], init, out_dir) for i in left], jobs)
+    done.update(zip(left, results))
     return [done[i] for i in range(len(todo))]
 
 
@@ -276,7 +271,7 @@ def split_threads(plan: Plan, jobs: int) -> Plan:
     return dataclasses.replace(plan, harness={**plan.harness, "threads": threads})
 
 
-def _json_default(x: Any) -> Any:
+def json_default(x: Any) -> Any:
     if isinstance(x, (np.integer,)):
         return int(x)
     if isinstance(x, (np.floating, float)):
@@ -462,8 +457,8 @@ def main(argv: list[str] | None = None) -> int:
 def _write(path: Path, result: dict, shown: Any) -> None:
     """`result` as JSON at `path`, and its `shown` part printed."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1, default=_json_default))
-    print(json.dumps(shown, indent=1, default=_json_default))
+    path.write_text(json.dumps(result, indent=1, default=json_default))
+    print(json.dumps(shown, indent=1, default=json_default))
 
 
 if __name__ == "__main__":

@@ -37,7 +37,16 @@ from bench import stats  # noqa: E402
 from bench.arms import arm as get_arm  # noqa: E402
 from bench.common import pyplot  # noqa: E402
 from bench.harness import MODES, scenario_stream, simulate  # noqa: E402
-from bench.suite import _json_default, build_init, drift_scenario, load_plan, pick_drifts, sim_config  # noqa: E402
+from bench.parallel import run_parallel  # noqa: E402
+from bench.suite import (  # noqa: E402
+    build_init,
+    drift_scenario,
+    json_default,
+    load_plan,
+    pick_drifts,
+    sim_config,
+    split_threads,
+)
 
 THRESHOLD = 0.7
 
@@ -126,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, help="torch threads (default: the suite's harness.threads)")
     p.add_argument("--quick", action="store_true", help="outputs only: a few hundred rollouts, one seed")
     p.add_argument("--init", help="warm start (default: the suite's own, built and cached)")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once, in separate processes (threads shared out)")
     p.add_argument("--out", default="runs/bench/sync_baselines")
     a = p.parse_args(argv)
     plan = load_plan(a.suite)
@@ -138,18 +148,18 @@ def main(argv: list[str] | None = None) -> int:
     init = a.init or str(build_init(plan))
     out, t0 = Path(a.out), time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
-    runs = []
-    for seed in seeds:
-        for mode in a.modes.split(","):
-            print(f"[sync_baselines] {mode} seed {seed}", flush=True)
-            runs.append(run_mode(plan, drift, mode, seed, init, a.rate, a.learner_step_s, a.lr, window))
+    plan = split_threads(plan, a.jobs)
+    calls = [(plan, drift, mode, seed, init, a.rate, a.learner_step_s, a.lr, window)
+             for seed in seeds for mode in a.modes.split(",")]
+    print(f"[sync_baselines] {len(calls)} runs, {a.jobs} at a time", flush=True)
+    runs = run_parallel(run_mode, calls, a.jobs)
     summary = per_mode(runs)
     result = {"suite": plan.name, "drift": drift, "init": init, "rate": a.rate, "learner_step_s": a.learner_step_s,
               "pre": pre, "post": post, "lr": a.lr, "window": window, "threshold": THRESHOLD,
               "wall_s": round(time.monotonic() - t0, 1), "per_mode": summary, "runs": runs}
-    (out / "sync_baselines.json").write_text(json.dumps(result, indent=1, default=_json_default))
+    (out / "sync_baselines.json").write_text(json.dumps(result, indent=1, default=json_default))
     figure(runs, out / "sync_baselines.png")
-    print(json.dumps(summary, indent=1, default=_json_default))
+    print(json.dumps(summary, indent=1, default=json_default))
     return 0
 
 

@@ -368,7 +368,7 @@ def test_quick_suite_writes_well_formed_outputs(tiny_policy_dir, tmp_path):
 @pytest.mark.slow
 def test_offpolicy_quick_reaches_its_staleness_and_logs_ess(tiny_policy_dir, tmp_path):
     assert offpolicy_main(["--suite", str(SUITE), "--init", str(tiny_policy_dir), "--quick", "--families", "format",
-                           "--out", str(tmp_path)]) == 0
+                           "--jobs", "2", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "quick.json").read_text())
     assert (tmp_path / "quick.png").stat().st_size > 10_000
     rows = {(r["arm"], r["eta"], r["updates"]): r for r in result["table"]}
@@ -383,7 +383,7 @@ def test_offpolicy_quick_reaches_its_staleness_and_logs_ess(tiny_policy_dir, tmp
 @pytest.mark.slow
 def test_sync_baselines_quick_writes_every_mode(tiny_policy_dir, tmp_path):
     assert sync_main(["--suite", str(SUITE), "--init", str(tiny_policy_dir), "--quick", "--drift", "answer_format",
-                      "--out", str(tmp_path)]) == 0
+                      "--jobs", "2", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "sync_baselines.json").read_text())
     assert (tmp_path / "sync_baselines.png").stat().st_size > 10_000
     runs = {r["mode"]: r for r in result["runs"]}
