@@ -293,7 +293,9 @@ def combine(plan: Plan, runs: list[dict]) -> dict[str, Any]:
         for r in group:
             post = pd.DataFrame(r["post_drift"])
             rows.append({"drift": drift, "seed": seed, "arm": r["arm"],
-                         **run_outcomes(post, plan.window, n_roll, n_tok)})
+                         **run_outcomes(post, plan.window, n_roll, n_tok),
+                         "learner_steps": r["summary"]["learner_steps"],
+                         "trained_frac": r["summary"]["trained"] / max(r["summary"]["trajectories"], 1)})
     table = pd.DataFrame(rows)
     ref = "sao" if "sao" in {a.name for a in plan.arms} else plan.arms[0].name
     per_arm = []
