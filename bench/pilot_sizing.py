@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--suite", required=True)
     p.add_argument("--init", help="warm-start policy directory (default: the suite's own, built and cached)")
-    p.add_argument("--budget-s", type=float, default=480.0, help="wall seconds for the timing pilot and the pilot together (the warm start apart)")
+    p.add_argument("--budget-s", type=float, default=480.0,
+                   help="wall seconds for the timing pilot and the pilot together (the warm start apart)")
     p.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     p.add_argument("--timing-rollouts", type=int, default=128, help="pre- and post-drift rollouts of a timing run")
     p.add_argument("--lr", type=float, help="every trained arm at this lr (default: the suite's lr)")
