@@ -6,6 +6,9 @@ is reached, not only allowed) and trains every batch `updates` times. Per learne
 size of the importance weights (learner/ess_frac: (sum r)^2 / (n sum r^2) over the scored tokens), KL(behaviour ||
 learner) (k3), the clipped fractions on each side, entropy and gradient norm.
 
+Each run is written to <out>/runs/ when it finishes and reused by a later invocation with the same settings, so a
+long stability test can be run in pieces.
+
 `--sweep`: every (eta, updates) for each arm, one seed, a short run: what the regime does to KL, clipping and ESS.
 `--stability`: the 1,000-step stability test in the harshest configuration (`--eta 64 --updates 4` by default), on
 3 seeds per arm. Collapse: a non-finite update, an entropy collapse (the last tenth of policy steps below 10% of the
@@ -115,6 +118,24 @@ def run_regime(plan: Plan, arm: Arm, regime: Regime, seed: int, steps: int, batc
             "steps": steps_df.to_dict("records"), "reward": traj["reward"].astype(float).round(4).tolist()}
 
 
+def finished_or_run(out: Path, plan: Plan, arm: Arm, regime: Regime, seed: int, steps: int, batch: int, lr: float,
+                    families: list[str], init: str, window: int) -> dict[str, Any]:
+    """`run_regime`'s result from its file in `out`/runs when that was written with these settings (an interrupted
+    stability test resumes run by run), else the run, written there."""
+    settings = {"arm": arm.name, "eta": regime.eta, "updates": regime.updates, "seed": seed, "steps": steps,
+                "batch": batch, "lr": lr, "families": families, "init": init, "window": window,
+                "harness": plan.harness}
+    path = out / "runs" / f"{arm.name}-eta{regime.eta}-x{regime.updates}-s{seed}-{steps}steps.json"
+    if path.exists():
+        done = json.loads(path.read_text())
+        if done.get("settings") == json.loads(json.dumps(settings, default=json_default)):
+            return done
+    run = {**run_regime(plan, arm, regime, seed, steps, batch, lr, families, init, window), "settings": settings}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(run, default=json_default))
+    return json.loads(path.read_text())
+
+
 def figure(runs: list[dict], path: Path, window: int) -> Path:
     """Per run: windowed reward, ESS fraction and KL (k3) against the learner step."""
     plt = pyplot()
@@ -195,10 +216,10 @@ def main(argv: list[str] | None = None) -> int:
     out, t0 = Path(a.out), time.monotonic()
     out.mkdir(parents=True, exist_ok=True)
     plan = split_threads(plan, a.jobs)
-    calls = [(plan, arm, regime, seed, a.steps, a.batch, lrs[arm.name], a.families.split(","), init, a.window)
+    calls = [(out, plan, arm, regime, seed, a.steps, a.batch, lrs[arm.name], a.families.split(","), init, a.window)
              for arm in arms(names) for regime in regimes for seed in seeds]
-    print(f"[offpolicy] {len(calls)} runs, {a.jobs} at a time", flush=True)
-    runs = run_parallel(run_regime, calls, a.jobs)
+    print(f"[offpolicy] {len(calls)} runs, {a.jobs} at a time (finished ones in {out / 'runs'} reused)", flush=True)
+    runs = run_parallel(finished_or_run, calls, a.jobs)
     name = "quick" if a.quick else "sweep" if a.sweep else f"stability-eta{a.eta}-x{a.updates}"
     tab = table(runs)
     result = {"mode": name, "suite": plan.name, "init": init, "steps": a.steps, "batch": a.batch,

@@ -378,6 +378,13 @@ def test_offpolicy_quick_reaches_its_staleness_and_logs_ess(tiny_policy_dir, tmp
         assert 0 < r["ess_frac_min"] <= r["ess_frac_median"] <= 1
     run_ = next(r for r in result["runs"] if r["arm"] == "sao" and r["eta"] == 4)
     assert 5 < len(run_["steps"]) <= 9 and all("learner/ess_frac" in s for s in run_["steps"])  # stale ones dropped
+    files = sorted((tmp_path / "runs").glob("*.json"))
+    assert len(files) == 4  # one file a run: a second invocation reuses them instead of running again
+    stamps = [f.stat().st_mtime_ns for f in files]
+    assert offpolicy_main(["--suite", str(SUITE), "--init", str(tiny_policy_dir), "--quick", "--families", "format",
+                           "--jobs", "2", "--out", str(tmp_path)]) == 0  # the same threads a run: the same settings
+    assert [f.stat().st_mtime_ns for f in files] == stamps
+    assert json.loads((tmp_path / "quick.json").read_text())["table"] == result["table"]
 
 
 @pytest.mark.slow
