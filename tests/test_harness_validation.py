@@ -1,0 +1,40 @@
+"""The pooled harness validation (bench/harness_validation.py --pooled) on hand-made per-run results."""
+
+import pytest
+
+from bench.harness_validation import majority, pool
+
+
+def run(name, cells, st_real, st_harness, rec_real, rec_harness):
+    return {"run": name, "reward_cells": [{"phase": 0, "family": f, "real": r, "harness": h, "abs_diff": abs(r - h)}
+                                          for f, r, h in cells],
+            "staleness_real": st_real, "staleness_harness": st_harness,
+            "recovery_real": rec_real, "recovery_harness": rec_harness}
+
+
+def test_majority_names_the_most_common_status_and_calls_a_tie_mixed():
+    assert majority(["recovered", "censored", "recovered"]) == "recovered"
+    assert majority(["recovered", "censored"]) == "mixed"
+    assert majority(["censored"]) == "censored"
+
+
+def test_pool_compares_the_means_of_the_runs():
+    r1 = run("s0", [("arith", 0.6, 0.5), ("string", 0.4, 0.7)], {"0": 0.5, "1": 0.5}, {"0": 1.0},
+             {"a": "recovered", "b": "censored"}, {"a": "recovered", "b": "recovered"})
+    r2 = run("s1", [("arith", 0.8, 0.8), ("string", 0.6, 0.3)], {"0": 1.0}, {"0": 0.5, "2": 0.5},
+             {"a": "recovered", "b": "recovered"}, {"a": "censored", "b": "recovered"})
+    out = pool([r1, r2])
+    cells = {c["family"]: c for c in out["reward_cells"]}
+    # arith: real (0.6 + 0.8) / 2 = 0.7, harness (0.5 + 0.8) / 2 = 0.65; string: 0.5 and 0.5
+    assert cells["arith"]["real"] == pytest.approx(0.7) and cells["arith"]["harness"] == pytest.approx(0.65)
+    assert cells["string"]["abs_diff"] == pytest.approx(0.0)
+    assert out["reward_abs_diff_max"] == pytest.approx(0.05)
+    assert out["checks"]["reward_cells_within_tol"]
+    # mean histograms: real {0: .75, 1: .25}, harness {0: .75, 2: .25}; TV = (0 + .25 + .25) / 2 = 0.25 <= 0.25
+    assert out["staleness_tv"] == pytest.approx(0.25)
+    assert out["checks"]["staleness_tv_within_tol"]
+    # real: a recovered twice, b one each (mixed); harness: a one each (mixed), b recovered twice
+    assert out["recovery_real"] == {"a": "recovered", "b": "mixed"}
+    assert out["recovery_harness"] == {"a": "mixed", "b": "recovered"}
+    assert not out["checks"]["recovery_status_same"] and not out["agree"]
+    assert out["runs"] == ["s0", "s1"] and len(out["per_run"]) == 2
