@@ -156,10 +156,13 @@ def test_length_sorted_micro_batches_give_the_whole_batch_update(tmp_path, polic
         assert applied
         after.append((metrics, _params(models.policy), _params(models.value)))
     (m1, p1, v1), (m2, p2, v2) = after
-    for k in ("policy_loss", "value_loss", "kl_ref", "grad_norm"):
+    for k in ("policy_loss", "value_loss", "kl_ref", "grad_norm", "value_grad_norm"):
         assert m2[k] == pytest.approx(m1[k], rel=1e-4, abs=1e-6), k
-    assert all(torch.allclose(p2[k], p1[k], atol=1e-6) for k in p1)
-    assert all(torch.allclose(v2[k], v1[k], atol=1e-6) for k in v1)
+    # after one AdamW step a weight moves by lr * g / (|g| + eps): where |g| is near eps (1e-8: the value model's
+    # router gates) a 1e-9 change of the summation order moves it by a sizeable part of lr (1e-3), measured 1.2e-6 on
+    # one machine; a wrong micro-batch weighting shows in the gradient norms above
+    assert all(torch.allclose(p2[k], p1[k], atol=1e-5) for k in p1)
+    assert all(torch.allclose(v2[k], v1[k], atol=1e-5) for k in v1)
 
 
 def test_file_source_offsets_bad_and_partial_lines(tmp_path, policy0):
