@@ -20,7 +20,7 @@ each (drift, family) has in most runs (a tie reads as "mixed"). The per-run comp
 
     .venv/bin/python bench/harness_validation.py runs/default-seed0 --others runs/default-seed1 runs/default-seed2 \
         runs/default-seed-1 --out docs/bench/harness_validation.json
-    .venv/bin/python bench/harness_validation.py runs/v2-seed0 runs/v2-seed1 runs/v2-seed2 --pooled \
+    .venv/bin/python bench/harness_validation.py runs/default-seed0 runs/default-seed1 runs/default-seed2 --pooled \
         --out docs/bench/harness_validation_pooled.json
 """
 
