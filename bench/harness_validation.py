@@ -61,6 +61,11 @@ def total_variation(p: pd.Series, q: pd.Series) -> float:
     return 0.5 * float((p.reindex(keys, fill_value=0) - q.reindex(keys, fill_value=0)).abs().sum())
 
 
+def cell_rows(cells: pd.DataFrame) -> list[dict[str, Any]]:
+    """A (phase, family)-indexed table of reward cells as JSON rows."""
+    return [{"phase": int(p), "family": f, **{k: float(v) for k, v in row.items()}} for (p, f), row in cells.iterrows()]
+
+
 def statuses(recoveries: list[dict] | pd.DataFrame) -> dict[str, str]:
     rows = recoveries.to_dict("records") if isinstance(recoveries, pd.DataFrame) else recoveries
     return {f"{r['name']}/{r['family']}": r["status"] for r in rows}
@@ -102,8 +107,7 @@ def validate(run_dir: Path) -> dict[str, Any]:
     return {"run": str(run_dir), "sim": {**sim.__dict__, "latency": sim.latency.__dict__},
             "tolerances": {"reward_abs": REWARD_TOL, "staleness_tv": STALENESS_TV_TOL},
             "checks": checks, "agree": all(checks.values()),
-            "reward_cells": [{"phase": int(p), "family": f, **{k: float(v) for k, v in row.items()}}
-                             for (p, f), row in cells.iterrows()],
+            "reward_cells": cell_rows(cells),
             "reward_abs_diff_max": float(cells["abs_diff"].max()),
             "staleness_real": {str(k): float(v) for k, v in st_real.items()},
             "staleness_harness": {str(k): float(v) for k, v in st_sim.items()}, "staleness_tv": tv,
@@ -150,8 +154,7 @@ def pool(results: list[dict[str, Any]]) -> dict[str, Any]:
     return {"runs": [r["run"] for r in results], "tolerances": {"reward_abs": REWARD_TOL,
                                                                 "staleness_tv": STALENESS_TV_TOL},
             "checks": checks, "agree": all(checks.values()),
-            "reward_cells": [{"phase": int(p), "family": f, **{k: float(v) for k, v in row.items()}}
-                             for (p, f), row in cells.iterrows()],
+            "reward_cells": cell_rows(cells),
             "reward_abs_diff_max": float(cells["abs_diff"].max()),
             "staleness_real": hist["real"].to_dict(), "staleness_harness": hist["harness"].to_dict(),
             "staleness_tv": tv, "recovery_real": rec["real"], "recovery_harness": rec["harness"],

@@ -131,9 +131,10 @@ def finished_or_run(out: Path, plan: Plan, arm: Arm, regime: Regime, seed: int, 
         if done.get("settings") == json.loads(json.dumps(settings, default=json_default)):
             return done
     run = {**run_regime(plan, arm, regime, seed, steps, batch, lr, families, init, window), "settings": settings}
+    text = json.dumps(run, default=json_default)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(run, default=json_default))
-    return json.loads(path.read_text())
+    path.write_text(text)
+    return json.loads(text)  # the same JSON types whether reused or run
 
 
 def figure(runs: list[dict], path: Path, window: int) -> Path:
