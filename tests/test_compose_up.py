@@ -39,22 +39,48 @@ BATCH = 64  # the learner's batch on the defaults (`sao up`'s --batch)
 REPLAYED = 64
 
 
+DOCKERD_WAIT_S = 180  # a fresh machine's first dockerd start sets up its storage and network: allow for a slow disk
+
+
+def docker_answers() -> bool:
+    try:
+        return subprocess.run(["docker", "info"], capture_output=True, timeout=30).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
 def docker_daemon() -> str | None:
-    """None when a daemon answers (starting one when we are root and dockerd is installed), else why not."""
+    """None when a daemon answers (starting one when we are root and dockerd is installed), else why not.
+
+    A dockerd that exits at once is started again without iptables (some kernels and containers refuse its rules),
+    and one started by a service script meanwhile is waited for; the reason given on failure ends with the tail of
+    dockerd's log.
+    """
     if not shutil.which("docker"):
         return "no docker CLI (Debian: apt-get install docker.io)"
-    if subprocess.run(["docker", "info"], capture_output=True).returncode == 0:
+    if docker_answers():
         return None
     if os.geteuid() != 0 or not shutil.which("dockerd"):
         return "no Docker daemon answers, and this user cannot start dockerd"
     SHOTS.mkdir(parents=True, exist_ok=True)
-    subprocess.Popen(["dockerd"], stdout=open(SHOTS / "dockerd.log", "ab"), stderr=subprocess.STDOUT,
-                     start_new_session=True)
-    for _ in range(60):
-        time.sleep(0.5)
-        if subprocess.run(["docker", "info"], capture_output=True).returncode == 0:
+    log = SHOTS / "dockerd.log"
+    deadline = time.monotonic() + DOCKERD_WAIT_S
+    for flags in ([], ["--iptables=false", "--ip6tables=false"]):
+        with open(log, "ab") as out:
+            daemon = subprocess.Popen(["dockerd", *flags], stdout=out, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+        while time.monotonic() < deadline and daemon.poll() is None:
+            if docker_answers():
+                return None
+            time.sleep(1)
+        if daemon.poll() is None:
+            break  # still starting at the deadline: a second daemon would only fight it for the pid file
+    while time.monotonic() < deadline and subprocess.run(["pgrep", "-x", "dockerd"]).returncode == 0:
+        if docker_answers():  # ours exited, but another dockerd (a service script's) holds the pid file
             return None
-    return f"dockerd did not answer within 30 s (log: {SHOTS / 'dockerd.log'})"
+        time.sleep(1)
+    tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+    return f"dockerd did not answer within {DOCKERD_WAIT_S} s (log: {log}); its last lines:\n{tail}"
 
 
 def compose_binary() -> list[str]:
