@@ -221,6 +221,17 @@ def save_json(obj: Any, path: Path) -> Path:
     return path
 
 
+def reusable_run(path: Path, want: dict[str, Any], fill: Callable[[dict], dict] = lambda run: run) -> dict | None:
+    """The run file at `path` when every setting in `want` equals what the file recorded (an interrupted or extended
+    benchmark resumes run by run), else None. `fill` completes what an older file lacks before the comparison
+    (e.g. a field added since, with the default it ran with)."""
+    if not path.exists():
+        return None
+    run = json.loads(path.read_text())
+    have = fill(run)
+    return run if all(have.get(k) == v for k, v in want.items()) else None
+
+
 def pyplot():
     """matplotlib.pyplot on the file-only Agg backend (the benchmarks run headless)."""
     import matplotlib

@@ -42,7 +42,7 @@ import pandas as pd  # noqa: E402
 
 from bench import stats  # noqa: E402
 from bench.arms import Arm, arms  # noqa: E402
-from bench.common import pyplot  # noqa: E402
+from bench.common import pyplot, reusable_run  # noqa: E402
 from bench.harness import SimConfig, phase_prefix, scenario_stream, simulate, summary  # noqa: E402
 from bench.parallel import run_parallel  # noqa: E402
 from bench.suite import STEP_KEYS, Plan, build_init, json_default, load_plan, split_threads  # noqa: E402
@@ -126,10 +126,9 @@ def finished_or_run(out: Path, plan: Plan, arm: Arm, regime: Regime, seed: int, 
                 "batch": batch, "lr": lr, "families": families, "init": init, "window": window,
                 "harness": plan.harness}
     path = out / "runs" / f"{arm.name}-eta{regime.eta}-x{regime.updates}-s{seed}-{steps}steps.json"
-    if path.exists():
-        done = json.loads(path.read_text())
-        if done.get("settings") == json.loads(json.dumps(settings, default=json_default)):
-            return done
+    done = reusable_run(path, {"settings": json.loads(json.dumps(settings, default=json_default))})
+    if done is not None:
+        return done
     run = {**run_regime(plan, arm, regime, seed, steps, batch, lr, families, init, window), "settings": settings}
     text = json.dumps(run, default=json_default)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,7 @@ import yaml  # noqa: E402
 
 from bench import stats  # noqa: E402
 from bench.arms import Arm, arms  # noqa: E402
+from bench.common import reusable_run  # noqa: E402
 from bench.harness import Result, SimConfig, by_phase, phase_prefix, scenario_stream, simulate, summary  # noqa: E402
 from bench.parallel import run_parallel  # noqa: E402
 from learner.pretrain import PretrainConfig, pretrain  # noqa: E402
@@ -236,17 +237,11 @@ def run_settings(plan: Plan, arm: Arm, drift: dict, seed: int) -> dict[str, Any]
 
 
 def finished_run(plan: Plan, arm: Arm, drift: dict, seed: int, init: str, out_dir: Path) -> dict | None:
-    """The run's file in `out_dir` when it was written with these very settings (an interrupted or extended suite
-    resumes), else None."""
-    path = run_path(out_dir, arm, drift, seed)
-    if not path.exists():
-        return None
-    run = json.loads(path.read_text())
-    want = {"init": init, **run_settings(plan, arm, drift, seed)}
+    """The run's file in `out_dir` when it was written with these very settings, else None."""
     # a SimConfig field added after the file was written had its default then
     defaults = json.loads(json.dumps(dataclasses.asdict(SimConfig()), default=json_default))
-    have = {**run, "sim": {**defaults, **run.get("sim", {})}}
-    return run if all(have.get(k) == v for k, v in want.items()) else None
+    return reusable_run(run_path(out_dir, arm, drift, seed), {"init": init, **run_settings(plan, arm, drift, seed)},
+                        lambda run: {**run, "sim": {**defaults, **run.get("sim", {})}})
 
 
 def run_all(plan: Plan, todo: list[tuple[Arm, dict, int]], init: str, out_dir: Path, jobs: int = 1) -> list[dict]:

@@ -13,6 +13,7 @@ import pytest
 
 from bench import stats
 from bench.arms import ARMS, arms
+from bench.common import reusable_run
 from bench.harness import (
     SimConfig,
     arrival_times,
@@ -293,6 +294,17 @@ def test_a_run_file_from_before_a_new_sim_field_is_still_that_run(tmp_path):
     assert finished_run(plan, sao, drift, 0, "another-init", tmp_path) is None
     path.write_text(json.dumps({**old, "sim": {**old["sim"], "mode": "sync"}}))
     assert finished_run(plan, sao, drift, 0, "w", tmp_path) is None
+
+
+def test_a_run_file_is_reused_only_with_every_setting_equal(tmp_path):
+    path = tmp_path / "run.json"
+    assert reusable_run(path, {"lr": 1e-4}) is None  # not written yet
+    path.write_text(json.dumps({"settings": {"lr": 1e-4, "seed": 0}, "reward": [1.0]}))
+    assert reusable_run(path, {"settings": {"lr": 1e-4, "seed": 0}})["reward"] == [1.0]
+    assert reusable_run(path, {"settings": {"lr": 2e-4, "seed": 0}}) is None
+    assert reusable_run(path, {"settings": {"lr": 1e-4}}) is None  # a setting the file has and the caller not
+    filled = reusable_run(path, {"batch": 16}, fill=lambda run: {**run, "batch": 16})
+    assert filled == {"settings": {"lr": 1e-4, "seed": 0}, "reward": [1.0]}  # the file as written, not the filled
 
 
 def test_post_rollouts_rule_by_hand():
