@@ -96,7 +96,9 @@ def run_regime(plan: Plan, arm: Arm, regime: Regime, seed: int, steps: int, batc
     stream = phase_prefix(scenario_stream(scn, seed), arm.group_size)
     sim = regime_sim(plan, arm, regime, seed, batch)
     learner = [*arm.learner, f"optim.lr={lr}", f"optim.updates_per_batch={regime.updates}"]
-    res = simulate(sim, init, stream, learner, [], scn.rate, log=lambda *_: None)
+    name = f"{arm.name} eta{regime.eta} x{regime.updates} s{seed}"
+    res = simulate(sim, init, stream, learner, [], scn.rate,  # progress every 30 s: a 1,000-step run takes 20+ min
+                   log=lambda line: print(f"[offpolicy {name}, {steps} steps] {line}", flush=True))
     traj = res.trajectories.sort_values(["seq", "member"])
     steps_df = res.steps[[k for k in STEP_KEYS if k in res.steps]] if len(res.steps) else res.steps
     verdict = collapsed(traj, res.steps, window)
