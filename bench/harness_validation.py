@@ -1,7 +1,9 @@
 """The simulated harness against the real pipeline (issue 15, item 1): one `sao up` run replayed in the harness.
 
 Reads a finished `sao up` run directory (config.yaml, trajectories.parquet, learner.parquet, summary.json) and runs
-the harness on the same scenario, seed, warm start, learner settings and agent sampling settings, with the
+the harness on the same scenario (the run's scenario.yaml, or `--scenario` for a run from before `sao up` kept one:
+checked against the run's drift positions; the first pooled validation replayed two runs on the default scenario as
+edited after they ran), seed, warm start, learner settings and agent sampling settings, with the
 asynchrony calibrated from the run itself: generation speed = the run's median generated tokens per second of a
 rollout, learner step = the run's median step time, the agents' admission (tasks per version, versions ahead; at
 most tasks per version x (versions ahead + 1) x agents in flight), tool latency = the scenario's. Then compares,
@@ -21,12 +23,14 @@ each (drift, family) has in most runs (a tie reads as "mixed"). The per-run comp
     .venv/bin/python bench/harness_validation.py runs/default-seed0 --others runs/default-seed1 runs/default-seed2 \
         runs/default-seed-1 --out docs/bench/harness_validation.json
     .venv/bin/python bench/harness_validation.py runs/default-seed0 runs/default-seed1 runs/default-seed2 --pooled \
+        --scenario docs/runs/default/2026-12-02-19400-tasks/scenario.yaml --jobs 2 \
         --out docs/bench/harness_validation_pooled.json
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from collections import Counter
@@ -40,6 +44,7 @@ import pandas as pd  # noqa: E402
 import yaml  # noqa: E402
 
 from bench.harness import SimConfig, scenario_stream, simulate, summary  # noqa: E402
+from bench.parallel import run_parallel  # noqa: E402
 from simulator.latency import LatencyConfig  # noqa: E402
 from simulator.scenario import Scenario, load_scenario  # noqa: E402
 
@@ -84,10 +89,27 @@ def calibrate(run_dir: Path, cfg: dict, t: pd.DataFrame, scn: Scenario) -> SimCo
                      latency=LatencyConfig(**{**scn.latency.__dict__, "sleep": False}), threads=1, seed=up["seed"])
 
 
-def validate(run_dir: Path) -> dict[str, Any]:
+def ran_scenario(run_dir: Path, cfg: dict, given: str | None = None) -> tuple[Scenario, str]:
+    """The scenario the run ran: its copy in the run directory (`sao up` writes scenario.yaml), else `given` (a run
+    from before that copy), else the name in its config.yaml, which may have been edited since: checked against the
+    task positions of the drifts the run recorded (drift.jsonl)."""
+    copy = run_dir / "scenario.yaml"
+    source = str(copy) if copy.exists() else given or cfg["launch"]["scenario"]
+    scn = load_scenario(source)
+    if all(ph.duration_tasks for ph in scn.phases):
+        lines = (run_dir / "drift.jsonl").read_text().splitlines()
+        ran = [json.loads(line)["at_seq"] for line in lines if line.strip()]
+        starts = list(itertools.accumulate(ph.duration_tasks for ph in scn.phases))[:-1]
+        if ran != starts:
+            raise ValueError(f"{run_dir}: its drifts came at tasks {ran}, but the phases of {source} start at "
+                             f"{starts}: not the scenario this run ran (give that one with --scenario)")
+    return scn, source
+
+
+def validate(run_dir: Path, scenario: str | None = None) -> dict[str, Any]:
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     real = pd.read_parquet(run_dir / "trajectories.parquet")
-    scn = load_scenario(cfg["launch"]["scenario"])
+    scn, source = ran_scenario(run_dir, cfg, scenario)
     sim = calibrate(run_dir, cfg, real, scn)
     stream = scenario_stream(scn, cfg["launch"]["seed"])
     agent_sets = [f"{k}={cfg['agent'][k]}" for k in AGENT_KEYS]
@@ -104,7 +126,7 @@ def validate(run_dir: Path) -> dict[str, Any]:
     same = {k: rec_real.get(k) == rec_sim.get(k) for k in rec_real}
     checks = {"reward_cells_within_tol": bool((cells["abs_diff"] <= REWARD_TOL).all()),
               "staleness_tv_within_tol": tv <= STALENESS_TV_TOL, "recovery_status_same": all(same.values())}
-    return {"run": str(run_dir), "sim": {**sim.__dict__, "latency": sim.latency.__dict__},
+    return {"run": str(run_dir), "scenario": source, "sim": {**sim.__dict__, "latency": sim.latency.__dict__},
             "tolerances": {"reward_abs": REWARD_TOL, "staleness_tv": STALENESS_TV_TOL},
             "checks": checks, "agree": all(checks.values()),
             "reward_cells": cell_rows(cells),
@@ -167,14 +189,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--others", nargs="*", default=[], help="other real runs of the scenario (other seeds): the "
                    "pipeline's own spread, reported next to the harness's differences")
     p.add_argument("--pooled", action="store_true", help="replay every run given and compare their means")
+    p.add_argument("--scenario", help="the scenario file the runs ran, for runs without their own scenario.yaml")
+    p.add_argument("--jobs", type=int, default=1, help="--pooled: replays at once (one thread each)")
     p.add_argument("--out", default="runs/bench/harness_validation.json")
     a = p.parse_args(argv)
     if a.pooled:
-        result = pool([validate(Path(r)) for r in a.run_dir])
+        result = pool(run_parallel(validate, [(Path(r), a.scenario) for r in a.run_dir], a.jobs))
     elif len(a.run_dir) > 1:
         p.error("one run_dir (the others go after --others), or several with --pooled")
     else:
-        result = validate(Path(a.run_dir[0]))
+        result = validate(Path(a.run_dir[0]), a.scenario)
         result["real_spread"] = real_spread(Path(a.run_dir[0]), [Path(o) for o in a.others])
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1, default=str))

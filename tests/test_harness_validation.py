@@ -1,8 +1,13 @@
-"""The pooled harness validation (bench/harness_validation.py --pooled) on hand-made per-run results."""
+"""The harness validation (bench/harness_validation.py): the scenario a run ran, and the pooled comparison on
+hand-made per-run results."""
+
+import json
+import shutil
 
 import pytest
 
-from bench.harness_validation import majority, pool
+from bench.harness_validation import majority, pool, ran_scenario
+from simulator.scenario import SCENARIO_DIR
 
 
 def run(name, cells, st_real, st_harness, rec_real, rec_harness):
@@ -38,3 +43,18 @@ def test_pool_compares_the_means_of_the_runs():
     assert out["recovery_harness"] == {"a": "mixed", "b": "recovered"}
     assert not out["checks"]["recovery_status_same"] and not out["agree"]
     assert out["runs"] == ["s0", "s1"] and len(out["per_run"]) == 2
+
+
+def test_a_run_is_replayed_on_the_scenario_it_ran(tmp_path):
+    cfg = {"launch": {"scenario": "smoke"}}  # smoke: phases of 128 and 1,000 tasks, one drift at task 128
+    (tmp_path / "drift.jsonl").write_text(json.dumps({"phase": 1, "at_seq": 128}) + "\n")
+    scn, source = ran_scenario(tmp_path, cfg)
+    assert source == "smoke" and [ph.duration_tasks for ph in scn.phases] == [128, 1000]
+    (tmp_path / "drift.jsonl").write_text(json.dumps({"phase": 1, "at_seq": 200}) + "\n")  # the file was edited since
+    with pytest.raises(ValueError, match=r"drifts came at tasks \[200\], but the phases of smoke start at \[128\]"):
+        ran_scenario(tmp_path, cfg)
+    edited = tmp_path / "then.yaml"
+    edited.write_text((SCENARIO_DIR / "smoke.yaml").read_text().replace("duration_tasks: 128", "duration_tasks: 200"))
+    assert ran_scenario(tmp_path, cfg, str(edited))[1] == str(edited)  # --scenario: the file as it was
+    shutil.copyfile(edited, tmp_path / "scenario.yaml")  # the copy `sao up` now writes wins over both
+    assert ran_scenario(tmp_path, cfg, "smoke")[1] == str(tmp_path / "scenario.yaml")

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from simulator.scenario import SCENARIO_DIR
 from streamer.runs.adaptation import windowed_reward
 from streamer.runs.artifacts import read_learner, read_summary, read_trajectories
 
@@ -69,6 +70,7 @@ def test_up_smoke_recovers_from_the_drift(tmp_path):
     summary = read_summary(run_dir)
     assert summary is not None, "no summary.json"
     assert summary["stopped"] == "scenario finished: every task answered", summary["stopped"]
+    assert (run_dir / "scenario.yaml").read_text() == (SCENARIO_DIR / "smoke.yaml").read_text()  # what ran
 
     traj = read_trajectories(run_dir)
     assert set(traj["family"]) == {"format"}

@@ -11,6 +11,7 @@ Warms up the tiny policy (cached under runs/cache), starts the embedded broker (
 dashboard and the simulator as child processes (logs in runs/<run>/logs/) and records the run
 into runs/<run>/ in-process. It stops at the scenario's end (every task answered) or on Ctrl-C,
 leaving config.yaml (the whole run configuration, `streamer.launch.run_config`: each role read its section),
+scenario.yaml (the scenario file as it ran),
 config.json, the tables (Parquet), checkpoints and summary.json.
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import shutil
 import signal
 import sys
 import threading
@@ -25,6 +27,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from simulator.scenario import resolve_path
 from streamer.launch.processes import Role, Supervisor
 from streamer.launch.resources import AGENT_NICE, SIDE_NICE, thread_env
 from streamer.launch.run_config import RunConfig, UpConfig, bind_init, load_run_config, max_lag_default, seed_of
@@ -136,6 +139,10 @@ def prepare(cfg: RunConfig) -> Path:
     config_file = Path(up.runs_dir) / up.run / "config.yaml"
     config_file.parent.mkdir(parents=True, exist_ok=True)
     write_yaml(cfg, config_file)
+    if not up.stream:  # the scenario as run: its file may be edited later, and a replay must read what ran
+        scenario = resolve_path(up.scenario)
+        if scenario.is_file():
+            shutil.copyfile(scenario, config_file.parent / "scenario.yaml")
     return config_file
 
 
