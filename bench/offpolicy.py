@@ -142,9 +142,14 @@ def figure(runs: list[dict], path: Path, window: int) -> Path:
     """Per run: windowed reward, ESS fraction and KL (k3) against the learner step."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    cmap = plt.get_cmap("tab20")
-    for i, r in enumerate(runs):
-        label, colour = f"{r['arm']} eta{r['eta']} x{r['updates']} s{r['seed']}", cmap(i % 20)
+    arms_ = list(dict.fromkeys(r["arm"] for r in runs))  # one colour map per arm, a shade per run of it
+    maps = [plt.get_cmap(m) for m in ("Blues", "Reds", "Greens", "Purples", "Oranges", "Greys")]
+    count = {a: sum(r["arm"] == a for r in runs) for a in arms_}
+    seen = dict.fromkeys(arms_, 0)
+    for r in runs:
+        label = f"{r['arm']} eta{r['eta']} x{r['updates']} s{r['seed']}"
+        colour = maps[arms_.index(r["arm"]) % len(maps)](0.45 + 0.5 * seen[r["arm"]] / max(1, count[r["arm"]] - 1))
+        seen[r["arm"]] += 1
         if len(r["reward"]) >= window:
             axes[0].plot(stats.window_means(r["reward"], window), color=colour, lw=0.8, label=label)
         st = pd.DataFrame(r["steps"])
@@ -225,7 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     name = "quick" if a.quick else "sweep" if a.sweep else f"stability-eta{a.eta}-x{a.updates}"
     tab = table(runs)
     result = {"mode": name, "suite": plan.name, "init": init, "steps": a.steps, "batch": a.batch,
-              "families": a.families, "window": a.window, "wall_s": round(time.monotonic() - t0, 1),
+              "families": a.families, "window": a.window, "wall_s": round(time.monotonic() - t0, 1),  # this call's
+              # the runs' own, whenever they ran (a resumed test reuses run files):
+              "runs_wall_s": round(sum(r["summary"]["wall_s"] for r in runs), 1),
+              "runs_cpu_s": round(sum(r["summary"]["cpu_s"] for r in runs), 1),
               "table": tab.to_dict("records"), "runs": runs}
     (out / f"{name}.json").write_text(json.dumps(result, indent=1, default=json_default))
     figure(runs, out / f"{name}.png", a.window)
