@@ -47,6 +47,7 @@ from bench.harness import SimConfig, scenario_stream, simulate, summary  # noqa:
 from bench.parallel import run_parallel  # noqa: E402
 from simulator.latency import LatencyConfig  # noqa: E402
 from simulator.scenario import Scenario, load_scenario  # noqa: E402
+from streamer.runs.readers import read_drift  # noqa: E402
 
 REWARD_TOL = 0.10
 STALENESS_TV_TOL = 0.25
@@ -97,8 +98,7 @@ def ran_scenario(run_dir: Path, cfg: dict, given: str | None = None) -> tuple[Sc
     source = str(copy) if copy.exists() else given or cfg["launch"]["scenario"]
     scn = load_scenario(source)
     if all(ph.duration_tasks for ph in scn.phases):
-        lines = (run_dir / "drift.jsonl").read_text().splitlines()
-        ran = [json.loads(line)["at_seq"] for line in lines if line.strip()]
+        ran = [ev.at_seq for ev in read_drift(run_dir)]
         starts = list(itertools.accumulate(ph.duration_tasks for ph in scn.phases))[:-1]
         if ran != starts:
             raise ValueError(f"{run_dir}: its drifts came at tasks {ran}, but the phases of {source} start at "

@@ -47,10 +47,11 @@ def test_pool_compares_the_means_of_the_runs():
 
 def test_a_run_is_replayed_on_the_scenario_it_ran(tmp_path):
     cfg = {"launch": {"scenario": "smoke"}}  # smoke: phases of 128 and 1,000 tasks, one drift at task 128
-    (tmp_path / "drift.jsonl").write_text(json.dumps({"phase": 1, "at_seq": 128}) + "\n")
+    event = {"phase": 1, "prev_phase": 0, "name": "d", "schedule": "abrupt", "families": ["format"], "concepts": {}}
+    (tmp_path / "drift.jsonl").write_text(json.dumps({**event, "at_seq": 128}) + "\n")
     scn, source = ran_scenario(tmp_path, cfg)
     assert source == "smoke" and [ph.duration_tasks for ph in scn.phases] == [128, 1000]
-    (tmp_path / "drift.jsonl").write_text(json.dumps({"phase": 1, "at_seq": 200}) + "\n")  # the file was edited since
+    (tmp_path / "drift.jsonl").write_text(json.dumps({**event, "at_seq": 200}) + "\n")  # the file was edited since
     with pytest.raises(ValueError, match=r"drifts came at tasks \[200\], but the phases of smoke start at \[128\]"):
         ran_scenario(tmp_path, cfg)
     edited = tmp_path / "then.yaml"
