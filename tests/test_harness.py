@@ -217,11 +217,11 @@ def test_suite_file_names_seven_drifts_and_every_arm():
     for d in plan.drifts:  # every drift's concepts exist in simulator/families
         phases = drift_scenario(plan, d).phases
         assert [p.concepts for p in phases] == [{d["family"]: d["from"]}, {d["family"]: d["to"]}]
-    assert plan.provisional == [] and plan.seeds == [0, 1, 2]  # 1.2 filled the pilot's three placeholders
+    assert plan.provisional == [] and plan.seeds == [0, 1, 2]  # 1.2 filled the pilot's placeholders
     post = {d["name"]: post_of(plan, d) for d in plan.drifts}
     assert post["tool_rename"] == 2560 and post["arith_op_ab"] == 4608
     assert [p.duration_tasks for p in drift_scenario(plan, plan.drifts[-1]).phases] == [1024, 4608]
-    assert lr_of(plan, arms(["dapo"])[0]) == 2e-4 and lr_of(plan, arms(["eta0"])[0]) == lr_of(plan, arms(["sao"])[0])
+    assert lr_of(plan, arms(["dapo"])[0]) == 5e-5 and lr_of(plan, arms(["eta0"])[0]) == lr_of(plan, arms(["sao"])[0])
     assert {a.group_size for a in arms(["grpo", "dapo", "dr_grpo", "gspo", "cispo"])} == {8}
     with pytest.raises(ValueError, match="unknown arm"):
         arms(["sao", "reinforce"])
