@@ -10,6 +10,7 @@ collapse, ...). This module is plumbing only: scenarios, launching, reading, sta
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -23,6 +24,7 @@ from typing import Any, Callable
 import numpy as np
 import pandas as pd
 
+from learner.trainer.checkpoint import file_sha256
 from streamer.runs import adaptation as ad
 from streamer.runs.layout import finite  # NaN/inf -> null, numpy scalars -> Python, recursively
 
@@ -219,6 +221,14 @@ def save_json(obj: Any, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(finite(obj), indent=1, sort_keys=False) + "\n")
     return path
+
+
+@functools.lru_cache(maxsize=None)
+def init_sha256(init: str) -> str:
+    """The warm start's weights digest. `build_init` caches a warm start by its config, but two builds of one config
+    differ in their bits (the pretraining's thread count follows the machine's load), so a run records the weights it
+    started from, and runs from different weights are neither reused nor combined."""
+    return file_sha256(Path(init) / "model.safetensors")
 
 
 def reusable_run(path: Path, want: dict[str, Any], fill: Callable[[dict], dict] = lambda run: run) -> dict | None:

@@ -42,7 +42,7 @@ import pandas as pd  # noqa: E402
 
 from bench import stats  # noqa: E402
 from bench.arms import Arm, arms  # noqa: E402
-from bench.common import pyplot, reusable_run  # noqa: E402
+from bench.common import init_sha256, pyplot, reusable_run  # noqa: E402
 from bench.harness import SimConfig, phase_prefix, scenario_stream, simulate, summary  # noqa: E402
 from bench.parallel import run_parallel  # noqa: E402
 from bench.suite import STEP_KEYS, Plan, build_init, json_default, load_plan, split_threads  # noqa: E402
@@ -125,8 +125,8 @@ def finished_or_run(out: Path, plan: Plan, arm: Arm, regime: Regime, seed: int, 
     """`run_regime`'s result from its file in `out`/runs when that was written with these settings (an interrupted
     stability test resumes run by run), else the run, written there."""
     settings = {"arm": arm.name, "eta": regime.eta, "updates": regime.updates, "seed": seed, "steps": steps,
-                "batch": batch, "lr": lr, "families": families, "init": init, "window": window,
-                "harness": plan.harness}
+                "batch": batch, "lr": lr, "families": families, "init": init, "init_sha256": init_sha256(init),
+                "window": window, "harness": plan.harness}
     path = out / "runs" / f"{arm.name}-eta{regime.eta}-x{regime.updates}-s{seed}-{steps}steps.json"
     done = reusable_run(path, {"settings": json.loads(json.dumps(settings, default=json_default))})
     if done is not None:

@@ -34,7 +34,7 @@ import yaml  # noqa: E402
 
 from bench import stats  # noqa: E402
 from bench.arms import Arm, arms  # noqa: E402
-from bench.common import reusable_run  # noqa: E402
+from bench.common import init_sha256, reusable_run  # noqa: E402
 from bench.harness import Result, SimConfig, by_phase, phase_prefix, scenario_stream, simulate, summary  # noqa: E402
 from bench.parallel import run_parallel  # noqa: E402
 from learner.pretrain import PretrainConfig, pretrain  # noqa: E402
@@ -212,6 +212,7 @@ def run_one(plan: Plan, arm: Arm, drift: dict, seed: int, init: str, out_dir: Pa
     steps = res.steps[[k for k in STEP_KEYS if k in res.steps]] if len(res.steps) else res.steps
     post = post_drift(res.trajectories)
     run = {"suite": plan.name, "arm": arm.name, "drift": drift["name"], "seed": seed, "init": init,
+           "init_sha256": init_sha256(init),
            "provisional": bool(plan.provisional), "provisional_values": plan.provisional,
            **settings, "summary": summary(res, sim.threads),
            "by_phase": by_phase(res.trajectories), "recoveries": res.recoveries.to_dict("records"),
@@ -240,7 +241,8 @@ def finished_run(plan: Plan, arm: Arm, drift: dict, seed: int, init: str, out_di
     """The run's file in `out_dir` when it was written with these very settings, else None."""
     # a SimConfig field added after the file was written had its default then
     defaults = json.loads(json.dumps(dataclasses.asdict(SimConfig()), default=json_default))
-    return reusable_run(run_path(out_dir, arm, drift, seed), {"init": init, **run_settings(plan, arm, drift, seed)},
+    want = {"init": init, "init_sha256": init_sha256(init), **run_settings(plan, arm, drift, seed)}
+    return reusable_run(run_path(out_dir, arm, drift, seed), want,
                         lambda run: {**run, "sim": {**defaults, **run.get("sim", {})}})
 
 
@@ -280,7 +282,12 @@ def json_default(x: Any) -> Any:
 
 def combine(plan: Plan, runs: list[dict]) -> dict[str, Any]:
     """Outcomes at equal budgets per (drift, seed), then per (drift, arm): Kaplan-Meier medians of samples to each
-    threshold and paired bootstrap intervals of (arm - reference) over seeds."""
+    threshold and paired bootstrap intervals of (arm - reference) over seeds. Every run must come from one warm
+    start."""
+    weights = {r.get("init_sha256") for r in runs}
+    if len(weights) > 1:
+        raise ValueError(f"suite {plan.name}: the runs started from {len(weights)} different warm-start weights "
+                         f"(init_sha256 {sorted(map(str, weights))}): their outcomes are not comparable")
     rows = []
     for (drift, seed), group in _by(runs, ("drift", "seed")).items():
         n_roll = min(len(r["post_drift"]["reward"]) for r in group)
@@ -309,8 +316,8 @@ def combine(plan: Plan, runs: list[dict]) -> dict[str, Any]:
                 entry[f"{k}_minus_{ref}"] = stats.paired_bootstrap((mine.loc[common, k] - base.loc[common, k]).values)
         per_arm.append(entry)
     return {"suite": plan.name, "provisional": bool(plan.provisional), "provisional_values": plan.provisional,
-            "reference_arm": ref, "window": plan.window, "runs": rows, "per_drift_arm": per_arm,
-            "pooled": pooled(table, ref)}
+            "init_sha256": next(iter(weights), None), "reference_arm": ref, "window": plan.window, "runs": rows,
+            "per_drift_arm": per_arm, "pooled": pooled(table, ref)}
 
 
 OUTCOMES = ("auc_equal_rollouts", "auc_equal_tokens", "final_reward")

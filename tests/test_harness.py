@@ -4,6 +4,7 @@ bench/suite.py) and its statistics (bench/stats.py), on the real engine and lear
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import re
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 
 from bench import stats
 from bench.arms import ARMS, arms
-from bench.common import reusable_run
+from bench.common import init_sha256, reusable_run
 from bench.harness import (
     SimConfig,
     arrival_times,
@@ -25,6 +26,7 @@ from bench.harness import (
 from bench.offpolicy import main as offpolicy_main
 from bench.suite import (
     choose_lr,
+    combine,
     drift_options,
     drift_scenario,
     finished_run,
@@ -281,19 +283,47 @@ def test_each_arm_runs_at_its_own_lr_and_the_controls_at_saos():
     assert lr_of(dataclasses.replace(plan, lr=1e-4), arms(["ppo"])[0]) == 1e-4
 
 
+def _weights(tmp_path, name: str, data: bytes) -> str:
+    """A warm-start directory holding only the weights file `init_sha256` reads."""
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "model.safetensors").write_bytes(data)
+    return str(tmp_path / name)
+
+
 def test_a_run_file_from_before_a_new_sim_field_is_still_that_run(tmp_path):
     plan = load_plan(SUITE, quick=True)
     sao, drift = arms(["sao"])[0], plan.drifts[0]
+    w = _weights(tmp_path, "w", b"weights")
     settings = run_settings(plan, sao, drift, 0)
-    old = {**settings, "init": "w", "sim": {k: v for k, v in settings["sim"].items() if k not in ("mode",
-                                                                                                   "overprovision")}}
+    old = {**settings, "init": w, "init_sha256": hashlib.sha256(b"weights").hexdigest(),
+           "sim": {k: v for k, v in settings["sim"].items() if k not in ("mode", "overprovision")}}
     path = run_path(tmp_path, sao, drift, 0)
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps(old))
-    assert finished_run(plan, sao, drift, 0, "w", tmp_path) == old  # the field's default is what it ran with
-    assert finished_run(plan, sao, drift, 0, "another-init", tmp_path) is None
+    assert finished_run(plan, sao, drift, 0, w, tmp_path) == old  # the field's default is what it ran with
+    assert finished_run(plan, sao, drift, 0, _weights(tmp_path, "another-init", b"weights"), tmp_path) is None
     path.write_text(json.dumps({**old, "sim": {**old["sim"], "mode": "sync"}}))
-    assert finished_run(plan, sao, drift, 0, "w", tmp_path) is None
+    assert finished_run(plan, sao, drift, 0, w, tmp_path) is None
+
+
+def test_a_rebuilt_warm_start_with_other_bits_is_neither_reused_nor_combined(tmp_path):
+    plan = load_plan(SUITE, quick=True)
+    sao, drift = arms(["sao"])[0], plan.drifts[0]
+    w = _weights(tmp_path, "w", b"first build")
+    run = {**run_settings(plan, sao, drift, 0), "init": w, "init_sha256": init_sha256(w)}
+    path = run_path(tmp_path, sao, drift, 0)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(run))
+    init_sha256.cache_clear()
+    (Path(w) / "model.safetensors").write_bytes(b"second build")  # the same path and config, other weights
+    assert finished_run(plan, sao, drift, 0, w, tmp_path) is None
+    post = {"reward": [1.0], "success": [1.0], "n_gen": [3]}
+    summary = {"learner_steps": 1, "trained": 1, "trajectories": 1}
+    runs = [{"drift": "d", "seed": 0, "arm": a, "post_drift": post, "summary": summary, "init_sha256": sha}
+            for a, sha in (("sao", "aa"), ("grpo", "bb"))]
+    with pytest.raises(ValueError, match="2 different warm-start weights"):
+        combine(plan, runs)
+    init_sha256.cache_clear()
 
 
 def test_a_run_file_is_reused_only_with_every_setting_equal(tmp_path):

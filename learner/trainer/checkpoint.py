@@ -87,7 +87,7 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return dirs[-1] if dirs else None
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -106,7 +106,7 @@ def _fsync(path: Path) -> None:
 def seal(directory: Path) -> None:
     """Write the manifest of every file in `directory` and fsync them all, the directory last."""
     files = sorted(p for p in directory.iterdir() if p.is_file() and p.name != MANIFEST)
-    manifest = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in files}
+    manifest = {p.name: {"sha256": file_sha256(p), "bytes": p.stat().st_size} for p in files}
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
     for p in [*files, directory / MANIFEST, directory]:
         _fsync(p)
@@ -124,7 +124,7 @@ def damage(path: Path) -> str | None:
             return f"{name} missing"
         if f.stat().st_size != want["bytes"]:
             return f"{name} has {f.stat().st_size} bytes, the manifest says {want['bytes']}"
-        if _sha256(f) != want["sha256"]:
+        if file_sha256(f) != want["sha256"]:
             return f"{name} does not match its sha256 in the manifest"
     return None
 
