@@ -67,6 +67,7 @@ class Plan:
     pilot_seeds: list[int]
     pilot_post: int  # the pilot's post-drift rollouts
     admissible_start: tuple[float, float]
+    warm_start_sha256: str | None = None  # the build of the warm start the suite's reported runs started from
 
 
 def resolve(value: Any, name: str, used: list[str]) -> Any:
@@ -100,7 +101,17 @@ def load_plan(path: str | Path, quick: bool = False) -> Plan:
                 read_lr(resolve(raw["lr"], "lr", used)), int(window), harness, raw["scenario"], used,
                 warm_start_scenario(raw["name"], raw["scenario"], ws, raw["drifts"]), pretrain_sets,
                 list(raw["seeds"]["pilot"]), int(raw["post_rollouts"]["pilot"]["pilot_runs"]),
-                tuple(raw["admissible_start"]))
+                tuple(raw["admissible_start"]), raw.get("warm_start_sha256"))
+
+
+def warm_start_note(plan: Plan, init: str) -> str | None:
+    """Why this invocation's runs may differ from the suite's reported ones: another build of the warm start (a rebuilt
+    cache has other bits), else None."""
+    if plan.warm_start_sha256 is None or init_sha256(init) == plan.warm_start_sha256:
+        return None
+    return (f"warm start {init} has sha256 {init_sha256(init)[:12]}..., not the build the suite's reported runs "
+            f"started from ({plan.warm_start_sha256[:12]}...): expect other outcomes run by run (two builds gave "
+            "SAO the same pooled AUC, 0.485, with single runs up to 0.14 apart)")
 
 
 def read_post(value: Any) -> int | dict[str, int]:
@@ -435,6 +446,8 @@ def main(argv: list[str] | None = None) -> int:
         _write(out / "lr_choice.json", result, result["per_arm"])
         return 0
     a.init = a.init or str(build_init(plan))
+    if not a.quick and (note := warm_start_note(plan, a.init)):
+        print(f"[suite] note: {note}")
     if a.admissibility:
         result = {**admissibility(plan, a.init, out, a.jobs), "wall_s": round(time.monotonic() - t0, 1)}
         _write(out / "admissibility.json", result, result["per_drift"])
@@ -451,7 +464,8 @@ def main(argv: list[str] | None = None) -> int:
     todo = [(arm, drift, seed) for seed in plan.seeds for drift in plan.drifts for arm in plan.arms]
     runs = run_all(plan, todo, a.init, out, a.jobs)
     combined = {**combine(plan, runs), "wall_s": round(time.monotonic() - t0, 1), "init": a.init,
-                "suite_file": str(a.suite), "pilot": a.pilot, "lr": plan.lr}
+                "suite_file": str(a.suite), "pilot": a.pilot, "lr": plan.lr,
+                "warm_start_note": None if a.quick else warm_start_note(plan, a.init)}
     if a.pilot:
         combined["post_rollouts_rule"] = post_rollouts_rule(combined["per_drift_arm"], plan.pilot_post)
     _write(out / ("pilot.json" if a.pilot else "suite.json"), combined, combined["per_drift_arm"])

@@ -40,6 +40,7 @@ from bench.suite import (
     resolve,
     run_path,
     run_settings,
+    warm_start_note,
     warm_start_scenario,
 )
 from bench.suite import main as suite_main
@@ -220,6 +221,7 @@ def test_suite_file_names_seven_drifts_and_every_arm():
         phases = drift_scenario(plan, d).phases
         assert [p.concepts for p in phases] == [{d["family"]: d["from"]}, {d["family"]: d["to"]}]
     assert plan.provisional == [] and plan.seeds == [0, 1, 2]  # 1.2 filled the pilot's placeholders
+    assert re.fullmatch("[0-9a-f]{64}", plan.warm_start_sha256)  # the build 1.3 ran on
     post = {d["name"]: post_of(plan, d) for d in plan.drifts}
     assert post["tool_rename"] == 2560 and post["arith_op_ab"] == 4608
     assert [p.duration_tasks for p in drift_scenario(plan, plan.drifts[-1]).phases] == [1024, 4608]
@@ -323,6 +325,9 @@ def test_a_rebuilt_warm_start_with_other_bits_is_neither_reused_nor_combined(tmp
             for a, sha in (("sao", "aa"), ("grpo", "bb"))]
     with pytest.raises(ValueError, match="2 different warm-start weights"):
         combine(plan, runs)
+    assert warm_start_note(dataclasses.replace(plan, warm_start_sha256=init_sha256(w)), w) is None
+    note = warm_start_note(dataclasses.replace(plan, warm_start_sha256="0" * 64), w)
+    assert f"{w} has sha256 {init_sha256(w)[:12]}" in note and "(000000000000...)" in note
     init_sha256.cache_clear()
 
 
