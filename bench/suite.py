@@ -446,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
         _write(out / "lr_choice.json", result, result["per_arm"])
         return 0
     a.init = a.init or str(build_init(plan))
-    if not a.quick and (note := warm_start_note(plan, a.init)):
+    note = None if a.quick else warm_start_note(plan, a.init)
+    if note:
         print(f"[suite] note: {note}")
     if a.admissibility:
         result = {**admissibility(plan, a.init, out, a.jobs), "wall_s": round(time.monotonic() - t0, 1)}
@@ -465,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = run_all(plan, todo, a.init, out, a.jobs)
     combined = {**combine(plan, runs), "wall_s": round(time.monotonic() - t0, 1), "init": a.init,
                 "suite_file": str(a.suite), "pilot": a.pilot, "lr": plan.lr,
-                "warm_start_note": None if a.quick else warm_start_note(plan, a.init)}
+                "warm_start_note": note}
     if a.pilot:
         combined["post_rollouts_rule"] = post_rollouts_rule(combined["per_drift_arm"], plan.pilot_post)
     _write(out / ("pilot.json" if a.pilot else "suite.json"), combined, combined["per_drift_arm"])
