@@ -103,6 +103,13 @@ def test_stats_hand_computed():
     assert (b["mean"], b["low"], b["high"], b["n"]) == pytest.approx((0.1, 0.1, 0.1, 3))
     assert stats.seeds_for(0.02, 0.05) == 5  # (3 * 0.02 / 0.05)^2 = 1.44 -> the minimum 5
     assert stats.seeds_for(0.05, 0.05) == 9  # (3 * 1)^2
+    # 0.1, 0.2, 0.3: mean 0.2, sd 0.1, half width t(0.975, 2) 4.303 x 0.1 / sqrt(3) = 0.24843
+    t = stats.t_interval([0.1, 0.2, 0.3])
+    assert (t["mean"], t["sd"], t["low"], t["high"], t["n"]) == pytest.approx((0.2, 0.1, -0.04843, 0.44843, 3),
+                                                                                 abs=1e-5)
+    assert stats.t975(30) == pytest.approx(2.0423, abs=1e-3)  # the expansion beyond the table (tables: 2.0423)
+    with pytest.raises(ValueError, match="df must be >= 1"):
+        stats.t975(0)
 
 
 # ---------------------------------------------------------------------------------------------- the simulation

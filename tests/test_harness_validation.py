@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from bench.harness_validation import majority, pool, ran_scenario
+from bench.harness_validation import main, majority, pool, ran_scenario
 from simulator.scenario import SCENARIO_DIR
 
 
@@ -43,6 +43,26 @@ def test_pool_compares_the_means_of_the_runs():
     assert out["recovery_harness"] == {"a": "mixed", "b": "recovered"}
     assert not out["checks"]["recovery_status_same"] and not out["agree"]
     assert out["runs"] == ["s0", "s1"] and len(out["per_run"]) == 2
+    # harness - real per run: arith -0.1, 0.0 (mean -0.05, sd 0.0707, t(0.975, 1) 12.706 x 0.0707 / sqrt 2 = 0.6353)
+    bias = {b["family"]: b for b in out["bias"]}
+    assert (bias["arith"]["mean"], bias["arith"]["low"], bias["arith"]["high"], bias["arith"]["n"]) == \
+        pytest.approx((-0.05, -0.6853, 0.5853, 2), abs=1e-4)
+    assert bias["string"]["mean"] == pytest.approx(0.0) and bias["string"]["sd"] == pytest.approx(0.42426, abs=1e-5)
+
+
+def test_from_pools_the_runs_of_earlier_outputs(tmp_path):
+    r1 = run("s0", [("arith", 0.6, 0.5)], {"1": 1.0}, {"1": 1.0}, {"a": "recovered"}, {"a": "recovered"})
+    r2 = run("s1", [("arith", 0.8, 0.8)], {"1": 1.0}, {"1": 1.0}, {"a": "recovered"}, {"a": "recovered"})
+    r3 = run("s2", [("arith", 0.4, 0.6)], {"1": 1.0}, {"1": 1.0}, {"a": "recovered"}, {"a": "recovered"})
+    (tmp_path / "a.json").write_text(json.dumps(pool([r1, r2])))
+    (tmp_path / "b.json").write_text(json.dumps(pool([r3])))
+    assert main(["--from", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(tmp_path / "o.json")]) == 0
+    out = json.loads((tmp_path / "o.json").read_text())
+    # real (0.6 + 0.8 + 0.4) / 3 = 0.6, harness (0.5 + 0.8 + 0.6) / 3 = 0.6333; diffs -0.1, 0, +0.2
+    assert out["runs"] == ["s0", "s1", "s2"] and out["reward_cells"][0]["abs_diff"] == pytest.approx(0.03333, abs=1e-5)
+    assert out["bias"][0]["mean"] == pytest.approx(0.03333, abs=1e-5) and out["bias"][0]["n"] == 3
+    with pytest.raises(SystemExit):
+        main(["--from", str(tmp_path / "a.json"), "--pooled", "--out", str(tmp_path / "o.json")])
 
 
 def test_a_run_is_replayed_on_the_scenario_it_ran(tmp_path):
