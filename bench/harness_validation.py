@@ -78,6 +78,16 @@ def total_variation(p: pd.Series, q: pd.Series) -> float:
     return 0.5 * float((p.reindex(keys, fill_value=0) - q.reindex(keys, fill_value=0)).abs().sum())
 
 
+def same_batches(real: pd.DataFrame, sim_t: pd.DataFrame) -> dict[str, int]:
+    """Learner steps of the run and of the replay, and how many of the run's steps trained on exactly the same tasks
+    in the replay's step of that number: whether the harness reproduces the pipeline's data flow, not only its
+    rewards."""
+    pipe = real[real["learner_step"].notna()].groupby("learner_step")["task_id"].apply(frozenset)
+    harn = sim_t[sim_t["status"] == "trained"].groupby("trained_step")["task_id"].apply(frozenset)
+    same = sum(int(harn.get(k) == tasks) for k, tasks in pipe.items())
+    return {"steps_real": int(len(pipe)), "steps_harness": int(len(harn)), "identical_task_sets": same}
+
+
 def cell_rows(cells: pd.DataFrame) -> list[dict[str, Any]]:
     """A (phase, family)-indexed table of reward cells as JSON rows."""
     return [{"phase": int(p), "family": f, **{k: float(v) for k, v in row.items()}} for (p, f), row in cells.iterrows()]
@@ -146,6 +156,7 @@ def validate(run_dir: Path, scenario: str | None = None) -> dict[str, Any]:
             "staleness_harness": {str(k): float(v) for k, v in st_sim.items()}, "staleness_tv": tv,
             "recovery_real": rec_real, "recovery_harness": rec_sim,
             "trajectories": {"real": int(len(real)), "harness": int(len(sim_t))},
+            "same_batches": same_batches(real, sim_t),
             "harness_summary": summary(res, sim.threads)}
 
 
@@ -168,6 +179,14 @@ def majority(values: list[str]) -> str:
     """The value most runs have; "mixed" when the most common ones tie."""
     counts = Counter(values).most_common()
     return counts[0][0] if len(counts) == 1 or counts[0][1] > counts[1][1] else "mixed"
+
+
+def total_same_batches(results: list[dict[str, Any]]) -> dict[str, int] | None:
+    """`same_batches` summed over the runs that report it (results written before it existed do not)."""
+    have = [r["same_batches"] for r in results if "same_batches" in r]
+    if not have:
+        return None
+    return {"runs": len(have), **{k: sum(h[k] for h in have) for k in have[0]}}
 
 
 def pool(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -193,7 +212,7 @@ def pool(results: list[dict[str, Any]]) -> dict[str, Any]:
             "reward_abs_diff_max": float(cells["abs_diff"].max()),
             "staleness_real": hist["real"].to_dict(), "staleness_harness": hist["harness"].to_dict(),
             "staleness_tv": tv, "recovery_real": rec["real"], "recovery_harness": rec["harness"],
-            "bias": bias, "per_run": results}
+            "bias": bias, "same_batches": total_same_batches(results), "per_run": results}
 
 
 def main(argv: list[str] | None = None) -> int:

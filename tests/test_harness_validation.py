@@ -4,9 +4,10 @@ hand-made per-run results."""
 import json
 import shutil
 
+import pandas as pd
 import pytest
 
-from bench.harness_validation import main, majority, pool, ran_scenario
+from bench.harness_validation import main, majority, pool, ran_scenario, same_batches
 from simulator.scenario import SCENARIO_DIR
 
 
@@ -15,6 +16,14 @@ def run(name, cells, st_real, st_harness, rec_real, rec_harness):
                                           for f, r, h in cells],
             "staleness_real": st_real, "staleness_harness": st_harness,
             "recovery_real": rec_real, "recovery_harness": rec_harness}
+
+
+def test_same_batches_counts_the_steps_that_trained_the_same_tasks():
+    real = pd.DataFrame({"task_id": ["a", "b", "c", "d", "e"], "learner_step": [0.0, 0.0, 1.0, 1.0, None]})
+    sim = pd.DataFrame({"task_id": ["a", "b", "c", "d", "e"], "trained_step": [0, 0, 1, 2, -1],
+                        "status": ["trained", "trained", "trained", "trained", "stale"]})
+    # step 0: {a, b} both; step 1: {c, d} against {c}; the replay has a step 2 the run lacks
+    assert same_batches(real, sim) == {"steps_real": 2, "steps_harness": 3, "identical_task_sets": 1}
 
 
 def test_majority_names_the_most_common_status_and_calls_a_tie_mixed():
@@ -54,11 +63,15 @@ def test_from_pools_the_runs_of_earlier_outputs(tmp_path):
     r1 = run("s0", [("arith", 0.6, 0.5)], {"1": 1.0}, {"1": 1.0}, {"a": "recovered"}, {"a": "recovered"})
     r2 = run("s1", [("arith", 0.8, 0.8)], {"1": 1.0}, {"1": 1.0}, {"a": "recovered"}, {"a": "recovered"})
     r3 = run("s2", [("arith", 0.4, 0.6)], {"1": 1.0}, {"1": 1.0}, {"a": "recovered"}, {"a": "recovered"})
+    r3["same_batches"] = {"steps_real": 4, "steps_harness": 4, "identical_task_sets": 3}
+    assert pool([r1, r3])["same_batches"] == {"runs": 1, "steps_real": 4, "steps_harness": 4,
+                                              "identical_task_sets": 3}
     (tmp_path / "a.json").write_text(json.dumps(pool([r1, r2])))
     (tmp_path / "b.json").write_text(json.dumps(pool([r3])))
     assert main(["--from", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(tmp_path / "o.json")]) == 0
     out = json.loads((tmp_path / "o.json").read_text())
     # real (0.6 + 0.8 + 0.4) / 3 = 0.6, harness (0.5 + 0.8 + 0.6) / 3 = 0.6333; diffs -0.1, 0, +0.2
+    assert out["same_batches"]["runs"] == 1  # s2 alone reports it
     assert out["runs"] == ["s0", "s1", "s2"] and out["reward_cells"][0]["abs_diff"] == pytest.approx(0.03333, abs=1e-5)
     assert out["bias"][0]["mean"] == pytest.approx(0.03333, abs=1e-5) and out["bias"][0]["n"] == 3
     with pytest.raises(SystemExit):
