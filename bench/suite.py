@@ -271,6 +271,16 @@ def run_all(plan: Plan, todo: list[tuple[Arm, dict, int]], init: str, out_dir: P
     return [done[i] for i in range(len(todo))]
 
 
+def main_seeds(given: str, pilot_seeds: list[int], pilot: bool) -> list[int]:
+    """`--seeds`: main seeds only (the pilot's seeds are never reused for a result)."""
+    if pilot:
+        raise ValueError("--seeds with --pilot: the pilot runs the suite's pilot seeds")
+    seeds = [int(s) for s in given.split(",")]
+    if set(seeds) & set(pilot_seeds):
+        raise ValueError(f"--seeds {given}: {sorted(set(seeds) & set(pilot_seeds))} are pilot seeds, never reused")
+    return seeds
+
+
 def split_threads(plan: Plan, jobs: int) -> Plan:
     """The plan as each of `jobs` worker processes runs it: the harness threads shared out, at least one each."""
     if jobs <= 1:
@@ -430,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
                    "with the post_rollouts rule applied")
     p.add_argument("--arms", default="", help="comma-separated arms instead of the suite's (e.g. the pilot's)")
     p.add_argument("--drifts", default="", help="comma-separated drifts instead of the suite's")
+    p.add_argument("--seeds", default="", help="comma-separated main seeds instead of the suite's (e.g. the n the "
+                   "power rule asks where the budget took fewer); never the pilot's")
     p.add_argument("--choose-lr", nargs="+", metavar="PILOT_JSON", help="apply the lr rule to pilot.json files "
                    "(one lr each) and write <out>/lr_choice.json")
     p.add_argument("--lr", type=float, help="every trained arm at this lr (a point of the suite's lr_grid)")
@@ -459,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
         plan = dataclasses.replace(plan, arms=arms(a.arms.split(",")))
     if a.drifts:
         plan = dataclasses.replace(plan, drifts=pick_drifts(plan.drifts, a.drifts.split(",")))
+    if a.seeds:
+        plan = dataclasses.replace(plan, seeds=main_seeds(a.seeds, plan.pilot_seeds, a.pilot))
     if a.lr is not None:  # one value of the lr grid (the pilot's lr choice): every trained arm at it
         plan = dataclasses.replace(plan, lr=a.lr, provisional=[p for p in plan.provisional if p != "lr"] + ["lr grid"])
     # seed by seed: an interrupted suite leaves whole seeds (every drift and arm, the pairing unit) in <out>/runs

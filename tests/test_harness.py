@@ -32,6 +32,7 @@ from bench.suite import (
     finished_run,
     load_plan,
     lr_of,
+    main_seeds,
     pick_drifts,
     pooled,
     post_of,
@@ -248,6 +249,14 @@ def test_the_suite_warm_start_trains_every_family_at_its_pre_drift_concept():
     clash = [{"name": "a", "family": "arith", "from": "add7"}, {"name": "b", "family": "arith", "from": "sub7"}]
     with pytest.raises(ValueError, match="drift b starts family arith from sub7, another drift from add7"):
         warm_start_scenario("s", {}, {}, clash)
+
+
+def test_main_seeds_never_take_a_pilot_seed():
+    assert main_seeds("0,1,2,3,4,5,6", [1001, 1002, 1003], pilot=False) == [0, 1, 2, 3, 4, 5, 6]
+    with pytest.raises(ValueError, match=r"\[1002\] are pilot seeds"):
+        main_seeds("0,1002", [1001, 1002, 1003], pilot=False)
+    with pytest.raises(ValueError, match="--seeds with --pilot"):
+        main_seeds("0", [1001], pilot=True)
 
 
 def test_a_placeholder_resolves_to_its_filled_value_else_to_its_provisional_one():
