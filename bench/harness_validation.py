@@ -22,17 +22,19 @@ each (drift, family) has in most runs (a tie reads as "mixed"). The per-run comp
 each cell's harness - pipeline difference over the runs with its 95% t interval (`bias`): an interval that excludes 0
 is a bias of the harness, one that holds 0 a difference the runs cannot tell from noise.
 
-`--from` (the fourth validation, a replication, written and committed before it was run, after the third missed
-the reward tolerance in one cell, string in phase 1, by 0.007): three new seeds of `sao up` (3, 4, 5) on the same
-24,800-task default scenario, replayed with `--pooled`; the same three tolerances, unchanged, on their own pool (a
-new sample, not added to the third's). Beside it, `--from` pools the per-run results of both JSON files (no replay)
-for every cell's difference over the six seeds and its t interval.
+The fourth validation (a replication, written and committed before it was run, after the third missed the reward
+tolerance in one cell, string in phase 1, by 0.007): three new seeds of `sao up` (3, 4, 5) on the same 24,800-task
+default scenario, replayed with `--pooled`; the same three tolerances, unchanged, on their own pool (a new sample,
+not added to the third's). Beside it, `--from` pools the per-run results of both JSON files (no replay) for every
+cell's difference over the six seeds and its t interval.
 
     .venv/bin/python bench/harness_validation.py runs/default-seed0 --others runs/default-seed1 runs/default-seed2 \
         runs/default-seed-1 --out docs/bench/harness_validation.json
     .venv/bin/python bench/harness_validation.py runs/default-seed0 runs/default-seed1 runs/default-seed2 --pooled \
         --scenario docs/runs/default/2026-12-02-19400-tasks/scenario.yaml --jobs 2 \
         --out docs/bench/harness_validation_pooled.json
+    .venv/bin/python bench/harness_validation.py runs/v2/default-seed3 runs/v2/default-seed4 runs/v2/default-seed5 \
+        --pooled --jobs 2 --out docs/bench/harness_validation_replication.json
     .venv/bin/python bench/harness_validation.py --from docs/bench/harness_validation_pooled_24800.json \
         docs/bench/harness_validation_replication.json --out docs/bench/harness_validation_six_seeds.json
 """
