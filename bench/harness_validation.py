@@ -194,11 +194,12 @@ def total_same_batches(results: list[dict[str, Any]]) -> dict[str, int] | None:
 def pool(results: list[dict[str, Any]]) -> dict[str, Any]:
     """`validate`'s results of several seeds compared on what they share, with the same tolerances: mean reward per
     cell over the runs, the mean staleness histogram, the majority recovery status."""
-    cells = pd.DataFrame([c for r in results for c in r["reward_cells"]]).groupby(["phase", "family"])[
-        ["real", "harness"]].mean()
+    per_run = pd.DataFrame([c for r in results for c in r["reward_cells"]])
+    per_run["diff"] = per_run["harness"] - per_run["real"]
+    by_cell = per_run.groupby(["phase", "family"])
+    cells = by_cell[["real", "harness"]].mean()
     cells["abs_diff"] = (cells["real"] - cells["harness"]).abs()
-    diffs = pd.DataFrame([{**c, "diff": c["harness"] - c["real"]} for r in results for c in r["reward_cells"]])
-    bias = [{"phase": int(p), "family": f, **t_interval(g["diff"])} for (p, f), g in diffs.groupby(["phase", "family"])]
+    bias = [{"phase": int(p), "family": f, **t_interval(g["diff"])} for (p, f), g in by_cell]
     hist = {side: pd.DataFrame([r[f"staleness_{side}"] for r in results]).fillna(0.0).mean()
             for side in ("real", "harness")}
     tv = total_variation(hist["real"], hist["harness"])
