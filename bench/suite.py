@@ -353,14 +353,17 @@ def seed_differences(table: pd.DataFrame, outcome: str, arm: str, ref: str) -> p
 
 def pooled(table: pd.DataFrame, ref: str) -> list[dict[str, Any]]:
     """Per arm, each outcome averaged over the drifts of a seed, then over seeds; against `ref`, the paired
-    bootstrap over seeds of the per-seed difference (`seed_differences`)."""
+    bootstrap over seeds of the per-seed difference (`seed_differences`), and its t interval (`_t`: with its SD, the
+    difference n seeds detect at 3 standard errors, 3 sd / sqrt(n))."""
     out = []
     for arm, g in table.groupby("arm", sort=False):
         entry: dict[str, Any] = {"arm": arm, "seeds": int(g["seed"].nunique()), "drifts": int(g["drift"].nunique())}
         for k in OUTCOMES:
             entry[k] = float(g.groupby("seed")[k].mean().mean())
             if arm != ref:
-                entry[f"{k}_minus_{ref}"] = stats.paired_bootstrap(seed_differences(table, k, arm, ref).values)
+                diffs = seed_differences(table, k, arm, ref).values
+                entry[f"{k}_minus_{ref}"] = stats.paired_bootstrap(diffs)
+                entry[f"{k}_minus_{ref}_t"] = stats.t_interval(diffs)
         out.append(entry)
     return out
 

@@ -291,6 +291,8 @@ def test_pooled_outcomes_by_hand():
     assert sao["auc_equal_rollouts"] == pytest.approx(0.55) and grpo["auc_equal_rollouts"] == pytest.approx(0.4)
     diff = grpo["auc_equal_rollouts_minus_sao"]  # per seed: (-0.1 - 0.1) / 2 = -0.1 and (0 - 0.4) / 2 = -0.2
     assert (diff["mean"], diff["low"], diff["high"], diff["n"]) == pytest.approx((-0.15, -0.2, -0.1, 2))
+    t = grpo["auc_equal_rollouts_minus_sao_t"]  # sd 0.0707; t(0.975, 1) 12.706 x 0.0707 / sqrt 2 = 0.6353
+    assert (t["mean"], t["sd"], t["low"], t["high"]) == pytest.approx((-0.15, 0.07071, -0.7853, 0.4853), abs=1e-4)
 
 
 def test_each_arm_runs_at_its_own_lr_and_the_controls_at_saos():
