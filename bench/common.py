@@ -15,6 +15,7 @@ import json
 import math
 import os
 import platform
+import subprocess
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -211,6 +212,18 @@ def mean_ci(values) -> dict[str, float]:
     t = _T975.get(df) or next((_T975[k] for k in sorted(_T975) if k >= df), 1.96)
     h = t * float(v.std(ddof=1)) / math.sqrt(v.size)
     return {"mean": m, "lo": m - h, "hi": m + h, "n": int(v.size)}
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def git_commit() -> str | None:
+    """The checkout's commit, "+changes" when its tracked files differ from it; None outside a git checkout."""
+    try:
+        return git("rev-parse", "--short", "HEAD") + ("+changes" if git("status", "--porcelain", "-uno") else "")
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def machine() -> dict[str, Any]:

@@ -8,7 +8,9 @@ reused, not rerun: an interrupted suite resumes, and a pilot grows arm by arm.
 
 The policy every arm starts from is the suite's own warm start (`learner.pretrain` on the suite's `warm_start`
 section, cached under runs/cache; `--init DIR` uses another). `--admissibility` runs the pilot's first check alone:
-the frozen arm's post-drift start of every drift on the pilot seeds, against `admissible_start`.
+the frozen arm's post-drift start of every drift on the pilot seeds, against `admissible_start`. `--pool` pools the
+suite.json files of invocations on disjoint seeds (seeds accumulate across sessions; `pool_results` says what they
+must share).
 
     .venv/bin/python bench/suite.py --suite bench/suites/drift_v1.yaml --quick
     .venv/bin/python bench/suite.py --suite bench/suites/drift_v1.yaml --admissibility --out docs/bench/suite_pilot
@@ -34,7 +36,7 @@ import yaml  # noqa: E402
 
 from bench import stats  # noqa: E402
 from bench.arms import Arm, arms  # noqa: E402
-from bench.common import init_sha256, reusable_run  # noqa: E402
+from bench.common import git_commit, init_sha256, reusable_run  # noqa: E402
 from bench.harness import Result, SimConfig, by_phase, phase_prefix, scenario_stream, simulate, summary  # noqa: E402
 from bench.parallel import run_parallel  # noqa: E402
 from learner.pretrain import PretrainConfig, pretrain  # noqa: E402
@@ -68,6 +70,7 @@ class Plan:
     pilot_post: int  # the pilot's post-drift rollouts
     admissible_start: tuple[float, float]
     warm_start_sha256: str | None = None  # the build of the warm start the suite's reported runs started from
+    version: str = ""  # the suite file's version (its amendments)
 
 
 def resolve(value: Any, name: str, used: list[str]) -> Any:
@@ -101,7 +104,7 @@ def load_plan(path: str | Path, quick: bool = False) -> Plan:
                 read_lr(resolve(raw["lr"], "lr", used)), int(window), harness, raw["scenario"], used,
                 warm_start_scenario(raw["name"], raw["scenario"], ws, raw["drifts"]), pretrain_sets,
                 list(raw["seeds"]["pilot"]), int(raw["post_rollouts"]["pilot"]["pilot_runs"]),
-                tuple(raw["admissible_start"]), raw.get("warm_start_sha256"))
+                tuple(raw["admissible_start"]), raw.get("warm_start_sha256"), str(raw.get("version", "")))
 
 
 def warm_start_note(plan: Plan, init: str) -> str | None:
@@ -302,8 +305,7 @@ def json_default(x: Any) -> Any:
 
 
 def combine(plan: Plan, runs: list[dict]) -> dict[str, Any]:
-    """Outcomes at equal budgets per (drift, seed), then per (drift, arm): Kaplan-Meier medians of samples to each
-    threshold and paired bootstrap intervals of (arm - reference) over seeds. Every run must come from one warm
+    """Outcomes at equal budgets per (drift, seed) (`runs` rows), then `summarise`. Every run must come from one warm
     start."""
     weights = {r.get("init_sha256") for r in runs}
     if len(weights) > 1:
@@ -319,8 +321,16 @@ def combine(plan: Plan, runs: list[dict]) -> dict[str, Any]:
                          **run_outcomes(post, plan.window, n_roll, n_tok),
                          "learner_steps": r["summary"]["learner_steps"],
                          "trained_frac": r["summary"]["trained"] / max(r["summary"]["trajectories"], 1)})
-    table = pd.DataFrame(rows)
     ref = "sao" if "sao" in {a.name for a in plan.arms} else plan.arms[0].name
+    return {"suite": plan.name, "suite_version": plan.version, "provisional": bool(plan.provisional),
+            "provisional_values": plan.provisional, "init_sha256": next(iter(weights), None), "reference_arm": ref,
+            "window": plan.window, **summarise(rows, ref)}
+
+
+def summarise(rows: list[dict], ref: str) -> dict[str, Any]:
+    """Per (drift, arm): Kaplan-Meier medians of samples to each threshold and paired bootstrap intervals of
+    (arm - `ref`) over seeds; per arm, the drifts pooled (`pooled`)."""
+    table = pd.DataFrame(rows)
     per_arm = []
     for (drift, arm), g in table.groupby(["drift", "arm"], sort=False):
         entry: dict[str, Any] = {"drift": drift, "arm": arm, "seeds": int(len(g))}
@@ -336,9 +346,37 @@ def combine(plan: Plan, runs: list[dict]) -> dict[str, Any]:
                 common = mine.index.intersection(base.index)
                 entry[f"{k}_minus_{ref}"] = stats.paired_bootstrap((mine.loc[common, k] - base.loc[common, k]).values)
         per_arm.append(entry)
-    return {"suite": plan.name, "provisional": bool(plan.provisional), "provisional_values": plan.provisional,
-            "init_sha256": next(iter(weights), None), "reference_arm": ref, "window": plan.window, "runs": rows,
-            "per_drift_arm": per_arm, "pooled": pooled(table, ref)}
+    return {"runs": rows, "per_drift_arm": per_arm, "pooled": pooled(table, ref)}
+
+
+# what every suite.json pooled by `pool_results` must share: one suite version, warm start, lr, arms and drifts
+POOL_SAME = ("suite", "suite_version", "init_sha256", "reference_arm", "window", "lr", "pilot", "provisional",
+             "provisional_values")
+
+
+def pool_results(results: list[dict], names: list[str]) -> dict[str, Any]:
+    """suite.json files of earlier invocations on disjoint seeds, pooled into one result (`summarise` over all their
+    runs): seeds run in different sessions accumulate. Refused, naming the file and field, where they differ in
+    anything but their seeds (`POOL_SAME`, and each seed's (arm, drift) runs), or share a seed."""
+    first = results[0]
+    for name, r in zip(names, results):
+        for k in POOL_SAME:
+            if k not in r:
+                raise ValueError(f"--pool {name}: no '{k}' (a suite.json of an older bench/suite.py?)")
+            if json.dumps(r[k], sort_keys=True) != json.dumps(first[k], sort_keys=True):
+                raise ValueError(f"--pool {name}: {k} {r[k]!r} differs from {names[0]}'s {first[k]!r}")
+    cells = {(row["arm"], row["drift"]) for row in first["runs"]}
+    seen: dict[int, str] = {}
+    for name, r in zip(names, results):
+        for seed, rows in _by(r["runs"], ("seed",)).items():
+            if seed[0] in seen:
+                raise ValueError(f"--pool {name}: seed {seed[0]} is also in {seen[seed[0]]}")
+            seen[seed[0]] = name
+            if {(row["arm"], row["drift"]) for row in rows} != cells:
+                raise ValueError(f"--pool {name}: seed {seed[0]} ran other arms or drifts than {names[0]}")
+    rows = [row for r in results for row in r["runs"]]
+    return {**{k: first[k] for k in POOL_SAME}, "pooled_from": names,
+            "git_commits": [r.get("git_commit") for r in results], **summarise(rows, first["reference_arm"])}
 
 
 OUTCOMES = ("auc_equal_rollouts", "auc_equal_tokens", "final_reward")
@@ -447,6 +485,9 @@ def main(argv: list[str] | None = None) -> int:
                    "power rule asks where the budget took fewer); never the pilot's")
     p.add_argument("--choose-lr", nargs="+", metavar="PILOT_JSON", help="apply the lr rule to pilot.json files "
                    "(one lr each) and write <out>/lr_choice.json")
+    p.add_argument("--pool", nargs="+", metavar="SUITE_JSON", help="pool suite.json files of earlier invocations on "
+                   "disjoint seeds (same suite version, warm start, lr, arms, drifts) into <out>/suite.json; runs "
+                   "nothing")
     p.add_argument("--lr", type=float, help="every trained arm at this lr (a point of the suite's lr_grid)")
     p.add_argument("--jobs", type=int, default=1, help="runs at once, in separate processes; each gets "
                    "max(1, harness.threads // jobs) threads (the results of a run do not depend on its process)")
@@ -459,6 +500,10 @@ def main(argv: list[str] | None = None) -> int:
         result = {"rule": "per arm, argmax over lr_grid of the mean post-drift AUC (equal rollouts) on the pilot "
                   "seeds; ties: the smaller", "pilots": a.choose_lr, "per_arm": choose_lr(pilots)}
         _write(out / "lr_choice.json", result, result["per_arm"])
+        return 0
+    if a.pool:
+        result = pool_results([json.loads(Path(f).read_text()) for f in a.pool], a.pool)
+        _write(out / "suite.json", result, result["pooled"])
         return 0
     a.init = a.init or str(build_init(plan))
     note = None if a.quick else warm_start_note(plan, a.init)
@@ -482,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     todo = [(arm, drift, seed) for seed in plan.seeds for drift in plan.drifts for arm in plan.arms]
     runs = run_all(plan, todo, a.init, out, a.jobs)
     combined = {**combine(plan, runs), "wall_s": round(time.monotonic() - t0, 1), "init": a.init,
-                "suite_file": str(a.suite), "pilot": a.pilot, "lr": plan.lr,
+                "suite_file": str(a.suite), "pilot": a.pilot, "lr": plan.lr, "git_commit": git_commit(),
                 "warm_start_note": note}
     if a.pilot:
         combined["post_rollouts_rule"] = post_rollouts_rule(combined["per_drift_arm"], plan.pilot_post)

@@ -19,26 +19,26 @@ import json
 import os
 import platform
 import statistics
-import subprocess
+import sys
 import time
 import types
 from pathlib import Path
 
-import torch
+if __package__ in (None, ""):  # `python bench/warmstart_step.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import learner.models.packed as packed_after
-import learner.pretrain as lp
-from learner.models import CharTokenizer, build_policy
-from simulator.scenario import load_scenario
+import torch  # noqa: E402
+
+import learner.models.packed as packed_after  # noqa: E402
+import learner.pretrain as lp  # noqa: E402
+from bench.common import git, git_commit  # noqa: E402
+from learner.models import CharTokenizer, build_policy  # noqa: E402
+from simulator.scenario import load_scenario  # noqa: E402
 
 BASE = "5de9ad1"  # the branch's start: packed.py before the speed-ups
 WARMUP = 2  # steps dropped at the start of each run
 OPS = ("aten::mm", "aten::mul", "aten::cat", "aten::fill_", "aten::copy_", "aten::pow", "aten::index_select",
        "aten::scatter_add_", "aten::add_", "aten::silu_backward")
-
-
-def git(*args: str) -> str:
-    return subprocess.run(["git", *args], capture_output=True, text=True, check=True).stdout.strip()
 
 
 def packed_at(rev: str) -> types.ModuleType:
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                         "torch": torch.__version__},
             "before": git("rev-parse", "--short", args.before),
-            "after": git("rev-parse", "--short", "HEAD") + ("+changes" if git("status", "--porcelain") else ""),
+            "after": git_commit(),
             "warmup_steps": WARMUP,
             "cpu_1_thread": paired(before, packed_after, args.steps, 1, time.process_time),
             "wall_2_threads": paired(before, packed_after, args.steps, 2, time.perf_counter),

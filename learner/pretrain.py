@@ -10,7 +10,9 @@ Speed (the first `sao up` waits for this): the loss is computed by `learner.mode
 the same forward as the HF model's on the same weights (tested against it) but over the batch's tokens
 packed without padding. Threads: `threads=0` (default) uses
 min(cores, 4) unless a short probe, repeated every 30 s, finds several threads slower than one
-(another busy process on the cores makes OpenMP wait for time slices: measured 40x slower).
+(another busy process on the cores makes OpenMP wait for time slices: measured 40x slower). The
+reduction order follows the thread count, so only a pinned `threads=N` rebuilds the same bits (a
+benchmark's warm start pins it; it is then part of the cache key).
 The held-out evaluation (greedy, the agents' env loop) runs once at the end (`eval_every=N` adds one
 every N steps, `eval_tasks=0` none); a progress bar shows step, loss, speed and ETA.
 
@@ -77,7 +79,9 @@ def warm_start_inputs(scn_text: str) -> dict:
 
 
 def config_hash(cfg: PretrainConfig, scn_text: str) -> str:
-    skip = ("threads", "eval_every", "eval_tasks", "cache_dir", "scenario")  # the scenario counts by its contents
+    # the scenario counts by its contents; threads only when pinned: a fixed thread count fixes the reduction order,
+    # so a build with it has the same bits on every run (auto threads follow the load, and the bits with them)
+    skip = ("eval_every", "eval_tasks", "cache_dir", "scenario") + (("threads",) if cfg.threads <= 0 else ())
     keep = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip}  # every field, set or default
     blob = json.dumps({"cfg": keep, "scenario": warm_start_inputs(scn_text), "format": 2}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]

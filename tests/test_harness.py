@@ -34,6 +34,7 @@ from bench.suite import (
     lr_of,
     main_seeds,
     pick_drifts,
+    pool_results,
     pooled,
     post_of,
     post_rollouts_rule,
@@ -347,6 +348,45 @@ def test_a_rebuilt_warm_start_with_other_bits_is_neither_reused_nor_combined(tmp
     note = warm_start_note(dataclasses.replace(plan, warm_start_sha256="0" * 64), w)
     assert f"{w} has sha256 {init_sha256(w)[:12]}" in note and "(000000000000...)" in note
     init_sha256.cache_clear()
+
+
+def _seed_runs(seed: int, sha: str = "aa") -> list[dict]:
+    """Two arms on two drifts at one seed, rewards that differ by arm, drift and seed."""
+    summary = {"learner_steps": 1, "trained": 4, "trajectories": 4}
+    out = []
+    for arm, base in (("sao", 0.5), ("grpo", 0.25)):
+        for k, drift in enumerate(("d1", "d2")):
+            r = [float((i + seed + k) % 2) * base * 2 for i in range(4)]
+            out.append({"drift": drift, "seed": seed, "arm": arm, "init_sha256": sha, "summary": summary,
+                        "post_drift": {"reward": r, "success": r, "n_gen": [2, 3, 2, 3]}})
+    return out
+
+
+def test_suites_run_on_disjoint_seeds_pool_to_the_suite_run_on_all(tmp_path):
+    plan = dataclasses.replace(load_plan(SUITE, quick=True), window=2, arms=arms(["sao", "grpo"]))
+    header = {"pilot": False, "lr": 4e-4}
+    parts = [{**combine(plan, _seed_runs(0) + _seed_runs(1)), **header},
+             {**combine(plan, _seed_runs(2)), **header, "git_commit": "abc1234"}]
+    whole = combine(plan, _seed_runs(0) + _seed_runs(1) + _seed_runs(2))
+    pooled_result = pool_results(parts, ["a.json", "b.json"])
+    assert pooled_result["pooled"] == whole["pooled"] and pooled_result["per_drift_arm"] == whole["per_drift_arm"]
+    assert pooled_result["git_commits"] == [None, "abc1234"] and pooled_result["init_sha256"] == "aa"
+    assert pooled_result["pooled"][1]["seeds"] == 3
+    with pytest.raises(ValueError, match="b.json: seed 0 is also in a.json"):
+        pool_results([parts[0], parts[0]], ["a.json", "b.json"])
+    with pytest.raises(ValueError, match=r"b.json: init_sha256 'bb' differs from a.json's 'aa'"):
+        pool_results([parts[0], {**combine(plan, _seed_runs(2, "bb")), **header}], ["a.json", "b.json"])
+    with pytest.raises(ValueError, match="b.json: lr 0.0002 differs"):
+        pool_results([parts[0], {**parts[1], "lr": 2e-4}], ["a.json", "b.json"])
+    fewer = {**parts[1], "runs": [r for r in parts[1]["runs"] if r["drift"] == "d1"]}
+    with pytest.raises(ValueError, match="b.json: seed 2 ran other arms or drifts than a.json"):
+        pool_results([parts[0], fewer], ["a.json", "b.json"])
+    out = tmp_path / "pooled"
+    for name, part in zip(("a.json", "b.json"), parts):
+        (tmp_path / name).write_text(json.dumps(part))
+    assert suite_main(["--suite", str(SUITE), "--pool", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                       "--out", str(out)]) == 0
+    assert json.loads((out / "suite.json").read_text())["pooled"][1]["seeds"] == 3
 
 
 def test_a_run_file_is_reused_only_with_every_setting_equal(tmp_path):

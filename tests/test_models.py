@@ -23,6 +23,8 @@ from learner.models import (
     token_logprobs,
     values,
 )
+from learner.models.packed import packable
+from learner.models.scoring import hf_policy_logits, policy_logits, position_ids_from_mask
 
 V = CharTokenizer().vocab_size
 
@@ -91,6 +93,43 @@ def test_padding_does_not_change_valid_positions(policy, value_model, left):
         torch.testing.assert_close(ent[i, real], token_entropy(policy, alone)[0], atol=1e-5, rtol=0)
         torch.testing.assert_close(val[i, real], values(value_model, alone)[0], atol=1e-5, rtol=0)
         assert torch.all(lp[i, ~real] == 0) and torch.all(val[i, ~real] == 0)
+
+
+@pytest.mark.parametrize("left", [False, True])
+def test_packed_scoring_equals_the_hf_forward(policy, value_model, left):
+    """policy_logits and values take the packed forward (learner.models.packed) for this model: the HF forward's
+    logits, values and gradients at every real token, on rows of other lengths and either padding side."""
+    ids, mask, _ = _batch([9, 4, 1, 7, 12, 3], seed=3, left=left)
+    real = mask.bool()
+    assert packable(policy.model) and packable(value_model.backbone)
+    pol = build_policy(seed=0).train()
+    weights = torch.randn(*ids.shape, V, generator=torch.Generator().manual_seed(5))
+    grads = []
+    for fn in (policy_logits, hf_policy_logits):
+        pol.zero_grad(set_to_none=True)
+        logits = fn(pol, ids, mask)
+        (logits * weights * mask[..., None]).sum().backward()
+        grads.append([torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in pol.parameters()])
+        if fn is policy_logits:
+            packed = logits.detach()
+            assert torch.all(packed[~real] == 0)
+        else:
+            torch.testing.assert_close(packed[real], logits.detach()[real], atol=2e-5, rtol=0)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
+    with torch.no_grad():
+        hf_values = value_model(ids, mask, position_ids_from_mask(mask))
+        torch.testing.assert_close(values(value_model, ids, mask)[real], hf_values[real], atol=2e-5, rtol=0)
+
+
+def test_packed_scoring_is_refused_where_it_does_not_apply(policy):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    dense = Qwen3ForCausalLM(Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+    assert not packable(dense.model)  # a dense model: the HF forward
+    ids, mask, _ = _batch([3, 2])
+    torch.testing.assert_close(policy_logits(dense, ids, mask), hf_policy_logits(dense, ids, mask))
 
 
 def test_token_logprobs_is_differentiable(policy):

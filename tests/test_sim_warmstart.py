@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import itertools
 import json
@@ -287,7 +288,11 @@ def test_pretrain_shows_progress_and_evaluates_once_at_the_end(tmp_path, capsys)
 
     again = load_config(PretrainConfig, None, [f"cache_dir={tmp_path}", "steps=4", "batch_size=8", "micro_batches=2",
                                                "eval_tasks=16", "eval_every=2", "threads=1"], base=TINY)
-    assert config_hash(again, load_scenario_text()) == config_hash(cfg, load_scenario_text())  # same cache key
+    text = load_scenario_text()
+    assert config_hash(dataclasses.replace(again, threads=0), text) == config_hash(cfg, text)  # evaluation: not keyed
+    assert config_hash(again, text) != config_hash(cfg, text)  # a pinned thread count is a build of its own
     meta = json.loads((pretrain(again, out=tmp_path / "b", log=logs.append) / "pretrain.json").read_text())
     assert [row["step"] for row in meta["history"]] == [2, 4]
+    rebuilt = pretrain(again, out=tmp_path / "c", log=logs.append)  # pinned: the same bits again
+    assert (rebuilt / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
     assert meta["threads"] == [[0, 1]]

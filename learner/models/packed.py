@@ -68,13 +68,18 @@ class PackedBatch:
     def __init__(self, items: list[tuple[list[int], list[int]]], groups: int) -> None:
         items = sorted(items, key=lambda x: len(x[0]))
         lens = [len(ids) for ids, _ in items]
-        self.ids = torch.tensor([t for ids, _ in items for t in ids], dtype=torch.long)  # [N]
-        self.pos = torch.cat([torch.arange(n) for n in lens])  # position within its sequence
+        self._pack(torch.tensor([t for ids, _ in items for t in ids], dtype=torch.long), lens, groups)
         starts = torch.tensor([0] + lens[:-1]).cumsum(0)
         scored = torch.tensor([x for _, m in items for x in m], dtype=torch.bool)
         scored[starts] = False  # a sequence's first token has no prediction before it
         self.pred = scored.nonzero().flatten() - 1  # token j predicts token j + 1 of the same sequence
         self.target = self.ids[self.pred + 1]
+
+    def _pack(self, ids: torch.Tensor, lens: list[int], groups: int) -> None:
+        """`ids`: the sequences of ascending lengths `lens`, concatenated."""
+        self.ids = ids  # [N]
+        self.pos = torch.cat([torch.arange(n) for n in lens])  # position within its sequence
+        starts = torch.tensor([0] + lens[:-1]).cumsum(0)
         sizes = group_sizes(lens, groups)
         index, slots, self.groups = [], [], []  # per group: rows and padded length
         for gstarts, glens in zip(starts.split(sizes), torch.tensor(lens).split(sizes)):
@@ -85,6 +90,25 @@ class PackedBatch:
             self.groups.append((len(glens), T))
         self.gather = torch.cat(index)  # every group's padded layout, from the packed tokens
         self.real = torch.cat(slots).nonzero().flatten()  # the packed tokens' slots in that layout, in order
+
+
+class PaddedPack(PackedBatch):
+    """The real tokens of a padded `[B, T]` batch (`attention_mask` 1 = real, either padding side), packed; `unpack`
+    puts per-token rows back in place. Positions count the real tokens of a row, as `position_ids_from_mask`."""
+
+    def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, groups: int) -> None:
+        B, T = input_ids.shape
+        mask = attention_mask.bool()
+        lens = mask.sum(-1)
+        order = lens.argsort(stable=True)
+        self.slot = (order[:, None] * T + torch.arange(T, device=order.device))[mask[order]]  # [N] in [B * T]
+        self.shape = (B, T)
+        self._pack(input_ids.flatten().index_select(0, self.slot), lens[order].tolist(), groups)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, ...] per packed token -> [B, T, ...], zeros at padding (differentiable)."""
+        out = x.new_zeros(self.shape[0] * self.shape[1], *x.shape[1:]).index_copy(0, self.slot, x)
+        return out.view(*self.shape, *x.shape[1:])
 
 
 class RMSNorm(torch.autograd.Function):
@@ -170,6 +194,27 @@ def packed_loss(model, batch: PackedBatch) -> torch.Tensor:
     x = _layers(body, batch, keep=batch.pred)
     logits = F.linear(RMSNorm.apply(x, body.norm.weight, body.config.rms_norm_eps), model.lm_head.weight)
     return F.cross_entropy(logits, batch.target)
+
+
+def packable(body) -> bool:
+    """Whether `_layers` computes this backbone's forward: Qwen3-MoE-style layers, every one sparse, no attention bias
+    or dropout, rotary positions. Other models take the HF forward."""
+    cfg = getattr(body, "config", None)
+    layers = getattr(body, "layers", None)
+    if cfg is None or layers is None or not hasattr(body, "rotary_emb") or getattr(cfg, "attention_dropout", 0) != 0:
+        return False
+    if getattr(cfg, "model_type", None) != "qwen3_moe" or getattr(cfg, "use_sliding_window", False):
+        return False
+    return all(hasattr(layer.mlp, "experts") and layer.self_attn.q_proj.bias is None for layer in layers)
+
+
+def packed_states(body, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                  groups: int = 2) -> tuple[torch.Tensor, PaddedPack]:
+    """The backbone's last hidden states (after its final norm) at the real tokens of a padded batch, packed ([N, H]),
+    and the packing that puts them back (`PaddedPack.unpack`): the HF forward's `last_hidden_state` at those tokens."""
+    pack = PaddedPack(input_ids, attention_mask, groups)
+    x = _layers(body, pack, keep=torch.arange(len(pack.ids), device=input_ids.device))
+    return RMSNorm.apply(x, body.norm.weight, body.config.rms_norm_eps), pack
 
 
 def _layers(body, batch: PackedBatch, keep: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
+from learner.models.packed import packable, packed_states
 from learner.models.value import ValueModel
 
 Temperature = torch.Tensor | float | None  # None or 1.0: the model's own distribution
@@ -41,13 +42,27 @@ def _check(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torc
 
 def policy_logits(model: PreTrainedModel, input_ids: torch.Tensor,
                   attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, T, V] fp32 logits; logits[:, t] predicts token t+1."""
+    """[B, T, V] fp32 logits; logits[:, t] predicts token t+1 (0 at padding for a packable model, `_packed`)."""
     mask = _check(input_ids, attention_mask)
+    if _packed(getattr(model, "model", None), mask):
+        h, pack = packed_states(model.model, input_ids, mask)
+        return pack.unpack(model.lm_head(h)).float()
+    return hf_policy_logits(model, input_ids, mask)
+
+
+def hf_policy_logits(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """The HF forward's logits: the reference `policy_logits` equals (tested), and the path of every other model."""
     # MoE models take output_router_logits (off: we never want them here); others may not accept the keyword
     moe = {"output_router_logits": False} if hasattr(getattr(model, "config", None), "output_router_logits") else {}
-    out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids_from_mask(mask),
-                use_cache=False, **moe)
+    out = model(input_ids=input_ids, attention_mask=attention_mask,
+                position_ids=position_ids_from_mask(attention_mask), use_cache=False, **moe)
     return out.logits.float()
+
+
+def _packed(body, mask: torch.Tensor) -> bool:
+    """Score with `learner.models.packed` (the same forward without padding: 1.6x less CPU for the tiny model's
+    forward and backward) when the backbone allows it and every row has a token."""
+    return body is not None and packable(body) and bool(mask.bool().any(-1).all())
 
 
 def _shift(per_pred: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -123,6 +138,9 @@ def values(value_model: ValueModel, input_ids: torch.Tensor,
            attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """[B, T]: V(prefix ending at token t); 0 at padding."""
     mask = _check(input_ids, attention_mask)
+    if isinstance(value_model, ValueModel) and _packed(value_model.backbone, mask):
+        h, pack = packed_states(value_model.backbone, input_ids, mask)
+        return pack.unpack(value_model.head(h).squeeze(-1))
     v = value_model(input_ids, mask, position_ids_from_mask(mask))
     return torch.where(mask.bool(), v, torch.zeros_like(v))
 
