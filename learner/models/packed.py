@@ -101,7 +101,7 @@ class PaddedPack(PackedBatch):
         mask = attention_mask.bool()
         lens = mask.sum(-1)
         order = lens.argsort(stable=True)
-        self.slot = (order[:, None] * T + torch.arange(T, device=order.device))[mask[order]]  # [N] in [B * T]
+        self.slot = (order[:, None] * T + torch.arange(T))[mask[order]]  # [N] in [B * T]
         self.shape = (B, T)
         self._pack(input_ids.flatten().index_select(0, self.slot), lens[order].tolist(), groups)
 

@@ -61,8 +61,10 @@ def hf_policy_logits(model: PreTrainedModel, input_ids: torch.Tensor, attention_
 
 def _packed(body, mask: torch.Tensor) -> bool:
     """Score with `learner.models.packed` (the same forward without padding: 1.6x less CPU for the tiny model's
-    forward and backward) when the backbone allows it and every row has a token."""
-    return body is not None and packable(body) and bool(mask.bool().any(-1).all())
+    forward and backward on a padded micro-batch) on CPU, when the backbone allows it and every row has a token. On
+    a GPU the HF forward stays (its fused kernels; the packing's indices are built on the CPU)."""
+    return (body is not None and mask.device.type == "cpu" and packable(body)
+            and bool(mask.bool().any(-1).all()))
 
 
 def _shift(per_pred: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
