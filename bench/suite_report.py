@@ -1,10 +1,10 @@
 """The drift suite's report (issue 15, item 8): a figure and Markdown tables from a suite's JSON and run files.
 
 Reads a suite's JSON (DIR/suite.json, a pilot.json, or suite_plan's pilot-lr-*.json) and the run files it names
-(DIR/runs/*.json, or --runs); writes <stem>.png beside it (post-drift success per drift and arm, mean over seeds,
-and the pooled AUC difference to SAO with its 95% interval per arm) and <stem>.md (the pooled table, then per
-drift and arm: AUCs with their paired differences, final reward and the Kaplan-Meier medians of samples to 70% and
-80% with their censoring counts; a censored median is "> N").
+(DIR/runs/*.json, or --runs DIR [DIR ...]); writes <stem>.png beside it (post-drift success per drift and arm, mean
+over seeds, and the pooled AUC difference to SAO with its 95% interval per arm) and <stem>.md (the pooled table, then
+per drift and arm: AUCs with their paired differences, final reward and the Kaplan-Meier medians of samples to 70%
+and 80% with their censoring counts; a censored median is "> N").
 
     .venv/bin/python bench/suite_report.py runs/bench/suite/suite.json
 """
@@ -120,14 +120,14 @@ def figure(result: dict, runs: list[dict], window: int, path: Path) -> Path:
     return path
 
 
-def report(result_path: Path, runs_dir: Path | None = None, out_dir: Path | None = None) -> dict[str, Any]:
-    """<stem>.png and <stem>.md for a suite's (or pilot's) JSON, from the run files in `runs_dir` (default: the
-    JSON's directory's runs/) it names."""
+def report(result_path: Path, runs_dirs: list[Path] | None = None, out_dir: Path | None = None) -> dict[str, Any]:
+    """<stem>.png and <stem>.md for a suite's (or pilot's) JSON, from the run files it names in `runs_dirs` (default:
+    the JSON's directory's runs/; a pooled suite.json names the runs of every part)."""
     result = json.loads(result_path.read_text())
-    runs_dir = runs_dir or result_path.parent / "runs"
+    runs_dirs = runs_dirs or [result_path.parent / "runs"]
     out_dir = out_dir or result_path.parent
     keep = {(r["arm"], r["drift"], r["seed"]) for r in result["runs"]}
-    runs = [r for f in sorted(runs_dir.glob("*.json")) if (r := json.loads(f.read_text()))
+    runs = [r for d in runs_dirs for f in sorted(d.glob("*.json")) if (r := json.loads(f.read_text()))
             and (r["arm"], r["drift"], r["seed"]) in keep]
     window = int(result.get("window", 64))  # pilot.json files of drift_v1 1.0 did not record it: 64 then
     phase = {r["drift"]: len(r["post_drift"]["success"]) for r in runs}
@@ -141,10 +141,10 @@ def report(result_path: Path, runs_dir: Path | None = None, out_dir: Path | None
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("result", help="a suite.json, pilot.json or pilot-lr-*.json")
-    p.add_argument("--runs", help="the run files' directory (default: runs/ beside the JSON)")
+    p.add_argument("--runs", nargs="+", help="the run files' directories (default: runs/ beside the JSON)")
     p.add_argument("--out", help="where the PNG and Markdown go (default: beside the JSON)")
     a = p.parse_args(argv)
-    print(json.dumps(report(Path(a.result), a.runs and Path(a.runs), a.out and Path(a.out))))
+    print(json.dumps(report(Path(a.result), a.runs and [Path(d) for d in a.runs], a.out and Path(a.out))))
     return 0
 
 
