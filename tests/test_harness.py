@@ -229,8 +229,9 @@ def test_suite_file_names_seven_drifts_and_every_arm():
     for d in plan.drifts:  # every drift's concepts exist in simulator/families
         phases = drift_scenario(plan, d).phases
         assert [p.concepts for p in phases] == [{d["family"]: d["from"]}, {d["family"]: d["to"]}]
-    assert plan.provisional == [] and plan.seeds == [0, 1, 2]  # 1.2 filled the pilot's placeholders
-    assert re.fullmatch("[0-9a-f]{64}", plan.warm_start_sha256)  # the build 1.3 ran on
+    # 1.2 filled the pilot's placeholders; 1.4 runs the rule's n = 7 seeds (in parts) from a one-thread warm start
+    assert plan.provisional == [] and plan.seeds == list(range(7)) and plan.version == "1.4"
+    assert "threads=1" in plan.pretrain_sets and re.fullmatch("[0-9a-f]{64}", plan.warm_start_sha256)
     post = {d["name"]: post_of(plan, d) for d in plan.drifts}
     assert post["tool_rename"] == 2560 and post["arith_op_ab"] == 4608
     assert [p.duration_tasks for p in drift_scenario(plan, plan.drifts[-1]).phases] == [1024, 4608]
