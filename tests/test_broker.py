@@ -55,8 +55,11 @@ def test_sao_broker_runs_in_the_foreground_until_sigint(tmp_path):
     import subprocess
     import sys
 
+    # as from a terminal: a test run started in the background (`cmd &` without job control) ignores SIGINT, its
+    # children inherit that, and Python then installs no KeyboardInterrupt handler
     proc = subprocess.Popen([sys.executable, "-m", "streamer.launch.cli", "broker", "--port", "0", "--log",
-                             str(tmp_path / "b.log")], stdout=subprocess.PIPE, text=True)
+                             str(tmp_path / "b.log")], stdout=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         line = proc.stdout.readline()
         m = re.search(r"broker ready: ([\d.]+):(\d+)", line)
