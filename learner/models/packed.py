@@ -220,6 +220,9 @@ def packed_states(body, input_ids: torch.Tensor, attention_mask: torch.Tensor,
 def _layers(body, batch: PackedBatch, keep: torch.Tensor) -> torch.Tensor:
     """[len(keep), H]: the residual stream after the backbone's last layer (before its final norm) at the packed
     tokens `keep`: the last layer's attention reads every token, its output and MoE run on `keep` alone."""
+    if not packable(body):
+        raise ValueError("packed forward: the backbone must be Qwen3-MoE with every layer a sparse MoE layer, no "
+                         "attention bias, dropout or sliding window")
     cfg = body.config
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     d, eps = cfg.hidden_size // hq, cfg.rms_norm_eps
@@ -232,8 +235,6 @@ def _layers(body, batch: PackedBatch, keep: torch.Tensor) -> torch.Tensor:
     n = x.shape[0]
     for i, layer in enumerate(body.layers):
         att, moe = layer.self_attn, layer.mlp
-        if not hasattr(moe, "experts") or att.q_proj.bias is not None:
-            raise ValueError("packed_loss: every layer must be a sparse MoE layer without attention bias")
         h = RMSNorm.apply(x, layer.input_layernorm.weight, eps)
         w_qkv = torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight])
         qk, v = F.linear(h, w_qkv).view(n, hq + 2 * hkv, d).split([hq + hkv, hkv], dim=1)
