@@ -93,7 +93,8 @@ class ValueConfig:
     # critic-only steps before the first policy update: the head starts at random, and advantages from it would
     # move the policy in random directions (the first policy step's loss was -0.54 without it)
     warmup_steps: int = 5
-    # clipped value loss. The old values come from the same critic weights in `prepare`, so the clip binds only
+    # clipped value loss. The old values come from the same critic weights (`prepare` or the batch's first update's
+    # forward, learner.trainer.step), so the clip binds only
     # from the second update on one batch (optim.updates_per_batch > 1); off by default, where it cannot bind
     value_clip: float | None = None
     agg: Aggregation = "token_mean"

@@ -165,6 +165,37 @@ def test_length_sorted_micro_batches_give_the_whole_batch_update(tmp_path, polic
     assert all(torch.allclose(v2[k], v1[k], atol=1e-5) for k in v1)
 
 
+def test_critic_references_from_the_first_update_equal_prepares(tmp_path, policy0):
+    # the trainer leaves the critic's values to the first update's own value forward (one forward fewer a batch):
+    # references, metrics and weights must be bit for bit those of prepare's no-gradient forward, also on the second
+    # update of the batch (where the value clip binds) and over micro-batches of several widths
+    t = by_length(synthetic_trajectories(policy0, 8))
+    sets = ("batch.micro_batch=3", "optim.updates_per_batch=2", "value.value_clip=0.2", "advantage.batch_norm=true",
+            "advantage.adaptive_alpha=0.05", "loss.kl_coef=0.1")
+    runs = []
+    for lazy in (False, True):
+        cfg = make_cfg(tmp_path, *sets)
+        models, batch = build_models(cfg), collate(t)
+        ref = prepare(cfg, models, batch, values_from_update=lazy)
+        assert ("old_values" in ref) is not lazy and ("advantages" in ref) is not lazy
+        steps = [update(cfg, models, batch, ref, train_policy=True) for _ in range(2)]
+        assert all(applied for _, applied in steps)
+        runs.append((ref, [m for m, _ in steps], _params(models.policy), _params(models.value)))
+    (r0, m0, p0, v0), (r1, m1, p1, v1) = runs
+    assert r0.keys() == r1.keys() and all(torch.equal(r0[k], r1[k]) for k in r0)
+    assert m0 == m1 and m0[1]["value_clip_frac"] > 0  # the second update's clip did bind
+    assert all(torch.equal(p0[k], p1[k]) for k in p0) and all(torch.equal(v0[k], v1[k]) for k in v0)
+
+
+def test_sharded_update_refuses_references_left_to_it(tmp_path, policy0):
+    from learner.trainer.ranks import Shard
+    cfg = make_cfg(tmp_path)
+    models, batch = build_models(cfg), collate(synthetic_trajectories(policy0, 4))
+    shard = Shard(index=torch.arange(2), real=torch.ones(2, dtype=torch.bool), world=2, group=None)
+    with pytest.raises(ValueError, match="each rank scores only its rows"):
+        update(cfg, models, batch, prepare(cfg, models, batch, values_from_update=True), True, shard)
+
+
 def test_file_source_offsets_bad_and_partial_lines(tmp_path, policy0):
     t = synthetic_trajectories(policy0, 3)
     path = write_trajectories(tmp_path / "f.jsonl", t[:2], append=False)

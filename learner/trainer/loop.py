@@ -139,10 +139,10 @@ class Trainer:
         t0 = time.monotonic()
         hist = histogram(fresh, self.vindex, self.admission.lineage)  # against the version the update starts from
         batch = collate(by_length(fresh)).to(self.device)
-        ref = prepare(self.cfg, self.models, batch)
+        shard = self.group.shard(len(fresh)) if self.group is not None else None
+        ref = prepare(self.cfg, self.models, batch, values_from_update=shard is None)
         warm = self.models.value is not None and self.warm_left > 0
         n_applied, metrics = 0, {}
-        shard = self.group.shard(len(fresh)) if self.group is not None else None
         for _ in range(self.cfg.optim.updates_per_batch):
             metrics, ok = update(self.cfg, self.models, batch, ref, train_policy=not warm, shard=shard)
             if not ok:  # the weights keep the updates already applied; the rest of the batch is dropped

@@ -112,21 +112,31 @@ def _denom(mask: torch.Tensor, agg: str) -> float:
     return float(mask.sum()) if agg == "token_mean" else float(mask.bool().any(-1).sum())
 
 
+def critic_refs(cfg: LearnerConfig, batch: Batch, state_v: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The critic's references from its values of `batch`'s states: old_values, returns (each row's own) and
+    advantages (whitened over `batch` when advantage.batch_norm). No gradient."""
+    a, mask = cfg.advantage, batch.loss_mask
+    old_v = torch.where(mask.bool(), state_v.detach(), torch.zeros_like(state_v))
+    adv, ret = sao_advantages(place_reward(batch.rewards, mask), old_v, mask, a.gamma, a.lam_actor, a.lam_critic,
+                              a.adaptive_alpha, a.batch_norm)
+    return {"old_values": old_v, "returns": ret, "advantages": adv}
+
+
 @torch.no_grad()
-def prepare(cfg: LearnerConfig, models: Models, batch: Batch) -> dict[str, torch.Tensor]:
-    """Advantages, critic targets and the fixed references of this batch (no gradient)."""
-    a, mask, out = cfg.advantage, batch.loss_mask, {}
+def prepare(cfg: LearnerConfig, models: Models, batch: Batch, values_from_update: bool = False
+            ) -> dict[str, torch.Tensor]:
+    """Advantages, critic targets and the fixed references of this batch (no gradient).
+
+    `values_from_update`: leave the critic's references to the first `update` on this batch, whose value forward
+    (with gradient, same weights) gives the same values: one value forward fewer a batch. One process only."""
+    out = {}
     if cfg.uses_value_model:
-        old_v = _per_micro(cfg, batch, lambda b: state_values(models.value, b))
-        old_v = torch.where(mask.bool(), old_v, torch.zeros_like(old_v))
-        rewards = place_reward(batch.rewards, mask)
-        adv, ret = sao_advantages(rewards, old_v, mask, a.gamma, a.lam_actor, a.lam_critic, a.adaptive_alpha,
-                                  a.batch_norm)
-        out.update(old_values=old_v, returns=ret)
+        if not values_from_update:
+            out.update(critic_refs(cfg, batch, _per_micro(cfg, batch, lambda b: state_values(models.value, b))))
     else:
         groups = [group_key(t) for t in batch.trajectories]
-        adv = group_advantages(a.estimator, batch.rewards, groups, mask, a.batch_norm)
-    out["advantages"] = adv
+        out["advantages"] = group_advantages(cfg.advantage.estimator, batch.rewards, groups, batch.loss_mask,
+                                             cfg.advantage.batch_norm)
     if cfg.loss.name == "decoupled_ppo":  # AReaL's proximal policy: the learner's weights before this update
         out["prox_logp"] = _per_micro(cfg, batch, lambda b: token_logprobs(models.policy, b.input_ids,
                                                                           b.attention_mask, b.temperature))
@@ -154,18 +164,28 @@ def _accumulate(total: dict[str, float], metrics: dict[str, float], w: float, em
 
 def value_backward(cfg: LearnerConfig, models: Models, batch: Batch, ref: dict, norm: float | None = None,
                    scale: float = 1.0) -> dict[str, float]:
-    """`norm`: the whole batch's normaliser when `batch` is one rank's rows; `scale`: the ranks (W)."""
-    agg, total = cfg.value.agg, {}
+    """`norm`: the whole batch's normaliser when `batch` is one rank's rows; `scale`: the ranks (W).
+    Without ref["old_values"] (`prepare(..., values_from_update=True)`), this forward's values are the references:
+    each micro-batch's returns come from its own rows, and ref gets the batch's critic_refs after the last."""
+    agg, total, scored = cfg.value.agg, {}, []
     full = _denom(batch.loss_mask, agg) if norm is None else norm
     for i, j in _micro(batch, cfg.batch.micro_batch):
         mb = batch.rows(i, j)
         mask, cols = mb.loss_mask, slice(0, mb.input_ids.shape[1])
         w = scale * _denom(mask, agg) / max(full, 1.0)
         v = state_values(models.value, mb)
-        loss, m = value_loss(v, ref["old_values"][i:j, cols], ref["returns"][i:j, cols], mask, cfg.value.value_clip,
-                             agg)
+        if "old_values" in ref:
+            old_v, ret = ref["old_values"][i:j, cols], ref["returns"][i:j, cols]
+        else:
+            mref = critic_refs(cfg, mb, v)
+            old_v, ret = mref["old_values"], mref["returns"]
+            scored.append(old_v)
+        loss, m = value_loss(v, old_v, ret, mask, cfg.value.value_clip, agg)
         (loss * w).backward()
         _accumulate(total, m, w, not mask.any())
+    if scored:
+        T = batch.input_ids.shape[1]
+        ref.update(critic_refs(cfg, batch, torch.cat([F.pad(o, (0, T - o.shape[1])) for o in scored])))
     return total
 
 
@@ -221,6 +241,9 @@ def update(cfg: LearnerConfig, models: Models, batch: Batch, ref: dict, train_po
     norms: dict[str, float | None] = {"value": None, "policy": None}
     scale, reduce = 1.0, _identity
     if shard is not None:
+        if models.value is not None and "old_values" not in ref:
+            raise ValueError("update with shard: the critic's references must come from prepare "
+                             "(values_from_update=False), since each rank scores only its rows")
         norms = {"value": _denom(batch.loss_mask, cfg.value.agg), "policy": _denom(batch.loss_mask, policy_agg(cfg))}
         scale, reduce = float(shard.world), shard.reduce
         batch, ref = shard_batch(batch, ref, shard)
