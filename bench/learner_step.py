@@ -5,7 +5,8 @@ policy log-probs and entropy + `policy_loss("sao")` + `value_loss` + two backwar
 Bare = the same two forwards and backwards with a trivial loss, no advantages and no optimizer.
 Goal: ratio (bare tokens/s over SAO tokens/s) <= 1.25. Prints and saves runs/bench/learner_step.json.
 With `--lengths-from <run>/trajectories.parquet`, also the learner's own step (`learner.trainer.step.prepare` +
-`update` on `LearnerConfig` defaults: length-sorted micro-batches, the KL reference's forward, fused AdamW) on
+`update` on `LearnerConfig` defaults: length-sorted micro-batches, the KL reference's forward, the critic's
+values from the update's own forward as the trainer takes them, fused AdamW) on
 `--batch` trajectories whose prompt and response lengths are drawn from that run: the isolated figure
 bench/pipeline.py compares the pipeline's learner with (same step, same batch shape, nothing else running).
 With `--megatron`, also the learner's whole step (`learner.trainer.step.update`) on the megatron backend,
@@ -112,7 +113,7 @@ def learner_row(lengths: list[tuple[int, int]], repeats: int, source: str) -> di
     batch = collate(by_length(trajs))
 
     def step() -> None:
-        update(cfg, models, batch, prepare(cfg, models, batch), train_policy=True)
+        update(cfg, models, batch, prepare(cfg, models, batch, values_from_update=True), train_policy=True)
 
     t = min(timed(step, repeats))
     return {"lengths_from": source, "batch": len(lengths), "tokens": batch.n_tokens, "learner_s": t,

@@ -24,6 +24,8 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
 REWARD_LINES = "svg g.reward_lines_marks path"
 DRIFT_RULES = "svg g.drift_rules_marks line, svg g.drift_rules_marks path"
 DRIFT_LABELS = "svg g.drift_labels_marks text"
+# the other charts draw on canvas (what a screenshot tool that waits for a drawn Vega chart looks for)
+CANVAS_CHARTS = '[data-testid="stVegaLiteChart"] canvas'
 
 
 def binaries() -> tuple[str | None, str | None]:

@@ -1,7 +1,8 @@
 """Altair (Vega-Lite) chart builders: a view frame in, a chart out (no Streamlit, no I/O).
 
-Charts render as SVG (`usermeta.embedOptions`), so the browser test can find the drift marks by
-their mark names (`drift_rules`, `drift_labels`) in the page.
+The reward chart renders as SVG (`usermeta.embedOptions`), so the browser test can find its lines and drift marks
+by their mark names (`reward_lines`, `drift_rules`, `drift_labels`) in the page; the others draw on canvas
+(cheaper for the browser, and what a screenshot tool waiting for a drawn chart looks for).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pandas as pd
 from dashboard.downsample import downsample
 
 SVG = {"embedOptions": {"renderer": "svg", "actions": False}}
+CANVAS = {"embedOptions": {"renderer": "canvas", "actions": False}}
 HEIGHT = 260
 DRIFT = "#d62728"
 
@@ -66,7 +68,7 @@ def lines_chart(df: pd.DataFrame, x_col: str, x_title: str, y_title: str, color_
     return alt.Chart(d[[x_col, "value", "series"]], name=name).mark_line().encode(
         x=_x(x_col, x_title), y=alt.Y("value:Q", title=y_title),
         color=alt.Color("series:N", title=None, legend=alt.Legend(orient="bottom", columns=2, labelLimit=300)),
-        tooltip=["series:N", f"{x_col}:Q", "value:Q"]).properties(height=HEIGHT, usermeta=SVG)
+        tooltip=["series:N", f"{x_col}:Q", "value:Q"]).properties(height=HEIGHT, usermeta=CANVAS)
 
 
 def staleness_chart(counts: pd.DataFrame) -> alt.Chart:
@@ -75,4 +77,5 @@ def staleness_chart(counts: pd.DataFrame) -> alt.Chart:
     return alt.Chart(d, name="staleness_bars").mark_bar().encode(
         x=alt.X("staleness:O", title="staleness (learner version − behaviour version)"),
         y=alt.Y("count:Q", title="trajectories"), color=alt.Color("series:N", title=None, legend=legend),
-        xOffset="series:N", tooltip=["series:N", "staleness:O", "count:Q"]).properties(height=HEIGHT, usermeta=SVG)
+        xOffset="series:N", tooltip=["series:N", "staleness:O", "count:Q"]).properties(height=HEIGHT,
+                                                                                   usermeta=CANVAS)

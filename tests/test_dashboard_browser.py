@@ -41,5 +41,6 @@ def test_reward_chart_and_drift_markers_in_chromium(live_run, tmp_path):
         assert len(rules) >= 2
         assert {"phase1", "phase2"} <= {el.text for el in labels}
         assert "Online reward per family" in driver.page_source
+        assert browser.wait_css(driver, browser.CANVAS_CHARTS, timeout=30), "no canvas chart drew"
         driver.save_screenshot(str(SHOTS / "dashboard_live.png"))
     assert (SHOTS / "dashboard_live.png").stat().st_size > 10_000
