@@ -160,21 +160,25 @@ def views() -> None:
         _metric_view(frames, "clip", "Masked / clipped token fractions", "fraction of tokens", x_col, x_title)
     left, right = st.columns(2)
     with left:
-        _metric_view(frames, "value", "Value loss and explained variance", "value", x_col, x_title)
-    with right:
-        _metric_view(frames, "kl_entropy", "KL and entropy", "value", x_col, x_title)
+        _metric_view(frames, "value_loss", "Value loss", "value loss", x_col, x_title)
+    with right:  # early in a run the critic's EV can be -25: on one axis with the loss it hid both
+        _metric_view(frames, "explained_variance", "Explained variance (below -1 drawn at -1)", "explained variance",
+                     x_col, x_title, y_domain=(-1.0, 1.0))
     left, right = st.columns(2)
     with left:
-        st.subheader("Throughput")
-        tp = _concat(frames, "throughput")
-        _chart_or_info(tp, lambda: charts.lines_chart(tp, x_col, x_title, "per second", ["run", "metric"],
-                                                      name="throughput"), "throughput_chart", "No throughput data.")
-    with right:
-        _metric_view(frames, "idle", "Learner idle time", "idle", x_col, x_title)
-    left, _ = st.columns(2)
-    with left:  # a fall of the importance weights' ESS comes before a collapse of asynchronous RL
+        _metric_view(frames, "kl_entropy", "KL and entropy", "value", x_col, x_title)
+    with right:  # a fall of the importance weights' ESS comes before a collapse of asynchronous RL
         _metric_view(frames, "ess", "Effective sample size of the importance weights", "ESS / tokens", x_col,
                      x_title)
+    tp = _concat(frames, "throughput")
+    for column, (metric, title) in zip(st.columns(2), (("trajectories/s", "Trajectories per second"),
+                                                       ("learner tokens/s", "Learner tokens per second"))):
+        with column:  # apart: tokens/s is ~20x trajectories/s
+            _lines_view(tp[tp["metric"] == metric] if len(tp) else tp, metric.replace(" ", "_").replace("/", "_per_"),
+                        title, "per second", x_col, x_title, f"No {metric} data.")
+    left, _ = st.columns(2)
+    with left:
+        _metric_view(frames, "idle", "Learner idle time", "idle", x_col, x_title)
 
 
 def _chart_or_info(df: pd.DataFrame, build, key: str, empty: str) -> None:
@@ -184,11 +188,17 @@ def _chart_or_info(df: pd.DataFrame, build, key: str, empty: str) -> None:
         st.info(empty)
 
 
-def _metric_view(frames: list[dict], view: str, title: str, y_title: str, x_col: str, x_title: str) -> None:
+def _lines_view(df: pd.DataFrame, key: str, title: str, y_title: str, x_col: str, x_title: str, empty: str,
+                y_domain: tuple[float, float] | None = None) -> None:
     st.subheader(title)
-    df = _concat(frames, view)
-    _chart_or_info(df, lambda: charts.lines_chart(df, x_col, x_title, y_title, ["run", "metric"], name=view),
-                   f"{view}_chart", f"No {title.lower()} in the learner events.")
+    _chart_or_info(df, lambda: charts.lines_chart(df, x_col, x_title, y_title, ["run", "metric"], name=key,
+                                                  y_domain=y_domain), f"{key}_chart", empty)
+
+
+def _metric_view(frames: list[dict], view: str, title: str, y_title: str, x_col: str, x_title: str,
+                 y_domain: tuple[float, float] | None = None) -> None:
+    _lines_view(_concat(frames, view), view, title, y_title, x_col, x_title,
+                f"No {title.lower()} in the learner events.", y_domain)
 
 
 RECOVERY_COLUMNS = {"run": "run", "phase": "phase", "name": "name", "family": "family", "prev_concept": "from",

@@ -62,11 +62,13 @@ def reward_chart(reward: pd.DataFrame, marks: pd.DataFrame, x_col: str, x_title:
 
 
 def lines_chart(df: pd.DataFrame, x_col: str, x_title: str, y_title: str, color_cols: list[str],
-                max_points: int = 800, name: str = "lines") -> alt.Chart:
-    """Lines per series; half-width charts get fewer points (the browser draws every one of them)."""
+                max_points: int = 800, name: str = "lines", y_domain: tuple[float, float] | None = None) -> alt.Chart:
+    """Lines per series; half-width charts get fewer points (the browser draws every one of them). `y_domain`:
+    a fixed y range, values outside it drawn at its edge."""
     d = _thin(df, "value", color_cols, max_points)
+    scale = alt.Scale(domain=list(y_domain), clamp=True) if y_domain else alt.Undefined
     return alt.Chart(d[[x_col, "value", "series"]], name=name).mark_line().encode(
-        x=_x(x_col, x_title), y=alt.Y("value:Q", title=y_title),
+        x=_x(x_col, x_title), y=alt.Y("value:Q", title=y_title, scale=scale),
         color=alt.Color("series:N", title=None, legend=alt.Legend(orient="bottom", columns=2, labelLimit=300)),
         tooltip=["series:N", f"{x_col}:Q", "value:Q"]).properties(height=HEIGHT, usermeta=CANVAS)
 

@@ -29,7 +29,8 @@ X_AXES = {"wall time (s)": "x_time", "trajectories": "x_traj", "learner steps": 
 # ("learner/clip_frac_low" and "clip_frac_low" both match), so namespaces may change.
 VIEW_METRICS: dict[str, str] = {
     "clip": r"^(clip|mask(ed)?)_frac_(low|high)$",
-    "value": r"^(value_loss|explained_var(iance)?)$",
+    "value_loss": r"^value_loss$",
+    "explained_variance": r"^explained_var(iance)?$",
     "kl_entropy": r"^(kl(_k[123])?|entropy)$",
     "idle": r"^idle(_s|_seconds|_frac(tion)?)?$",
     "ess": r"^ess_frac$",

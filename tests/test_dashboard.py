@@ -147,7 +147,8 @@ def test_staleness_histogram(runs_root):
 
 @pytest.mark.parametrize("view,expected", [
     ("clip", {"learner/clip_frac_low": [0.01, 0.02, 0.03], "learner/clip_frac_high": [0.1, 0.1, 0.1]}),
-    ("value", {"learner/value_loss": [2.0, 1.0, 0.0], "learner/explained_variance": [0.0, 0.25, 0.5]}),
+    ("value_loss", {"learner/value_loss": [2.0, 1.0, 0.0]}),
+    ("explained_variance", {"learner/explained_variance": [0.0, 0.25, 0.5]}),
     ("kl_entropy", {"learner/kl": [0.003] * 3, "learner/entropy": [1.5, 1.0, 0.5]}),
     ("idle", {"perf/idle_s": [0.0, 0.5, 1.0]}),
 ])
@@ -159,13 +160,23 @@ def test_learner_metric_views(runs_root, view, expected):
     assert sorted(df["x_time"].unique().tolist()) == [2.0, 3.0, 4.0]
 
 
+def test_explained_variance_axis_is_held_to_minus_one_one(runs_root):
+    # a critic's EV of -25 early in a run would squash every later point to a flat line near 0
+    at = app(runs_root)
+    specs = [json.loads(el.proto.spec) for el in at.get("vega_lite_chart")]
+    ev = next(sp for sp in specs if sp.get("name") == "explained_variance")
+    assert ev["encoding"]["y"]["scale"] == {"domain": [-1.0, 1.0], "clamp": True}
+    loss = next(sp for sp in specs if sp.get("name") == "value_loss")
+    assert "scale" not in loss["encoding"]["y"]
+
+
 def test_throughput_view(runs_root):
     at = app(runs_root)
-    df = chart_data(at, "throughput")["throughput"]
-    tok = df[df["series"] == "learner tokens/s"].sort_values("x_time")
+    tok = chart_data(at, "learner_tokens_per_s")["learner_tokens_per_s"].sort_values("x_time")
     # tokens 20 and 30 over 1 s each (the first step has no predecessor)
-    assert tok["value"].tolist() == [20.0, 30.0]
-    traj = df[df["series"] == "trajectories/s"]
+    assert tok["value"].tolist() == [20.0, 30.0] and set(tok["series"]) == {"learner tokens/s"}
+    traj = chart_data(at, "trajectories_per_s")["trajectories_per_s"]
+    assert set(traj["series"]) == {"trajectories/s"}
     # finish times 0..5 s in 5 s buckets: [0,5) holds 5, [5,10) holds 1 -> 1.0 and 0.2 per second
     assert sorted(traj["value"].tolist()) == [0.2, 1.0]
 
