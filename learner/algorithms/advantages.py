@@ -67,6 +67,22 @@ def adaptive_lambda(mask: torch.Tensor, alpha: float) -> torch.Tensor:
     return (1.0 - 1.0 / (alpha * length)).clamp(0.0, 1.0)
 
 
+def sao_actor_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+                         lam_actor: float = 0.95, alpha: float | None = None, normalize: bool = False
+                         ) -> torch.Tensor:
+    """The actor's half of `sao_advantages`: GAE with lam_actor (or the length-adaptive lambda when `alpha` is
+    set), whitened over the batch when `normalize`."""
+    lam = adaptive_lambda(mask, alpha) if alpha is not None else lam_actor
+    adv, _ = gae(rewards, values, mask, gamma, lam)
+    return masked_whiten(adv, mask) if normalize else adv
+
+
+def sao_returns(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+                lam_critic: float = 1.0) -> torch.Tensor:
+    """The critic's half of `sao_advantages`: GAE(lam_critic) returns, each row's own (1.0 = Monte-Carlo)."""
+    return gae(rewards, values, mask, gamma, lam_critic)[1]
+
+
 def sao_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                    gamma: float = 1.0, lam_actor: float = 0.95, lam_critic: float = 1.0,
                    alpha: float | None = None, normalize: bool = False,
@@ -75,12 +91,8 @@ def sao_advantages(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tens
     lambda when `alpha` is set), critic targets with lam_critic (1.0 = Monte-Carlo returns).
     `normalize` whitens the advantages over the batch (there is no group in single rollout).
     Returns (advantages, returns)."""
-    lam = adaptive_lambda(mask, alpha) if alpha is not None else lam_actor
-    adv, _ = gae(rewards, values, mask, gamma, lam)
-    _, returns = gae(rewards, values, mask, gamma, lam_critic)
-    if normalize:
-        adv = masked_whiten(adv, mask)
-    return adv, returns
+    return (sao_actor_advantages(rewards, values, mask, gamma, lam_actor, alpha, normalize),
+            sao_returns(rewards, values, mask, gamma, lam_critic))
 
 
 def _group_index(groups: Sequence[Hashable] | torch.Tensor, n: int) -> torch.Tensor:

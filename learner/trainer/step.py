@@ -33,7 +33,8 @@ from learner.algorithms import (
     loss_params,
     place_reward,
     policy_loss,
-    sao_advantages,
+    sao_actor_advantages,
+    sao_returns,
     value_loss,
 )
 from learner.algorithms.masked import masked_mean
@@ -100,11 +101,15 @@ def _micro(batch: Batch, size: int):
         yield start, len(lengths)
 
 
+def _join_rows(parts, width: int) -> torch.Tensor:
+    """Micro-batch outputs (each cut to its own width), padded with zeros to `width` and stacked in row order."""
+    return torch.cat([F.pad(out, (0, width - out.shape[1])) for out in parts])
+
+
 def _per_micro(cfg: LearnerConfig, batch: Batch, fn) -> torch.Tensor:
     """`fn` over each micro-batch (cut to its own width), padded back with zeros to the batch's `[B, T]`."""
-    T = batch.input_ids.shape[1]
-    return torch.cat([F.pad(out, (0, T - out.shape[1])) for out in
-                      (fn(batch.rows(i, j)) for i, j in _micro(batch, cfg.batch.micro_batch))])
+    return _join_rows((fn(batch.rows(i, j)) for i, j in _micro(batch, cfg.batch.micro_batch)),
+                      batch.input_ids.shape[1])
 
 
 def _denom(mask: torch.Tensor, agg: str) -> float:
@@ -112,14 +117,28 @@ def _denom(mask: torch.Tensor, agg: str) -> float:
     return float(mask.sum()) if agg == "token_mean" else float(mask.bool().any(-1).sum())
 
 
-def critic_refs(cfg: LearnerConfig, batch: Batch, state_v: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The critic's references from its values of `batch`'s states: old_values, returns (each row's own) and
-    advantages (whitened over `batch` when advantage.batch_norm). No gradient."""
+def _old_values(batch: Batch, state_v: torch.Tensor) -> torch.Tensor:
+    """The critic's values of `batch`'s states as fixed references: detached, 0 off the loss mask."""
+    return torch.where(batch.loss_mask.bool(), state_v.detach(), torch.zeros_like(state_v))
+
+
+def _returns(cfg: LearnerConfig, batch: Batch, old_v: torch.Tensor) -> torch.Tensor:
+    """Critic targets from the old values: each row's own, so a micro-batch's are the batch's rows."""
+    mask = batch.loss_mask
+    return sao_returns(place_reward(batch.rewards, mask), old_v, mask, cfg.advantage.gamma, cfg.advantage.lam_critic)
+
+
+def _advantages(cfg: LearnerConfig, batch: Batch, old_v: torch.Tensor) -> torch.Tensor:
+    """Actor advantages from the old values (whitened over the whole `batch` when advantage.batch_norm)."""
     a, mask = cfg.advantage, batch.loss_mask
-    old_v = torch.where(mask.bool(), state_v.detach(), torch.zeros_like(state_v))
-    adv, ret = sao_advantages(place_reward(batch.rewards, mask), old_v, mask, a.gamma, a.lam_actor, a.lam_critic,
-                              a.adaptive_alpha, a.batch_norm)
-    return {"old_values": old_v, "returns": ret, "advantages": adv}
+    return sao_actor_advantages(place_reward(batch.rewards, mask), old_v, mask, a.gamma, a.lam_actor,
+                                a.adaptive_alpha, a.batch_norm)
+
+
+def critic_refs(cfg: LearnerConfig, batch: Batch, state_v: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The critic's references from its values of `batch`'s states: old_values, returns and advantages."""
+    old_v = _old_values(batch, state_v)
+    return {"old_values": old_v, "returns": _returns(cfg, batch, old_v), "advantages": _advantages(cfg, batch, old_v)}
 
 
 @torch.no_grad()
@@ -166,7 +185,7 @@ def value_backward(cfg: LearnerConfig, models: Models, batch: Batch, ref: dict, 
                    scale: float = 1.0) -> dict[str, float]:
     """`norm`: the whole batch's normaliser when `batch` is one rank's rows; `scale`: the ranks (W).
     Without ref["old_values"] (`prepare(..., values_from_update=True)`), this forward's values are the references:
-    each micro-batch's returns come from its own rows, and ref gets the batch's critic_refs after the last."""
+    each micro-batch's returns come from its own rows, and the batch's advantages are added after the last."""
     agg, total, scored = cfg.value.agg, {}, []
     full = _denom(batch.loss_mask, agg) if norm is None else norm
     for i, j in _micro(batch, cfg.batch.micro_batch):
@@ -177,15 +196,16 @@ def value_backward(cfg: LearnerConfig, models: Models, batch: Batch, ref: dict, 
         if "old_values" in ref:
             old_v, ret = ref["old_values"][i:j, cols], ref["returns"][i:j, cols]
         else:
-            mref = critic_refs(cfg, mb, v)
-            old_v, ret = mref["old_values"], mref["returns"]
-            scored.append(old_v)
+            old_v = _old_values(mb, v)
+            ret = _returns(cfg, mb, old_v)
+            scored.append((old_v, ret))
         loss, m = value_loss(v, old_v, ret, mask, cfg.value.value_clip, agg)
         (loss * w).backward()
         _accumulate(total, m, w, not mask.any())
     if scored:
         T = batch.input_ids.shape[1]
-        ref.update(critic_refs(cfg, batch, torch.cat([F.pad(o, (0, T - o.shape[1])) for o in scored])))
+        old_v, ret = _join_rows((o for o, _ in scored), T), _join_rows((r for _, r in scored), T)
+        ref.update(old_values=old_v, returns=ret, advantages=_advantages(cfg, batch, old_v))
     return total
 
 
