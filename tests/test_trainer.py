@@ -187,6 +187,19 @@ def test_critic_references_from_the_first_update_equal_prepares(tmp_path, policy
     assert all(torch.equal(p0[k], p1[k]) for k in p0) and all(torch.equal(v0[k], v1[k]) for k in v0)
 
 
+def test_a_critic_only_batch_gets_no_policy_references(tmp_path, policy0):
+    # during critic warm-up the policy loss is not computed: prepare skips its references (two policy forwards)
+    cfg = make_cfg(tmp_path, "loss.name=decoupled_ppo", "loss.kl_coef=0.1")
+    models, batch = build_models(cfg), collate(synthetic_trajectories(policy0, 4))
+    assert {"prox_logp", "ref_logp"} <= prepare(cfg, models, batch).keys()
+    ref = prepare(cfg, models, batch, train_policy=False)
+    assert {"old_values", "returns", "advantages"} <= ref.keys() and not {"prox_logp", "ref_logp"} & ref.keys()
+    p0 = _params(models.policy)
+    metrics, applied = update(cfg, models, batch, ref, train_policy=False)
+    assert applied and "value_loss" in metrics and "policy_loss" not in metrics
+    assert all(torch.equal(v, p0[k]) for k, v in _params(models.policy).items())
+
+
 def test_sharded_update_refuses_references_left_to_it(tmp_path, policy0):
     from learner.trainer.ranks import Shard
     cfg = make_cfg(tmp_path)

@@ -14,6 +14,9 @@ nothing).
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -145,11 +148,37 @@ def _swiglu_backward(grad: torch.Tensor, gate_up: torch.Tensor, act: torch.Tenso
     return out
 
 
+_fixed = threading.local()  # .joined: {id(gate): (gate, cat([gate, up]))} while weights_fixed() holds
+
+
+@contextlib.contextmanager
+def weights_fixed():
+    """A block in which no weight changes (one update's micro-batches before its optimizer step, the references
+    of a batch): each expert's gate and up are joined once in it, not once per forward. Nested blocks share one."""
+    outer = getattr(_fixed, "joined", None)
+    _fixed.joined = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _fixed.joined = outer
+
+
+def _gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """cat([gate, up]): joined once per `weights_fixed` block (the gate is held there, so its id stays its own)."""
+    joined = getattr(_fixed, "joined", None)
+    if joined is None:
+        return torch.cat([gate, up])
+    if id(gate) not in joined:
+        joined[id(gate)] = (gate, torch.cat([gate, up]))
+    return joined[id(gate)][1]
+
+
 class Experts(torch.autograd.Function):
     """Each expert's down(silu(gate x) * up x) on its block of rows of `x` (`counts[e]` rows, in expert order), gate
     and up as one matmul. The experts write their outputs into one tensor and, in backward, their input gradients
     into one: autograd would join both with a cat, and its graph would hold a dozen nodes per expert. `weights`:
-    gate, up and down of each expert in turn; an expert without rows gets no gradient (None, as autograd gives)."""
+    gate, up and down of each expert in turn; an expert without rows gets no gradient (None, as autograd gives).
+    Backward reuses forward's joined gate and up (`_gate_up`)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, counts: list[int], *weights: torch.Tensor) -> torch.Tensor:
@@ -157,26 +186,25 @@ class Experts(torch.autograd.Function):
         saved = []
         for e, (xe, ye) in enumerate(zip(x.split(counts), y.split(counts))):
             gate, up, down = weights[3 * e:3 * e + 3]
-            gate_up = F.linear(xe, torch.cat([gate, up]))
+            w_gate_up = _gate_up(gate, up)
+            gate_up = F.linear(xe, w_gate_up)
             act = F.silu(gate_up[:, :gate.shape[0]])
             hidden = act * gate_up[:, gate.shape[0]:]
             torch.mm(hidden, down.t(), out=ye)
-            saved += [gate_up, act, hidden]
+            saved += [w_gate_up, down, gate_up, act, hidden]
         ctx.counts = counts
-        ctx.save_for_backward(x, *weights, *saved)
+        ctx.save_for_backward(x, *saved)
         return y
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, *rest = ctx.saved_tensors
+        x, *saved = ctx.saved_tensors
         counts = ctx.counts
-        weights, saved = rest[:3 * len(counts)], rest[3 * len(counts):]
         dx, d_weights = torch.empty_like(x), []
         for e, (xe, ge, dxe) in enumerate(zip(x.split(counts), grad.split(counts), dx.split(counts))):
-            gate, up, down = weights[3 * e:3 * e + 3]
-            gate_up, act, hidden = saved[3 * e:3 * e + 3]
+            w_gate_up, down, gate_up, act, hidden = saved[5 * e:5 * e + 5]
             d_gate_up = _swiglu_backward(ge @ down, gate_up, act)
-            torch.mm(d_gate_up, torch.cat([gate, up]), out=dxe)
+            torch.mm(d_gate_up, w_gate_up, out=dxe)
             d_weights += [*(d_gate_up.t() @ xe).chunk(2), ge.t() @ hidden] if counts[e] else [None] * 3
         return dx, None, *d_weights
 

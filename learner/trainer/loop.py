@@ -140,8 +140,8 @@ class Trainer:
         hist = histogram(fresh, self.vindex, self.admission.lineage)  # against the version the update starts from
         batch = collate(by_length(fresh)).to(self.device)
         shard = self.group.shard(len(fresh)) if self.group is not None else None
-        ref = prepare(self.cfg, self.models, batch, values_from_update=shard is None)
         warm = self.models.value is not None and self.warm_left > 0
+        ref = prepare(self.cfg, self.models, batch, values_from_update=shard is None, train_policy=not warm)
         n_applied, metrics = 0, {}
         for _ in range(self.cfg.optim.updates_per_batch):
             metrics, ok = update(self.cfg, self.models, batch, ref, train_policy=not warm, shard=shard)

@@ -39,6 +39,7 @@ from learner.algorithms import (
 )
 from learner.algorithms.masked import masked_mean
 from learner.config import LearnerConfig
+from learner.models.packed import weights_fixed
 from learner.models.scoring import logprobs_and_entropy, token_logprobs, values
 from learner.trainer.batching import Batch, group_key
 from learner.trainer.ranks import Shard
@@ -142,12 +143,15 @@ def critic_refs(cfg: LearnerConfig, batch: Batch, state_v: torch.Tensor) -> dict
 
 
 @torch.no_grad()
-def prepare(cfg: LearnerConfig, models: Models, batch: Batch, values_from_update: bool = False
-            ) -> dict[str, torch.Tensor]:
+@weights_fixed()
+def prepare(cfg: LearnerConfig, models: Models, batch: Batch, values_from_update: bool = False,
+            train_policy: bool = True) -> dict[str, torch.Tensor]:
     """Advantages, critic targets and the fixed references of this batch (no gradient).
 
     `values_from_update`: leave the critic's references to the first `update` on this batch, whose value forward
-    (with gradient, same weights) gives the same values: one value forward fewer a batch. One process only."""
+    (with gradient, same weights) gives the same values: one value forward fewer a batch. One process only.
+    `train_policy` False (a critic-only batch): no policy references (prox_logp, ref_logp), which only the policy
+    loss reads."""
     out = {}
     if cfg.uses_value_model:
         if not values_from_update:
@@ -156,6 +160,8 @@ def prepare(cfg: LearnerConfig, models: Models, batch: Batch, values_from_update
         groups = [group_key(t) for t in batch.trajectories]
         out["advantages"] = group_advantages(cfg.advantage.estimator, batch.rewards, groups, batch.loss_mask,
                                              cfg.advantage.batch_norm)
+    if not train_policy:
+        return out
     if cfg.loss.name == "decoupled_ppo":  # AReaL's proximal policy: the learner's weights before this update
         out["prox_logp"] = _per_micro(cfg, batch, lambda b: token_logprobs(models.policy, b.input_ids,
                                                                           b.attention_mask, b.temperature))
@@ -267,6 +273,22 @@ def update(cfg: LearnerConfig, models: Models, batch: Batch, ref: dict, train_po
         norms = {"value": _denom(batch.loss_mask, cfg.value.agg), "policy": _denom(batch.loss_mask, policy_agg(cfg))}
         scale, reduce = float(shard.world), shard.reduce
         batch, ref = shard_batch(batch, ref, shard)
+    metrics, finite = _backward(cfg, models, batch, ref, train_policy, norms, scale, reduce)
+    if not finite:
+        for o in opts:
+            o.zero_grad(set_to_none=True)
+        return metrics, False
+    if models.value_opt is not None:
+        models.value_opt.step()
+    if train_policy:
+        models.policy_opt.step()
+    return metrics, True
+
+
+@weights_fixed()
+def _backward(cfg: LearnerConfig, models: Models, batch: Batch, ref: dict, train_policy: bool,
+              norms: dict[str, float | None], scale: float, reduce) -> tuple[dict[str, float], bool]:
+    """The critic's gradients (if any), then the policy's unless warming up or non-finite: (metrics, finite)."""
     metrics: dict[str, float] = {}
     finite = True
     if models.value is not None:
@@ -278,15 +300,7 @@ def update(cfg: LearnerConfig, models: Models, batch: Batch, ref: dict, train_po
         metrics.update({("policy_loss" if k == "loss" else k): v for k, v in pm.items()})
         metrics["grad_norm"] = models.clip_grads(models.policy, cfg.optim.grad_clip)
         finite &= all(map(_finite, (metrics["policy_loss"], metrics["grad_norm"])))
-    if not finite:
-        for o in opts:
-            o.zero_grad(set_to_none=True)
-        return metrics, False
-    if models.value_opt is not None:
-        models.value_opt.step()
-    if train_policy:
-        models.policy_opt.step()
-    return metrics, True
+    return metrics, finite
 
 
 def _finite(x: float) -> bool:
