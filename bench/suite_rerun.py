@@ -6,7 +6,7 @@ invocation's suite.json must pool to the committed result. Run walls are compare
 frozen) and by seed: a change that speeds up one kind shows against the others, which also carry the machine's own
 speed.
 
-    .venv/bin/python bench/suite_rerun.py runs/bench/suite-v1.4-full7 --ref runs/bench/suite-v1.4 \\
+    .venv/bin/python bench/suite_rerun.py runs/bench/suite-v1.4-full7 --ref runs/bench/suite-v1.4-cr \\
         runs/bench/suite-v1.4-s4 runs/bench/suite-v1.4-s5 runs/bench/suite-v1.4-s6 \\
         --pooled docs/bench/suite_main/v1.4/seeds-0-6.json --out docs/bench/suite_main/v1.4/seeds-0-6-one-run.json
 """
