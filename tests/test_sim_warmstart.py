@@ -18,12 +18,10 @@ from learner.models.packed import (
     Experts,
     PackedBatch,
     RMSNorm,
-    _gate_up,
     group_sizes,
     lm_loss,
     make_batch,
     packed_loss,
-    weights_fixed,
 )
 from learner.pretrain import PretrainConfig, Progress, Threads, config_hash, cosine_lr, encode_demo, pretrain
 from simulator.env import make_env
@@ -216,23 +214,6 @@ def test_experts_function_matches_the_plain_expression():
     double = [t.double().requires_grad_() for t in [x, *weights]]
     assert torch.autograd.gradcheck(lambda x, *w: Experts.apply(x, counts, *w), tuple(double))
 
-
-def test_experts_join_gate_and_up_once_per_fixed_weights_block():
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(3, 4, generator=gen)
-    gate, up, down = (torch.randn(shape, generator=gen) for shape in ((5, 4), (5, 4), (4, 5)))
-    assert _gate_up(gate, up) is not _gate_up(gate, up)  # outside a block: joined anew each time
-    with weights_fixed():
-        joined = _gate_up(gate, up)
-        assert torch.equal(joined, torch.cat([gate, up]))
-        with weights_fixed():  # a nested block shares the outer one
-            assert _gate_up(gate, up) is joined
-        before = Experts.apply(x, [3], gate, up, down)
-    gate.add_(1.0)  # an optimizer step after the block, in place (fused AdamW leaves _version as it was)
-    after = Experts.apply(x, [3], gate, up, down)
-    with weights_fixed():
-        assert torch.equal(Experts.apply(x, [3], gate, up, down), after)
-    assert not torch.equal(before, after)  # the block's joined weights did not outlive it
 
 class FakeTTY(io.StringIO):
     def isatty(self) -> bool:

@@ -14,9 +14,6 @@ nothing).
 
 from __future__ import annotations
 
-import contextlib
-import threading
-
 import torch
 import torch.nn.functional as F
 
@@ -148,37 +145,12 @@ def _swiglu_backward(grad: torch.Tensor, gate_up: torch.Tensor, act: torch.Tenso
     return out
 
 
-_fixed = threading.local()  # .joined: {id(gate): (gate, cat([gate, up]))} while weights_fixed() holds
-
-
-@contextlib.contextmanager
-def weights_fixed():
-    """A block in which no weight changes (one update's micro-batches before its optimizer step, the references
-    of a batch): each expert's gate and up are joined once in it, not once per forward. Nested blocks share one."""
-    outer = getattr(_fixed, "joined", None)
-    _fixed.joined = {} if outer is None else outer
-    try:
-        yield
-    finally:
-        _fixed.joined = outer
-
-
-def _gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """cat([gate, up]): joined once per `weights_fixed` block (the gate is held there, so its id stays its own)."""
-    joined = getattr(_fixed, "joined", None)
-    if joined is None:
-        return torch.cat([gate, up])
-    if id(gate) not in joined:
-        joined[id(gate)] = (gate, torch.cat([gate, up]))
-    return joined[id(gate)][1]
-
-
 class Experts(torch.autograd.Function):
     """Each expert's down(silu(gate x) * up x) on its block of rows of `x` (`counts[e]` rows, in expert order), gate
     and up as one matmul. The experts write their outputs into one tensor and, in backward, their input gradients
     into one: autograd would join both with a cat, and its graph would hold a dozen nodes per expert. `weights`:
     gate, up and down of each expert in turn; an expert without rows gets no gradient (None, as autograd gives).
-    Backward reuses forward's joined gate and up (`_gate_up`)."""
+    Backward reuses forward's joined gate and up."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, counts: list[int], *weights: torch.Tensor) -> torch.Tensor:
@@ -186,7 +158,7 @@ class Experts(torch.autograd.Function):
         saved = []
         for e, (xe, ye) in enumerate(zip(x.split(counts), y.split(counts))):
             gate, up, down = weights[3 * e:3 * e + 3]
-            w_gate_up = _gate_up(gate, up)
+            w_gate_up = torch.cat([gate, up])
             gate_up = F.linear(xe, w_gate_up)
             act = F.silu(gate_up[:, :gate.shape[0]])
             hidden = act * gate_up[:, gate.shape[0]:]

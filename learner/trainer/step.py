@@ -39,7 +39,6 @@ from learner.algorithms import (
 )
 from learner.algorithms.masked import masked_mean
 from learner.config import LearnerConfig
-from learner.models.packed import weights_fixed
 from learner.models.scoring import logprobs_and_entropy, token_logprobs, values
 from learner.trainer.batching import Batch, group_key
 from learner.trainer.ranks import Shard
@@ -143,7 +142,6 @@ def critic_refs(cfg: LearnerConfig, batch: Batch, state_v: torch.Tensor) -> dict
 
 
 @torch.no_grad()
-@weights_fixed()
 def prepare(cfg: LearnerConfig, models: Models, batch: Batch, values_from_update: bool = False,
             train_policy: bool = True) -> dict[str, torch.Tensor]:
     """Advantages, critic targets and the fixed references of this batch (no gradient).
@@ -273,22 +271,6 @@ def update(cfg: LearnerConfig, models: Models, batch: Batch, ref: dict, train_po
         norms = {"value": _denom(batch.loss_mask, cfg.value.agg), "policy": _denom(batch.loss_mask, policy_agg(cfg))}
         scale, reduce = float(shard.world), shard.reduce
         batch, ref = shard_batch(batch, ref, shard)
-    metrics, finite = _backward(cfg, models, batch, ref, train_policy, norms, scale, reduce)
-    if not finite:
-        for o in opts:
-            o.zero_grad(set_to_none=True)
-        return metrics, False
-    if models.value_opt is not None:
-        models.value_opt.step()
-    if train_policy:
-        models.policy_opt.step()
-    return metrics, True
-
-
-@weights_fixed()
-def _backward(cfg: LearnerConfig, models: Models, batch: Batch, ref: dict, train_policy: bool,
-              norms: dict[str, float | None], scale: float, reduce) -> tuple[dict[str, float], bool]:
-    """The critic's gradients (if any), then the policy's unless warming up or non-finite: (metrics, finite)."""
     metrics: dict[str, float] = {}
     finite = True
     if models.value is not None:
@@ -300,7 +282,15 @@ def _backward(cfg: LearnerConfig, models: Models, batch: Batch, ref: dict, train
         metrics.update({("policy_loss" if k == "loss" else k): v for k, v in pm.items()})
         metrics["grad_norm"] = models.clip_grads(models.policy, cfg.optim.grad_clip)
         finite &= all(map(_finite, (metrics["policy_loss"], metrics["grad_norm"])))
-    return metrics, finite
+    if not finite:
+        for o in opts:
+            o.zero_grad(set_to_none=True)
+        return metrics, False
+    if models.value_opt is not None:
+        models.value_opt.step()
+    if train_policy:
+        models.policy_opt.step()
+    return metrics, True
 
 
 def _finite(x: float) -> bool:
