@@ -112,9 +112,12 @@ def warm_start_note(plan: Plan, init: str) -> str | None:
     cache has other bits), else None."""
     if plan.warm_start_sha256 is None or init_sha256(init) == plan.warm_start_sha256:
         return None
-    return (f"warm start {init} has sha256 {init_sha256(init)[:12]}..., not the build the suite's reported runs "
-            f"started from ({plan.warm_start_sha256[:12]}...): expect other outcomes run by run (two builds gave "
-            "SAO the same pooled AUC, 0.485, with single runs up to 0.14 apart)")
+    built = json.loads(meta.read_text()).get("kernels") if (meta := Path(init) / "pretrain.json").is_file() else None
+    on = f", built on {built['cpu']} ({built['cpu_capability']})" if built else ""
+    return (f"warm start {init} has sha256 {init_sha256(init)[:12]}...{on}, not the build the suite's reported runs "
+            f"started from ({plan.warm_start_sha256[:12]}...; a pinned build's bits follow the CPU's kernels too): "
+            "expect other outcomes run by run (two builds gave SAO the same pooled AUC, 0.485, with single runs up "
+            "to 0.14 apart)")
 
 
 def read_post(value: Any) -> int | dict[str, int]:

@@ -12,7 +12,11 @@ packed without padding. Threads: `threads=0` (default) uses
 min(cores, 4) unless a short probe, repeated every 30 s, finds several threads slower than one
 (another busy process on the cores makes OpenMP wait for time slices: measured 40x slower). The
 reduction order follows the thread count, so only a pinned `threads=N` rebuilds the same bits (a
-benchmark's warm start pins it; it is then part of the cache key).
+benchmark's warm start pins it; it is then part of the cache key), and only on the same kind of CPU: the
+kernels torch and MKL pick for the CPU (`kernels()`, recorded in pretrain.json) change the bits too. Measured
+(docs/bench/suite_main/v1.4/warm_start_builds.json): drift_v1's warm start, threads=1, built with one digest
+on the earlier sessions' machines and with another on an AMD EPYC (AVX512); MKL_CBWR or ATEN_CPU_CAPABILITY
+settings there gave three more, none the earlier one.
 The held-out evaluation (greedy, the agents' env loop) runs once at the end (`eval_every=N` adds one
 every N steps, `eval_tasks=0` none); a progress bar shows step, loss, speed and ETA.
 
@@ -27,6 +31,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -233,6 +238,23 @@ def _probe(threads: int, reps: int = 12) -> float:
     return time.perf_counter() - t
 
 
+def kernels() -> dict[str, object]:
+    """What besides the code and the thread count fixes a build's bits: the CPU, the vector kernels torch
+    dispatches to on it, the BLAS, and the environment settings that override either."""
+    cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), None)
+    blas = re.search(r"Math Kernel Library Version [^\n]*?(?= for |$)", torch.__config__.show())
+    return {"cpu": cpu, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__,
+            "blas": blas.group(0) if blas else None,
+            **{k: os.environ[k] for k in ("MKL_CBWR", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if k in os.environ}}
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:  # not Linux
+        return []
+
+
 class Threads:
     """`threads=0`: min(cores, 4), but 1 whenever a probe finds one thread faster. With another busy process on the
     cores each OpenMP region waits for a time slice (measured: steps 40x slower on 2 threads than on 1). The probe
@@ -325,7 +347,7 @@ def pretrain(cfg: PretrainConfig, out: str | Path | None = None, force: bool = F
         torch.set_num_threads(before)
     save_policy(model, out, CharTokenizer())
     meta.write_text(json.dumps({"hash": digest, "config": to_dict(cfg), "seconds": round(time.perf_counter() - t, 1),
-                                "threads": threads.history, "history": history}, indent=1))
+                                "threads": threads.history, "kernels": kernels(), "history": history}, indent=1))
     log(f"pretrain: saved {out}")
     return out
 

@@ -347,7 +347,10 @@ def test_a_rebuilt_warm_start_with_other_bits_is_neither_reused_nor_combined(tmp
         combine(plan, runs)
     assert warm_start_note(dataclasses.replace(plan, warm_start_sha256=init_sha256(w)), w) is None
     note = warm_start_note(dataclasses.replace(plan, warm_start_sha256="0" * 64), w)
-    assert f"{w} has sha256 {init_sha256(w)[:12]}" in note and "(000000000000...)" in note
+    assert f"{w} has sha256 {init_sha256(w)[:12]}..., not" in note and "(000000000000...;" in note
+    (Path(w) / "pretrain.json").write_text(json.dumps({"kernels": {"cpu": "AMD EPYC", "cpu_capability": "AVX512"}}))
+    note = warm_start_note(dataclasses.replace(plan, warm_start_sha256="0" * 64), w)
+    assert f"{init_sha256(w)[:12]}..., built on AMD EPYC (AVX512), not" in note
     init_sha256.cache_clear()
 
 

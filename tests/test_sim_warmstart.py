@@ -119,6 +119,9 @@ def test_pretrain_trains_saves_and_reuses_the_cache(tmp_path):
     assert (path / "model.safetensors").is_file() and (path / "sao_tokenizer.json").is_file()
     meta = json.loads((path / "pretrain.json").read_text())
     assert meta["config"]["steps"] == 3 and math.isfinite(meta["seconds"])
+    # the machine's kernels are part of what fixes the bits: the build says which it ran on
+    assert meta["kernels"]["torch"] == torch.__version__
+    assert meta["kernels"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     stamp = (path / "model.safetensors").stat().st_mtime_ns
     assert pretrain(cfg, log=logs.append) == path and logs[-1].startswith("pretrain: reusing")
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp
