@@ -36,10 +36,10 @@ import yaml  # noqa: E402
 
 from bench import stats  # noqa: E402
 from bench.arms import Arm, arms  # noqa: E402
-from bench.common import git_commit, init_sha256, reusable_run  # noqa: E402
+from bench.common import git_commit, init_sha256, machine, reusable_run  # noqa: E402
 from bench.harness import Result, SimConfig, by_phase, phase_prefix, scenario_stream, simulate, summary  # noqa: E402
 from bench.parallel import run_parallel  # noqa: E402
-from learner.pretrain import PretrainConfig, pretrain  # noqa: E402
+from learner.pretrain import PretrainConfig, kernels, pretrain  # noqa: E402
 from simulator.scenario import Scenario, validate_scenario  # noqa: E402
 from streamer.wire.config import load_config  # noqa: E402
 
@@ -531,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = run_all(plan, todo, a.init, out, a.jobs)
     combined = {**combine(plan, runs), "wall_s": round(time.monotonic() - t0, 1), "init": a.init,
                 "suite_file": str(a.suite), "pilot": a.pilot, "lr": plan.lr, "git_commit": git_commit(),
-                "warm_start_note": note}
+                "warm_start_note": note, "machine": {**machine(), **kernels()}}  # what the walls were measured on
     if a.pilot:
         combined["post_rollouts_rule"] = post_rollouts_rule(combined["per_drift_arm"], plan.pilot_post)
     _write(out / ("pilot.json" if a.pilot else "suite.json"), combined, combined["per_drift_arm"])

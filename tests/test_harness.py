@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 
@@ -446,6 +447,7 @@ def test_quick_suite_writes_well_formed_outputs(tiny_policy_dir, tmp_path):
                        "--out", str(tmp_path)]) == 0  # two worker processes
     combined = json.loads((tmp_path / "suite.json").read_text())
     assert combined["provisional"] and {r["arm"] for r in combined["runs"]} == {"sao", "grpo"}
+    assert combined["machine"]["cpus"] == os.cpu_count() and combined["machine"]["cpu_capability"]  # walls' machine
     for arm in ("sao", "grpo"):
         run_ = json.loads((tmp_path / "runs" / f"answer_format-{arm}-s0.json").read_text())
         assert run_["summary"]["trajectories"] == 384  # 128 + 256 rollouts, groups of 8 included
