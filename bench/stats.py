@@ -87,3 +87,8 @@ def seeds_for(sd_diff: float, delta: float, k_sigma: float = 3.0, minimum: int =
     if not delta > 0:
         raise ValueError(f"delta must be > 0, got {delta}")
     return max(minimum, math.ceil((k_sigma * sd_diff / delta) ** 2 - 1e-9))  # 9.000000000000002 is 9
+
+
+def verdict(d: dict) -> str:
+    """An interval's verdict: '+' or '-' when it excludes 0 on that side, else '0' (not separated)."""
+    return "+" if d["low"] > 0 else "-" if d["high"] < 0 else "0"

@@ -18,14 +18,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+if __package__ in (None, ""):  # `python bench/suite_replicate.py`
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+from bench.stats import verdict  # noqa: E402
 
 PLAN_KEYS = ("suite", "suite_version", "reference_arm", "window", "lr")
-
-
-def verdict(d: dict) -> str:
-    """'+' or '-' when the interval excludes 0 on that side, else '0' (not separated)."""
-    return "+" if d["low"] > 0 else "-" if d["high"] < 0 else "0"
 
 
 def same_plan(a: dict, b: dict) -> None:

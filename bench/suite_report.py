@@ -30,7 +30,7 @@ def interval(d: dict | None) -> str:
     """A paired difference and its interval; `*` when the interval excludes 0 (the suite's 'separates')."""
     if not d:
         return ""
-    mark = "*" if d["low"] > 0 or d["high"] < 0 else ""
+    mark = "*" if stats.verdict(d) != "0" else ""
     return f"{d['mean']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]{mark}"
 
 

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from bench.suite_replicate import compare, main, verdict
+from bench.stats import verdict
+from bench.suite_replicate import compare, main
 
 
 def _interval(mean, low, high):
