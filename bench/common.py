@@ -230,6 +230,16 @@ def machine() -> dict[str, Any]:
     return {"cpus": os.cpu_count(), "loadavg_1m": round(os.getloadavg()[0], 2), "platform": platform.platform()}
 
 
+def json_equal(a: Any, b: Any) -> bool:
+    """Equal as JSON, key order aside: what two result files mean by the same value."""
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+def differing(a: dict, b: dict, keys: tuple[str, ...]) -> list[str]:
+    """The `keys` whose values differ between two result files (`json_equal`; a missing key reads as None)."""
+    return [k for k in keys if not json_equal(a.get(k), b.get(k))]
+
+
 def save_json(obj: Any, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(finite(obj), indent=1, sort_keys=False) + "\n")

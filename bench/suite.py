@@ -36,7 +36,7 @@ import yaml  # noqa: E402
 
 from bench import stats  # noqa: E402
 from bench.arms import Arm, arms  # noqa: E402
-from bench.common import git_commit, init_sha256, machine, reusable_run  # noqa: E402
+from bench.common import differing, git_commit, init_sha256, machine, reusable_run  # noqa: E402
 from bench.harness import Result, SimConfig, by_phase, phase_prefix, scenario_stream, simulate, summary  # noqa: E402
 from bench.parallel import run_parallel  # noqa: E402
 from learner.pretrain import PretrainConfig, kernels, pretrain  # noqa: E402
@@ -366,8 +366,8 @@ def pool_results(results: list[dict], names: list[str]) -> dict[str, Any]:
         for k in POOL_SAME:
             if k not in r:
                 raise ValueError(f"--pool {name}: no '{k}' (a suite.json of an older bench/suite.py?)")
-            if json.dumps(r[k], sort_keys=True) != json.dumps(first[k], sort_keys=True):
-                raise ValueError(f"--pool {name}: {k} {r[k]!r} differs from {names[0]}'s {first[k]!r}")
+        if diff := differing(r, first, POOL_SAME):
+            raise ValueError(f"--pool {name}: {diff[0]} {r[diff[0]]!r} differs from {names[0]}'s {first[diff[0]]!r}")
     cells = {(row["arm"], row["drift"]) for row in first["runs"]}
     seen: dict[int, str] = {}
     for name, r in zip(names, results):

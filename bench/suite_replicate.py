@@ -23,6 +23,7 @@ if __package__ in (None, ""):  # `python bench/suite_replicate.py`
 
 import numpy as np  # noqa: E402
 
+from bench.common import differing  # noqa: E402
 from bench.stats import verdict  # noqa: E402
 
 PLAN_KEYS = ("suite", "suite_version", "reference_arm", "window", "lr")
@@ -30,7 +31,7 @@ PLAN_KEYS = ("suite", "suite_version", "reference_arm", "window", "lr")
 
 def same_plan(a: dict, b: dict) -> None:
     """Refuse two results that differ in anything but their runs' weights and outcomes."""
-    diff = [k for k in PLAN_KEYS if a.get(k) != b.get(k)]
+    diff = differing(a, b, PLAN_KEYS)
     keys = [{(r["drift"], r["arm"], r["seed"]) for r in x["runs"]} for x in (a, b)]
     if keys[0] != keys[1]:
         diff.append(f"runs ({len(keys[0] ^ keys[1])} (drift, arm, seed) in one only)")

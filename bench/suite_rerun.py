@@ -23,6 +23,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.arms import arms  # noqa: E402
+from bench.common import json_equal  # noqa: E402
 
 RESULT_KEYS = ("steps", "post_drift", "by_phase", "recoveries")  # what a run file says about the run itself
 SUITE_KEYS = ("runs", "per_drift_arm", "pooled")  # what a suite.json says about its runs together
@@ -31,10 +32,6 @@ SUITE_KEYS = ("runs", "per_drift_arm", "pooled")  # what a suite.json says about
 def kind(arm: str) -> str:
     a = arms([arm])[0]
     return "group" if a.group_size > 1 else "frozen" if a.sim.get("train") is False else "sao_like"
-
-
-def same(a: Any, b: Any) -> bool:
-    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
 def compare_runs(new_dir: Path, ref_dirs: list[Path]) -> dict[str, Any]:
@@ -47,7 +44,7 @@ def compare_runs(new_dir: Path, ref_dirs: list[Path]) -> dict[str, Any]:
             missing.append(path.name)
             continue
         new, old = json.loads(path.read_text()), json.loads(refs[path.name].read_text())
-        if all(same(new[k], old[k]) for k in RESULT_KEYS):
+        if all(json_equal(new[k], old[k]) for k in RESULT_KEYS):
             equal += 1
         else:
             unequal.append(path.name)
@@ -77,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.pooled:
         ref = json.loads(a.pooled.read_text())
         result["pooled"] = str(a.pooled)
-        result["pooled_equal"] = {k: same(suite[k], ref[k]) for k in SUITE_KEYS}
+        result["pooled_equal"] = {k: json_equal(suite[k], ref[k]) for k in SUITE_KEYS}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
