@@ -7,8 +7,9 @@ import json
 from bench.suite_rerun import compare_runs, main
 
 
-def write_run(folder, name, arm, wall, reward):
-    run = {"arm": arm, "seed": int(name[-6]), "summary": {"wall_s": wall}, "steps": [{"step": 1}], "by_phase": [],
+def write_run(folder, name, arm, wall, reward, steps=0):
+    run = {"arm": arm, "seed": int(name[-6]), "summary": {"wall_s": wall, "learner_steps": steps},
+           "steps": [{"step": 1}], "by_phase": [],
            "recoveries": [], "post_drift": {"reward": [reward]}}
     (folder / "runs").mkdir(parents=True, exist_ok=True)
     (folder / "runs" / name).write_text(json.dumps(run))
@@ -45,3 +46,20 @@ def test_exit_status_says_whether_everything_reproduced(tmp_path):
                                                                              "pooled": True}
     (tmp_path / "ref.json").write_text(json.dumps({**suite, "pooled": [4]}))
     assert main(argv) == 1
+
+
+def test_without_ref_the_walls_alone_by_kind_and_seed(tmp_path):
+    new = tmp_path / "new"
+    write_run(new, "a-sao-s0.json", "sao", 9.0, 0.5, steps=10)
+    write_run(new, "b-sao-s1.json", "sao", 11.5, 0.5, steps=12)
+    write_run(new, "a-grpo-s1.json", "grpo", 4.0, 0.5, steps=3)
+    write_run(new, "a-frozen-s0.json", "frozen", 1.0, 0.0)
+    (new / "suite.json").write_text(json.dumps({"wall_s": 13.0, "git_commit": "abc"}))
+    assert main([str(new), "--out", str(tmp_path / "w.json")]) == 0
+    got = json.loads((tmp_path / "w.json").read_text())
+    assert got["runs"] == 4 and got["wall_s"] == 13.0 and got["ref"] == []
+    assert got["sao_like"] == {"runs": 2, "run_wall_s": 20.5, "learner_steps": 22}
+    assert got["group"] == {"runs": 1, "run_wall_s": 4.0, "learner_steps": 3}
+    assert got["frozen"] == {"runs": 1, "run_wall_s": 1.0, "learner_steps": 0}
+    assert got["seed 0"] == {"runs": 2, "run_wall_s": 10.0, "learner_steps": 10}
+    assert got["seed 1"] == {"runs": 2, "run_wall_s": 15.5, "learner_steps": 15}
