@@ -77,6 +77,17 @@ def success_curves(runs: list[dict], window: int) -> dict[str, dict[str, np.ndar
             for d, arms in by.items()}
 
 
+def figure_title(result: dict, runs: list[dict]) -> str:
+    """The suite, the seeds per cell, and the seeds the curves hold where that is fewer (a pooled result whose
+    earlier parts' run files are gone)."""
+    pilot = "PILOT, " if result.get("pilot") else ""
+    title = f"{result['suite']}: {pilot}seeds per cell {result['pooled'][0]['seeds']}"
+    drawn, pooled = sorted({r["seed"] for r in runs}), sorted({r["seed"] for r in result["runs"]})
+    if drawn != pooled:
+        title += f"; curves: seeds {', '.join(map(str, drawn))} only (the others' run files not given)"
+    return title + (" (provisional values used)" if result.get("provisional") else "")
+
+
 def figure(result: dict, runs: list[dict], window: int, path: Path) -> Path:
     plt = pyplot()
     curves = success_curves(runs, window)
@@ -111,9 +122,7 @@ def figure(result: dict, runs: list[dict], window: int, path: Path) -> Path:
     for ax in list(axes.flat)[len(drifts) + 1:]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=6, ncol=2)
-    pilot = "PILOT, " if result.get("pilot") else ""
-    title = f"{result['suite']}: {pilot}seeds per cell {result['pooled'][0]['seeds']}"
-    fig.suptitle(title + (" (provisional values used)" if result.get("provisional") else ""), fontsize=11)
+    fig.suptitle(figure_title(result, runs), fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
