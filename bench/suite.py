@@ -71,6 +71,7 @@ class Plan:
     admissible_start: tuple[float, float]
     warm_start_sha256: str | None = None  # the build of the warm start the suite's reported runs started from
     version: str = ""  # the suite file's version (its amendments)
+    learner_sets: tuple[str, ...] = ()  # `--set`: learner overrides for every arm, outside the plan (provisional)
 
 
 def resolve(value: Any, name: str, used: list[str]) -> Any:
@@ -250,7 +251,7 @@ def run_settings(plan: Plan, arm: Arm, drift: dict, seed: int) -> dict[str, Any]
     """What a run's result depends on besides its init: a run file with the same is that run (`finished_run`)."""
     sim = dataclasses.asdict(sim_config(plan, arm, seed))
     return {"drift_def": drift, "pre": plan.pre, "post": post_of(plan, drift),
-            "learner_sets": [*arm.learner, f"optim.lr={lr_of(plan, arm)}"],
+            "learner_sets": [*arm.learner, f"optim.lr={lr_of(plan, arm)}", *plan.learner_sets],
             "sim": json.loads(json.dumps(sim, default=json_default))}
 
 
@@ -492,6 +493,9 @@ def main(argv: list[str] | None = None) -> int:
                    "disjoint seeds (same suite version, warm start, lr, arms, drifts) into <out>/suite.json; runs "
                    "nothing")
     p.add_argument("--lr", type=float, help="every trained arm at this lr (a point of the suite's lr_grid)")
+    p.add_argument("--set", dest="learner_sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="a learner override for every arm, outside the plan (e.g. value.layers=1 to pilot a cheaper "
+                   "critic): its runs and result are marked provisional")
     p.add_argument("--jobs", type=int, default=1, help="runs at once, in separate processes; each gets "
                    "max(1, harness.threads // jobs) threads (the results of a run do not depend on its process)")
     p.add_argument("--out", default="runs/bench/suite")
@@ -526,6 +530,9 @@ def main(argv: list[str] | None = None) -> int:
         plan = dataclasses.replace(plan, seeds=main_seeds(a.seeds, plan.pilot_seeds, a.pilot))
     if a.lr is not None:  # one value of the lr grid (the pilot's lr choice): every trained arm at it
         plan = dataclasses.replace(plan, lr=a.lr, provisional=[p for p in plan.provisional if p != "lr"] + ["lr grid"])
+    if a.learner_sets:
+        plan = dataclasses.replace(plan, learner_sets=tuple(a.learner_sets),
+                                   provisional=plan.provisional + [f"--set {x}" for x in a.learner_sets])
     # seed by seed: an interrupted suite leaves whole seeds (every drift and arm, the pairing unit) in <out>/runs
     todo = [(arm, drift, seed) for seed in plan.seeds for drift in plan.drifts for arm in plan.arms]
     runs = run_all(plan, todo, a.init, out, a.jobs)

@@ -101,6 +101,9 @@ class ValueConfig:
     rewarm_steps: int = 2  # critic-only steps after a value-loss spike, e.g. a drift the critic has not seen
     spike_factor: float = 3.0  # a spike: value loss > spike_factor x its running mean
     spike_ema: float = 0.9  # decay of that running mean
+    # the critic's depth: the first `layers` blocks of the policy's backbone (the critic costs about as much as the
+    # policy per token; fewer blocks cost less and see less); None: all. Ignored with io.value_init
+    layers: int | None = None
 
 
 @dataclass
@@ -247,6 +250,11 @@ def _validate_numbers(c: LearnerConfig) -> None:
             _fail(name, f"{v} must be >= 0")
     if not 0.0 <= c.value.spike_ema < 1.0:
         _fail("value.spike_ema", f"{c.value.spike_ema} must be in [0, 1)")
+    if c.value.layers is not None and c.value.layers < 1:
+        _fail("value.layers", f"{c.value.layers} must be >= 1 (or null: all the policy's layers)")
+    if c.value.layers is not None and c.backend.name == "megatron":
+        _fail("value.layers", "a critic shallower than the policy is not supported on the megatron backend yet; "
+                              "set value.layers=null or backend.name=torch")
     if c.value.value_clip is not None and c.value.value_clip <= 0:
         _fail("value.value_clip", f"{c.value.value_clip} must be > 0 (or null to disable the clip)")
     if c.batch.sync and c.advantage.estimator != "gae" and c.batch.sync_batch % c.advantage.group_size:

@@ -74,7 +74,7 @@ def build_models(cfg: LearnerConfig):
     if cfg.uses_value_model and cfg.io.value_init:
         value = ValueModel.load(cfg.io.value_init)
     elif cfg.uses_value_model:
-        value = ValueModel.from_policy(policy, seed=cfg.seed)
+        value = ValueModel.from_policy(policy, seed=cfg.seed, layers=cfg.value.layers)
     policy.train()
     if value is not None:
         value.train()

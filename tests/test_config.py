@@ -63,3 +63,14 @@ def test_choice_fields_are_literals_equal_to_their_registries_and_errors_list_th
         load_config(LearnerConfig, None, ["loss.kl_type=k2"])
     with pytest.raises(ConfigError, match="loss.agg: 'mean' is not one of token_mean"):  # an Optional choice
         load_config(LearnerConfig, None, ["loss.agg=mean"])
+
+
+def test_learner_config_names_a_critic_depth_it_cannot_build():
+    from learner.config import LearnerConfig
+
+    assert load_config(LearnerConfig, None, ["value.layers=2"]).value.layers == 2
+    with pytest.raises(ConfigError, match=r"value.layers: 0 must be >= 1"):
+        load_config(LearnerConfig, None, ["value.layers=0"])
+    with pytest.raises(ConfigError, match=r"value.layers: a critic shallower than the policy is not supported on "
+                                          r"the megatron backend"):
+        load_config(LearnerConfig, None, ["value.layers=2", "backend.name=megatron", "loss.kl_coef=0"])

@@ -329,6 +329,21 @@ def test_a_run_file_from_before_a_new_sim_field_is_still_that_run(tmp_path):
     assert finished_run(plan, sao, drift, 0, w, tmp_path) is None
 
 
+def test_a_learner_set_outside_the_plan_is_in_every_runs_settings(tmp_path):
+    plan = load_plan(SUITE, quick=True)
+    sao, drift = arms(["sao"])[0], plan.drifts[0]
+    w = _weights(tmp_path, "w", b"weights")
+    shallow = dataclasses.replace(plan, learner_sets=("value.layers=1",))  # what `--set value.layers=1` runs
+    base = run_settings(plan, sao, drift, 0)
+    assert run_settings(shallow, sao, drift, 0)["learner_sets"] == [*base["learner_sets"], "value.layers=1"]
+    run = {**base, "init": w, "init_sha256": init_sha256(w)}
+    path = run_path(tmp_path, sao, drift, 0)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(run))
+    assert finished_run(plan, sao, drift, 0, w, tmp_path) == run
+    assert finished_run(shallow, sao, drift, 0, w, tmp_path) is None  # the plan's run is not the --set one
+
+
 def test_a_rebuilt_warm_start_with_other_bits_is_neither_reused_nor_combined(tmp_path):
     plan = load_plan(SUITE, quick=True)
     sao, drift = arms(["sao"])[0], plan.drifts[0]

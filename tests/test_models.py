@@ -154,6 +154,27 @@ def test_value_model_starts_from_policy_with_its_own_weights(policy):
     assert values(vm, ids, mask).std() > 0  # the fresh head is random, not zero
 
 
+def test_a_shallower_critic_is_the_policys_first_layers_then_its_norm(policy, tmp_path):
+    vm = ValueModel.from_policy(policy, seed=1, layers=2)
+    assert policy.config.num_hidden_layers == 4 and len(vm.backbone.layers) == 2
+    ids, mask, _ = _batch([6, 3], seed=4)
+    with torch.no_grad():
+        states = policy.model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+        want = policy.model.norm(states[2])  # after the first two blocks, through the policy's final norm
+        got = vm.backbone(input_ids=ids, attention_mask=mask).last_hidden_state
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+        real = mask.bool()
+        hf_values = vm(ids, mask, position_ids_from_mask(mask))
+        torch.testing.assert_close(values(vm, ids, mask)[real], hf_values[real], atol=2e-5, rtol=0)  # packed path
+    vm.save(tmp_path / "value")
+    again = ValueModel.load(tmp_path / "value")
+    assert len(again.backbone.layers) == 2
+    torch.testing.assert_close(values(again, ids, mask), values(vm, ids, mask), atol=1e-6, rtol=0)
+    for bad in (0, 5):
+        with pytest.raises(ValueError, match=rf"value.layers: {bad}, the policy has 4 layers"):
+            ValueModel.from_policy(policy, layers=bad)
+
+
 def test_save_and_reload_give_identical_outputs(policy, value_model, tmp_path):
     tok = CharTokenizer()
     save_policy(policy, tmp_path / "policy", tok)

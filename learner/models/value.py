@@ -33,13 +33,24 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.head.bias)
 
     @classmethod
-    def from_policy(cls, policy: PreTrainedModel, seed: int | None = 0) -> "ValueModel":
-        """Backbone weights copied (not shared) from `policy`; the head is new."""
+    def from_policy(cls, policy: PreTrainedModel, seed: int | None = 0, layers: int | None = None) -> "ValueModel":
+        """Backbone weights copied (not shared) from `policy`; the head is new. `layers`: only the first `layers`
+        blocks of the policy's backbone (a cheaper critic; its final norm is the policy's); None: all of them."""
+        config = copy.deepcopy(policy.config)
+        if layers is not None:
+            if not 1 <= layers <= config.num_hidden_layers:
+                raise ValueError(f"value.layers: {layers}, the policy has {config.num_hidden_layers} layers "
+                                 f"(choose 1..{config.num_hidden_layers}, or null for all)")
+            config.num_hidden_layers = layers
+            if isinstance(getattr(config, "layer_types", None), list):
+                config.layer_types = config.layer_types[:layers]
         with torch.random.fork_rng(devices=[]):
             if seed is not None:
                 torch.manual_seed(seed)
-            vm = cls(copy.deepcopy(policy.config))
-        vm.backbone.load_state_dict(policy.base_model.state_dict())
+            vm = cls(config)
+        kept = {k: v for k, v in policy.base_model.state_dict().items()
+                if not k.startswith("layers.") or int(k.split(".")[1]) < config.num_hidden_layers}
+        vm.backbone.load_state_dict(kept)
         return vm.to(dtype=torch.float32).eval()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
