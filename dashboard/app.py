@@ -213,8 +213,8 @@ def recovery_table(rec: pd.DataFrame, summaries: dict[str, dict], window: int, d
     st.caption(f"Per family, on the task stream's order: levels are mean rewards over W={window} trajectories of the "
                f"family (the last before the drift, the first after it); recovered = a later window back within "
                f"δ={delta:g} of the pre-drift level, from a policy updated after the drift; censored = not back "
-               "before the block ended (counted, never averaged). Recovery in trajectories is a lower bound "
-               "when censored.")
+               "before the block ended (counted, never averaged); in progress = not back yet in a block that has "
+               "not ended (a run being written). Recovery in trajectories is a lower bound when censored.")
     for name, s in summaries.items():
         counts = "  ·  ".join(f"{k}: {v}" for k, v in s["by_status"].items() if v)
         st.caption(f"{name}: {counts}" if len(summaries) > 1 else counts)

@@ -154,8 +154,10 @@ def reward_frame(run: RunData, window: int, max_points: int = 4000) -> pd.DataFr
 
 def recovery_frame(run: RunData, window: int, delta: float) -> pd.DataFrame:
     """Recovery of every (drift event, family): adaptation.drift_recoveries, as in summary.json (on
-    stream positions; without trajectory rows, e.g. live topics, every changed family is "no data")."""
-    return ad.drift_recoveries(run.trajectories, run.drift, run.learner, window, delta).assign(run=run.name)
+    stream positions; without trajectory rows, e.g. live topics, every changed family is "no data"). A run
+    without its summary is still being written: its last block's not-yet-recovered records are "in progress"."""
+    rec = ad.drift_recoveries(run.trajectories, run.drift, run.learner, window, delta)
+    return (rec if run.summary else ad.in_open_block(rec)).assign(run=run.name)
 
 
 def drift_marks(run: RunData) -> pd.DataFrame:

@@ -284,3 +284,19 @@ def test_rate():
     assert ad.rate([0, 0.5, 1, 1.5, 2]) == pytest.approx(2.5)
     assert ad.rate([0, 1, 2], weights=[10, 10, 20]) == pytest.approx(20.0)
     assert math.isnan(ad.rate([1.0]))
+
+
+def test_a_run_being_written_reads_its_last_blocks_censored_records_as_in_progress():
+    rec = pd.DataFrame({"phase": [1, 1, 2, 2, 2], "family": ["a", "b", "a", "b", "c"],
+                        "status": ["censored", "recovered", "censored", "recovered", "unaffected"],
+                        "low_pre_level": [False] * 5, "trajectories": [40, 12, 30, 20, None],
+                        "stream_trajectories": [80, 30, 60, 50, None], "learner_steps": [4, 2, 3, 5, None]})
+    live = ad.in_open_block(rec)
+    # phase 1's block has ended: its censored record stands; phase 2's is still open
+    assert live["status"].tolist() == ["censored", "recovered", "in progress", "recovered", "unaffected"]
+    summary = ad.recovery_summary(live)
+    assert summary["by_status"] == {"unaffected": 1, "no drop": 0, "recovered": 2, "censored": 1, "no data": 0,
+                                    "in progress": 1}
+    assert summary["median_trajectories"] == 16.0  # recovered records only: (12 + 20) / 2
+    assert "in progress" not in ad.recovery_summary(rec)["by_status"]  # a finished run's summary: as before
+    assert ad.in_open_block(rec.iloc[:0]).empty

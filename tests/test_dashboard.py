@@ -241,6 +241,9 @@ def test_censored_recovery_is_shown_as_censored(tmp_path):
         w.trajectory(_traj(k, ph, r, 0))
     w.drift(DriftEvent(phase=1, prev_phase=0, name="p1", schedule="abrupt", families=["a"], concepts={"a": "c1"},
                        at_seq=2, time=T0 + 1.5))
+    w.flush()
+    at = app(tmp_path)  # being written: the last block has not ended, so it is not censored yet
+    assert at.dataframe[0].value.iloc[0]["status"] == "in progress"
     w.close(window=2)
     at = app(tmp_path)
     row = at.dataframe[0].value.iloc[0]

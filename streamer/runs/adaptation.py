@@ -29,10 +29,12 @@ from streamer.runs.forgetting import FORGETTING_COLUMNS, forgetting, forgetting_
 from streamer.runs.recovery import (
     DEFAULT_DELTA,
     DEFAULT_FLOOR,
+    IN_PROGRESS,
     RECOVERY_COLUMNS,
     STATUSES,
     Recovery,
     drift_recoveries,
+    in_open_block,
     recovery,
     recovery_by_kind,
     recovery_summary,
@@ -53,9 +55,10 @@ from streamer.runs.stream import (
 )
 
 __all__ = [
-    "DEFAULT_DELTA", "DEFAULT_FLOOR", "DEFAULT_WINDOW", "FORGETTING_COLUMNS", "RECOVERY_COLUMNS", "STATUSES",
+    "DEFAULT_DELTA", "DEFAULT_FLOOR", "DEFAULT_WINDOW", "FORGETTING_COLUMNS", "IN_PROGRESS", "RECOVERY_COLUMNS",
+    "STATUSES",
     "Recovery", "auc", "changed", "collapsed", "drift_kind", "drift_recoveries", "drift_segments", "drift_times",
-    "first_update_after", "forgetting", "forgetting_mean", "in_stream_order", "learner_busy_share",
+    "first_update_after", "forgetting", "forgetting_mean", "in_open_block", "in_stream_order", "learner_busy_share",
     "learner_counts", "masked_fraction", "online_reward", "policy_blowup", "policy_events", "policy_steps",
     "policy_updates", "rate", "recovery", "recovery_by_kind", "recovery_summary", "sort_by", "sort_events",
     "staleness_from_histograms", "staleness_stats", "stream_position", "trained_fraction", "windowed_reward",

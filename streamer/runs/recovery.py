@@ -7,7 +7,8 @@ of the previous block), "recovered" (a later window of W is back within δ, made
 trajectories of a policy updated after the drift; the learner's policy steps are reported),
 "censored" (not back before the block ends, or fewer than W post-drift trajectories), "no data".
 A pre-drift level below a floor is flagged (`low_pre_level`): a drift from nothing cannot show
-recovery. Censored values are counted, never averaged (`recovery_summary`).
+recovery. Censored values are counted, never averaged (`recovery_summary`). While a run is being written its last
+block has not ended: `in_open_block` reads its censored records as "in progress".
 """
 
 from __future__ import annotations
@@ -147,6 +148,19 @@ def _record(e: Mapping, fam: str, pre_block: pd.DataFrame, block: pd.DataFrame, 
             "learner_steps": policy_steps(updates, v0, v1)}
 
 
+IN_PROGRESS = "in progress"  # a run still being written: its last block has not ended, so nothing is censored yet
+
+
+def in_open_block(recoveries: pd.DataFrame) -> pd.DataFrame:
+    """`drift_recoveries` of a run still being written: the last drift event's block has not ended, so its
+    censored records (not back yet) are "in progress"; earlier blocks' records stand as they are."""
+    if not len(recoveries):
+        return recoveries
+    last = recoveries["phase"] == recoveries["phase"].iloc[-1]
+    return recoveries.assign(status=recoveries["status"].mask(last & (recoveries["status"] == "censored"),
+                                                              IN_PROGRESS))
+
+
 def recovery_summary(recoveries: pd.DataFrame) -> dict[str, Any]:
     """Counts per status and, over recovered records only, median recovery (family trajectories,
     stream trajectories, learner steps). Censored records are counted, never averaged as speeds
@@ -154,7 +168,8 @@ def recovery_summary(recoveries: pd.DataFrame) -> dict[str, Any]:
     rec = recoveries if len(recoveries) else pd.DataFrame(columns=RECOVERY_COLUMNS)
     won = rec[rec["status"] == "recovered"]
     affected = rec[rec["status"] != "unaffected"]
-    out: dict[str, Any] = {"n": int(len(rec)), "by_status": {s: int((rec["status"] == s).sum()) for s in STATUSES},
+    statuses = [*STATUSES, *([IN_PROGRESS] if (rec["status"] == IN_PROGRESS).any() else [])]
+    out: dict[str, Any] = {"n": int(len(rec)), "by_status": {s: int((rec["status"] == s).sum()) for s in statuses},
                            "low_pre_level": int(affected["low_pre_level"].astype(bool).sum())}
     for col in ("trajectories", "stream_trajectories", "learner_steps"):
         v = pd.to_numeric(won[col], errors="coerce").dropna()
