@@ -68,7 +68,7 @@ def compare_runs(new_dir: Path, ref_dirs: list[Path]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("new", type=Path, help="the invocation's --out (runs/ and suite.json)")
+    p.add_argument("new", type=Path, help="the invocation's --out (runs/ and suite.json, or a pilot's pilot.json)")
     p.add_argument("--ref", type=Path, nargs="*", default=[], help="--out folders of the earlier runs (none: the "
                    "invocation's run walls alone, by kind of arm and seed)")
     p.add_argument("--pooled", type=Path, help="the committed suite.json the invocation's must equal in "
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         runs = read_runs(a.new)
         result = {"runs": len(runs), **run_walls(list(runs.values()))}
-    suite = json.loads((a.new / "suite.json").read_text())
+    suite = json.loads(next(f for f in (a.new / "suite.json", a.new / "pilot.json") if f.exists()).read_text())
     result.update(wall_s=suite["wall_s"], git_commit=suite["git_commit"], ref=[str(d) for d in a.ref])
     if a.pooled:
         ref = json.loads(a.pooled.read_text())

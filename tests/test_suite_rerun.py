@@ -54,7 +54,7 @@ def test_without_ref_the_walls_alone_by_kind_and_seed(tmp_path):
     write_run(new, "b-sao-s1.json", "sao", 11.5, 0.5, steps=12)
     write_run(new, "a-grpo-s1.json", "grpo", 4.0, 0.5, steps=3)
     write_run(new, "a-frozen-s0.json", "frozen", 1.0, 0.0)
-    (new / "suite.json").write_text(json.dumps({"wall_s": 13.0, "git_commit": "abc"}))
+    (new / "pilot.json").write_text(json.dumps({"wall_s": 13.0, "git_commit": "abc"}))  # a pilot's folder
     assert main([str(new), "--out", str(tmp_path / "w.json")]) == 0
     got = json.loads((tmp_path / "w.json").read_text())
     assert got["runs"] == 4 and got["wall_s"] == 13.0 and got["ref"] == []
