@@ -37,8 +37,8 @@ def kind(arm: str) -> str:
 
 
 def run_walls(runs: list[dict]) -> dict[str, dict[str, Any]]:
-    """Run files' walls, learner steps and CPU seconds summed by kind of arm and by seed (with --jobs 2 two runs
-    share the two cores: a sum of run walls, not the invocation's wall)."""
+    """Run files' walls and learner steps summed by kind of arm and by seed (with --jobs 2 two runs share the two
+    cores: a sum of run walls, not the invocation's wall)."""
     walls: dict[str, dict[str, Any]] = {}
     for run in runs:
         for key in (kind(run["arm"]), f"seed {run['seed']}"):
