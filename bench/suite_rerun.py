@@ -80,7 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         runs = read_runs(a.new)
         result = {"runs": len(runs), **run_walls(list(runs.values()))}
-    suite = json.loads(next(f for f in (a.new / "suite.json", a.new / "pilot.json") if f.exists()).read_text())
+    found = next((f for f in (a.new / "suite.json", a.new / "pilot.json") if f.exists()), None)
+    if found is None:
+        raise SystemExit(f"{a.new}: no suite.json or pilot.json (not the --out of a bench/suite.py invocation)")
+    suite = json.loads(found.read_text())
     result.update(wall_s=suite["wall_s"], git_commit=suite["git_commit"], ref=[str(d) for d in a.ref])
     if a.pooled:
         ref = json.loads(a.pooled.read_text())

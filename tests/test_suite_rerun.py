@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench.suite_rerun import compare_runs, main
 
 
@@ -63,3 +65,6 @@ def test_without_ref_the_walls_alone_by_kind_and_seed(tmp_path):
     assert got["frozen"] == {"runs": 1, "run_wall_s": 1.0, "learner_steps": 0}
     assert got["seed 0"] == {"runs": 2, "run_wall_s": 10.0, "learner_steps": 10}
     assert got["seed 1"] == {"runs": 2, "run_wall_s": 15.5, "learner_steps": 15}
+    (new / "pilot.json").unlink()
+    with pytest.raises(SystemExit, match="no suite.json or pilot.json"):
+        main([str(new), "--out", str(tmp_path / "w.json")])
