@@ -30,6 +30,7 @@ import heapq
 import itertools
 import json
 import math
+import random
 import sys
 import time
 from collections import OrderedDict, defaultdict, deque
@@ -42,6 +43,7 @@ if __package__ in (None, ""):  # `python bench/harness.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import msgspec  # noqa: E402
+import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import torch  # noqa: E402
 
@@ -251,6 +253,9 @@ class Harness:
         self.running: set[str] = set()  # traj_ids in flight
         self.dropped: set[str] = set()  # stragglers dropped by sync_overprovision (their joins are ignored)
         self.started_tasks = 0
+        self.arrivals: deque[tuple[float, Task]] = deque()  # (arrival time, task) not yet started, in order
+        self.drifts: list[dict] = []
+        self.now, self.wall_s, self.cpu_s = 0.0, 0.0, 0.0
         self.sections: dict[str, dict[str, float]] = defaultdict(lambda: {"wall_s": 0.0, "cpu_s": 0.0})
 
     @property
@@ -273,39 +278,66 @@ class Harness:
 
     def run(self, stream: list[Task | DriftEvent], scenario_rate: float = 0.0, log=print) -> Result:
         """`scenario_rate`: the rate the stream's created_at were drawn at (rescaled to SimConfig.rate)."""
-        t_wall, t_cpu = time.monotonic(), time.process_time()
-        tasks = [m for m in stream if isinstance(m, Task)]
-        drifts = [msgspec.structs.asdict(m) for m in stream if isinstance(m, DriftEvent)]
-        arrivals = deque(zip(arrival_times(tasks, scenario_rate, self.sim.rate), tasks))
+        self.load(stream, scenario_rate)
         self._push(0.0, "tick")
-        now, last_log = 0.0, time.monotonic()
-        while self.events:
-            ev = heapq.heappop(self.events)
-            now = ev.time
-            if ev.kind == "join":
-                self._join(ev.payload, now)
-            elif ev.kind == "publish":
-                self.rollout_version = ev.payload
-                self._maybe_train(now)
-            else:
-                self._admit(arrivals, now)
-                if arrivals or self.in_flight:
-                    self._push(now + self.sim.tick_s, "tick")
-            if time.monotonic() - last_log > 30:
-                last_log = time.monotonic()
-                log(f"[harness {time.monotonic() - t_wall:5.0f}s] sim {now:8.1f}s rows {len(self.rows)} "
-                    f"step {self.trainer.step} in flight {self.in_flight}")
+        self.advance(log)
+        return self.result()
+
+    def load(self, stream: list[Task | DriftEvent], scenario_rate: float = 0.0) -> None:
+        """The stream's tasks still to start (after the `started_tasks` already started) and its drift events."""
+        tasks = [m for m in stream if isinstance(m, Task)]
+        times = arrival_times(tasks, scenario_rate, self.sim.rate)
+        self.arrivals = deque(itertools.islice(zip(times, tasks), self.started_tasks, None))
+        self.drifts = [msgspec.structs.asdict(m) for m in stream if isinstance(m, DriftEvent)]
+
+    def advance(self, log=print, before_task: int | None = None) -> bool:
+        """Process events until none is left; with `before_task`, stop before the first admission that would start
+        task number `before_task` of the stream or a later one (the event stays queued). True when stopped there."""
+        t_wall, t_cpu, last_log = time.monotonic(), time.process_time(), time.monotonic()
+        try:
+            while self.events:
+                ev = self.events[0]
+                if ev.kind == "tick" and before_task is not None and \
+                        self.started_tasks + self._admissible(ev.time) > before_task:
+                    return True
+                heapq.heappop(self.events)
+                self.now = ev.time
+                if ev.kind == "join":
+                    self._join(ev.payload, self.now)
+                elif ev.kind == "publish":
+                    self.rollout_version = ev.payload
+                    self._maybe_train(self.now)
+                else:
+                    self._admit(self.now)
+                    if self.arrivals or self.in_flight:
+                        self._push(self.now + self.sim.tick_s, "tick")
+                if time.monotonic() - last_log > 30:
+                    last_log = time.monotonic()
+                    log(f"[harness {time.monotonic() - t_wall:5.0f}s] sim {self.now:8.1f}s rows {len(self.rows)} "
+                        f"step {self.trainer.step} in flight {self.in_flight}")
+            return False
+        finally:
+            self.wall_s += time.monotonic() - t_wall
+            self.cpu_s += time.process_time() - t_cpu
+
+    def result(self) -> Result:
         traj, steps = pd.DataFrame(self.rows), pd.DataFrame(self.steps)
-        rec = drift_recoveries(traj, drifts, steps if len(steps) else None) if drifts and len(traj) else \
+        rec = drift_recoveries(traj, self.drifts, steps if len(steps) else None) if self.drifts and len(traj) else \
             pd.DataFrame()
         counts = {k: int(v) for k, v in self.trainer.admission.counts.items()}
         counts["unused_at_end"] = len(self.trainer.batcher.pending())
         sections = {k: {kk: round(vv, 3) for kk, vv in v.items()} for k, v in self.sections.items()}
-        return Result(traj, steps, drifts, rec, time.monotonic() - t_wall, now, counts,
-                      time.process_time() - t_cpu, sections)
+        return Result(traj, steps, self.drifts, rec, self.wall_s, self.now, counts, self.cpu_s, sections)
+
+    def share_costs(self, k: int) -> None:
+        """Count 1/k of the wall, CPU and section times so far: the part of a run shared by k branches."""
+        self.wall_s, self.cpu_s = self.wall_s / k, self.cpu_s / k
+        for v in self.sections.values():
+            for key in v:
+                v[key] /= k
 
     # -------------------------------------------------------------------- admission and rollouts
-    def _room(self, arrivals: deque, now: float) -> int:
+    def _room(self, now: float) -> int:
         """Rollouts that may start now (see MODES)."""
         if self.sim.mode == "async":
             room = self.sim.max_in_flight - self.in_flight
@@ -317,15 +349,17 @@ class Harness:
         if self.in_flight or (self.sim.mode != "sync_one_step" and not idle):
             return 0
         size, n = self.sim.round_size(), self.sim.group_size
-        arrived = sum(1 for _ in itertools.islice(itertools.takewhile(lambda a: a[0] <= now, arrivals), size // n))
-        whole = arrived * n >= size or arrived == len(arrivals)  # a whole round has arrived, or the stream's rest
+        arrived = sum(1 for _ in itertools.islice(itertools.takewhile(lambda a: a[0] <= now, self.arrivals), size // n))
+        whole = arrived * n >= size or arrived == len(self.arrivals)  # a whole round has arrived, or the stream's rest
         return size if whole else 0
 
-    def _admit(self, arrivals: deque, now: float) -> None:
-        batch: list[Task] = []
-        n, room = self.sim.group_size, self._room(arrivals, now)
-        while arrivals and arrivals[0][0] <= now and n * (len(batch) + 1) <= room:
-            batch.append(arrivals.popleft()[1])
+    def _admissible(self, now: float) -> int:
+        """Tasks an admission at `now` starts: the arrived ones at the head of the queue that `_room` has room for."""
+        room = max(self._room(now) // self.sim.group_size, 0)
+        return sum(1 for _ in itertools.takewhile(lambda a: a[0] <= now, itertools.islice(self.arrivals, room)))
+
+    def _admit(self, now: float) -> None:
+        batch = [self.arrivals.popleft()[1] for _ in range(self._admissible(now))]
         if not batch:
             return
         version = self.rollout_version
@@ -417,6 +451,42 @@ class Harness:
 def simulate(sim: SimConfig, init: str, stream: list[Task | DriftEvent], learner_sets: list[str] = (),
              agent_sets: list[str] = (), scenario_rate: float = 0.0, log=print) -> Result:
     return Harness(sim, init, learner_sets, agent_sets).run(stream, scenario_rate, log)
+
+
+def shared_tasks(streams: list[list[Task | DriftEvent]]) -> int:
+    """How many tasks every stream starts with, equal in every field."""
+    enc = [[msgspec.json.encode(m) for m in s if isinstance(m, Task)] for s in streams]
+    return next((i for i, same in enumerate(zip(*enc)) if len(set(same)) > 1), min(map(len, enc)))
+
+
+def simulate_branches(sim: SimConfig, init: str, streams: list[list[Task | DriftEvent]], learner_sets: list[str] = (),
+                      agent_sets: list[str] = (), scenario_rate: float = 0.0, log=print) -> list[Result]:
+    """`simulate` of each stream, the tasks they all start with (`shared_tasks`) simulated once: each branch is a copy
+    of the shared run taken just before the first admission that starts one of the streams' own tasks, so its Result
+    is the one `simulate` gives on its stream alone (tests/test_harness.py); the shared part's wall, CPU and section
+    times are split evenly between the branches. Async admission only: a synchronous round looks at how many tasks
+    are left in the stream."""
+    if sim.mode != "async":
+        raise ValueError(f"simulate_branches: mode {sim.mode}; only async runs branch (a sync round reads the "
+                         "stream's length)")
+    shared = shared_tasks(streams)
+    short = [i for i, s in enumerate(streams) if sum(isinstance(m, Task) for m in s) <= shared]
+    if short:
+        raise ValueError(f"simulate_branches: streams {short} have no task of their own after the {shared} shared")
+    trunk = Harness(sim, init, learner_sets, agent_sets)
+    trunk.load(streams[0], scenario_rate)
+    trunk._push(0.0, "tick")
+    trunk.advance(log, before_task=shared)
+    trunk.share_costs(len(streams))
+    rng = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+    out = []
+    for stream in streams:
+        branch = copy.deepcopy(trunk)
+        torch.set_rng_state(rng[0]), random.setstate(rng[1]), np.random.set_state(rng[2])
+        branch.load(stream, scenario_rate)
+        branch.advance(log)
+        out.append(branch.result())
+    return out
 
 
 def by_phase(traj: pd.DataFrame) -> list[dict]:

@@ -30,6 +30,7 @@ from typing import Any
 if __package__ in (None, ""):  # `python bench/suite.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import msgspec  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import yaml  # noqa: E402
@@ -37,11 +38,21 @@ import yaml  # noqa: E402
 from bench import stats  # noqa: E402
 from bench.arms import Arm, arms  # noqa: E402
 from bench.common import differing, git_commit, init_sha256, machine, reusable_run  # noqa: E402
-from bench.harness import Result, SimConfig, by_phase, phase_prefix, scenario_stream, simulate, summary  # noqa: E402
+from bench.harness import (  # noqa: E402
+    Result,
+    SimConfig,
+    by_phase,
+    phase_prefix,
+    scenario_stream,
+    simulate,
+    simulate_branches,
+    summary,
+)
 from bench.parallel import run_parallel  # noqa: E402
 from learner.pretrain import PretrainConfig, kernels, pretrain  # noqa: E402
 from simulator.scenario import Scenario, validate_scenario  # noqa: E402
 from streamer.wire.config import load_config  # noqa: E402
+from streamer.wire.schema import DriftEvent, Task  # noqa: E402
 
 STEP_KEYS = ("step", "version", "skipped", "n", "sim_time", "staleness_mean", "staleness_max", "learner/ess_frac",
              "learner/policy_loss", "learner/value_loss", "learner/clip_frac", "learner/clip_frac_low",
@@ -72,6 +83,8 @@ class Plan:
     warm_start_sha256: str | None = None  # the build of the warm start the suite's reported runs started from
     version: str = ""  # the suite file's version (its amendments)
     learner_sets: tuple[str, ...] = ()  # `--set`: learner overrides for every arm, outside the plan (provisional)
+    learner: tuple[str, ...] = ()  # the suite's own learner overrides for every arm (`learner:`, from 1.5)
+    shared_pre: bool = False  # drifts with the same pre-drift tasks simulate them once (`shared_pre_drift:`, 1.5)
 
 
 def resolve(value: Any, name: str, used: list[str]) -> Any:
@@ -85,8 +98,16 @@ def resolve(value: Any, name: str, used: list[str]) -> Any:
     return value
 
 
-def load_plan(path: str | Path, quick: bool = False) -> Plan:
+def read_suite(path: str | Path) -> dict[str, Any]:
+    """A suite file's contents; with `extends: FILE` (beside it), that file's with this one's keys laid over it."""
     raw = yaml.safe_load(Path(path).read_text())
+    if "extends" in raw:
+        return {**read_suite(Path(path).parent / raw.pop("extends")), **raw}
+    return raw
+
+
+def load_plan(path: str | Path, quick: bool = False) -> Plan:
+    raw = read_suite(path)
     used: list[str] = []
     harness = dict(raw.get("harness", {}))
     names, keep = raw["arms"], [d["name"] for d in raw["drifts"]]
@@ -105,7 +126,8 @@ def load_plan(path: str | Path, quick: bool = False) -> Plan:
                 read_lr(resolve(raw["lr"], "lr", used)), int(window), harness, raw["scenario"], used,
                 warm_start_scenario(raw["name"], raw["scenario"], ws, raw["drifts"]), pretrain_sets,
                 list(raw["seeds"]["pilot"]), int(raw["post_rollouts"]["pilot"]["pilot_runs"]),
-                tuple(raw["admissible_start"]), raw.get("warm_start_sha256"), str(raw.get("version", "")))
+                tuple(raw["admissible_start"]), raw.get("warm_start_sha256"), str(raw.get("version", "")),
+                learner=tuple(str(x) for x in raw.get("learner", [])), shared_pre=bool(raw.get("shared_pre_drift")))
 
 
 def warm_start_note(plan: Plan, init: str) -> str | None:
@@ -221,18 +243,48 @@ def run_outcomes(post: pd.DataFrame, window: int, n_rollouts: int, n_tokens: int
     return out
 
 
-def run_one(plan: Plan, arm: Arm, drift: dict, seed: int, init: str, out_dir: Path, log=print) -> dict[str, Any]:
+def pre_key(drift: dict) -> str:
+    """What names a drift's pre-drift tasks in a suite with shared pre-drift phases: its family and first concept."""
+    return f"{drift['family']}.{drift['from']}"
+
+
+def drift_stream(plan: Plan, drift: dict, seed: int, group_size: int) -> tuple[list[Task | DriftEvent], Scenario]:
+    """The drift's task stream for an arm with groups of `group_size` (`phase_prefix`). With `plan.shared_pre`, its
+    pre-drift tasks are named by `pre_key`, not by the drift: drifts from one concept then start with the same tasks
+    (the same rollout seeds) and `run_branches` simulates them once."""
     scn = drift_scenario(plan, drift)
-    stream = phase_prefix(scenario_stream(scn, seed), arm.group_size)
-    sim, settings = sim_config(plan, arm, seed), run_settings(plan, arm, drift, seed)
-    log(f"[suite] {drift['name']} {arm.name} seed {seed}: {sum(1 for _ in stream)} stream items, sim {sim}")
-    res: Result = simulate(sim, init, stream, settings["learner_sets"], [], scn.rate, log)
+    stream = scenario_stream(scn, seed)
+    if plan.shared_pre:
+        stream = [msgspec.structs.replace(m, task_id=f"{pre_key(drift)}-{seed}-{m.seq}")
+                  if isinstance(m, Task) and m.phase == 0 else m for m in stream]
+    return phase_prefix(stream, group_size), scn
+
+
+def run_branches(plan: Plan, arm: Arm, drifts: list[dict], seed: int, init: str, out_dir: Path,
+                 log=print) -> list[dict[str, Any]]:
+    """One run of `arm` on each drift (same seed), written to its run file; several drifts that start with the same
+    tasks share their simulation of those (`simulate_branches`), each run's result the same as alone."""
+    streams, scns = zip(*(drift_stream(plan, d, seed, arm.group_size) for d in drifts))
+    sim, sets = sim_config(plan, arm, seed), run_settings(plan, arm, drifts[0], seed)["learner_sets"]
+    for d, stream in zip(drifts, streams):
+        log(f"[suite] {d['name']} {arm.name} seed {seed}: {len(stream)} stream items, sim {sim}")
+    if len(drifts) == 1:
+        results = [simulate(sim, init, streams[0], sets, [], scns[0].rate, log)]
+    else:
+        results = simulate_branches(sim, init, list(streams), sets, [], scns[0].rate, log)
+    return [write_run(plan, arm, d, seed, init, out_dir, res, sim.threads) for d, res in zip(drifts, results)]
+
+
+def write_run(plan: Plan, arm: Arm, drift: dict, seed: int, init: str, out_dir: Path, res: Result,
+              threads: int) -> dict[str, Any]:
+    """The run's file: its settings, summary, by-phase table, recoveries, learner steps and post-drift rewards."""
+    settings = run_settings(plan, arm, drift, seed)
     steps = res.steps[[k for k in STEP_KEYS if k in res.steps]] if len(res.steps) else res.steps
     post = post_drift(res.trajectories)
     run = {"suite": plan.name, "arm": arm.name, "drift": drift["name"], "seed": seed, "init": init,
            "init_sha256": init_sha256(init),
            "provisional": bool(plan.provisional), "provisional_values": plan.provisional,
-           **settings, "summary": summary(res, sim.threads),
+           **settings, "summary": summary(res, threads),
            "by_phase": by_phase(res.trajectories), "recoveries": res.recoveries.to_dict("records"),
            "steps": steps.to_dict("records"),
            "post_drift": {"reward": post["reward"].tolist(), "success": post["success"].astype(float).tolist(),
@@ -251,8 +303,9 @@ def run_settings(plan: Plan, arm: Arm, drift: dict, seed: int) -> dict[str, Any]
     """What a run's result depends on besides its init: a run file with the same is that run (`finished_run`)."""
     sim = dataclasses.asdict(sim_config(plan, arm, seed))
     return {"drift_def": drift, "pre": plan.pre, "post": post_of(plan, drift),
-            "learner_sets": [*arm.learner, f"optim.lr={lr_of(plan, arm)}", *plan.learner_sets],
-            "sim": json.loads(json.dumps(sim, default=json_default))}
+            "learner_sets": [*arm.learner, f"optim.lr={lr_of(plan, arm)}", *plan.learner, *plan.learner_sets],
+            "sim": json.loads(json.dumps(sim, default=json_default)),
+            **({"shared_pre_drift": True} if plan.shared_pre else {})}
 
 
 def finished_run(plan: Plan, arm: Arm, drift: dict, seed: int, init: str, out_dir: Path) -> dict | None:
@@ -265,16 +318,23 @@ def finished_run(plan: Plan, arm: Arm, drift: dict, seed: int, init: str, out_di
 
 
 def run_all(plan: Plan, todo: list[tuple[Arm, dict, int]], init: str, out_dir: Path, jobs: int = 1) -> list[dict]:
-    """`run_one` for every (arm, drift, seed) in order, `jobs` at a time in worker processes (spawned: no torch
-    state is shared), the harness threads split between them."""
+    """A run for every (arm, drift, seed), returned in order, `jobs` at a time in worker processes (spawned: no torch
+    state is shared), the harness threads split between them; with `plan.shared_pre`, an arm's runs on drifts from
+    one concept (`pre_key`) are one job (`run_branches`)."""
     plan = split_threads(plan, jobs)  # threads is a setting of the run (its file records it): split first
     done = {i: run for i, (arm, drift, seed) in enumerate(todo)
             if (run := finished_run(plan, arm, drift, seed, init, out_dir)) is not None}
     if done:
         print(f"[suite] {len(done)} of {len(todo)} runs already in {out_dir / 'runs'} with these settings: reused")
-    left = [i for i in range(len(todo)) if i not in done]
-    results = run_parallel(run_one, [(plan, *todo[i], init, out_dir) for i in left], jobs)
-    done.update(zip(left, results))
+    branches: dict[tuple, list[int]] = {}  # the runs simulated together (one each, unless plan.shared_pre)
+    for i in (i for i in range(len(todo)) if i not in done):
+        arm, drift, seed = todo[i]
+        branches.setdefault((arm.name, seed, pre_key(drift) if plan.shared_pre else i), []).append(i)
+    groups = list(branches.values())
+    results = run_parallel(run_branches, [(plan, todo[g[0]][0], [todo[i][1] for i in g], todo[g[0]][2], init, out_dir)
+                                          for g in groups], jobs)
+    for g, runs in zip(groups, results):
+        done.update(zip(g, runs))
     return [done[i] for i in range(len(todo))]
 
 

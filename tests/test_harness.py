@@ -17,12 +17,15 @@ from bench import stats
 from bench.arms import ARMS, arms
 from bench.common import init_sha256, reusable_run
 from bench.harness import (
+    Harness,
     SimConfig,
     arrival_times,
     finish_time,
     phase_prefix,
     scenario_stream,
+    shared_tasks,
     simulate,
+    simulate_branches,
 )
 from bench.offpolicy import main as offpolicy_main
 from bench.suite import (
@@ -30,6 +33,7 @@ from bench.suite import (
     combine,
     drift_options,
     drift_scenario,
+    drift_stream,
     finished_run,
     load_plan,
     lr_of,
@@ -43,6 +47,8 @@ from bench.suite import (
     resolve,
     run_path,
     run_settings,
+    sim_config,
+    split_threads,
     warm_start_note,
     warm_start_scenario,
 )
@@ -54,6 +60,7 @@ from streamer.wire.config import load_config
 from streamer.wire.schema import DriftEvent, Task
 
 SUITE = Path(__file__).resolve().parent.parent / "bench" / "suites" / "drift_v1.yaml"
+SUITE_1_5 = SUITE.with_name("drift_v1_5.yaml")
 AGENT = ["max_new_tokens=6"]  # a random policy writes garbage: keep its answers short
 
 
@@ -126,6 +133,32 @@ def test_same_seed_same_trajectories(tiny_policy_dir):
     assert a.steps["learner/policy_loss"].fillna(0).tolist() == b.steps["learner/policy_loss"].fillna(0).tolist()
     ess = a.steps["learner/ess_frac"].dropna()  # none during the critic's warm-up (no policy step)
     assert len(ess) and ((ess > 0) & (ess <= 1.0 + 1e-9)).all()
+
+
+def test_branches_of_a_shared_start_equal_their_runs_alone(tiny_policy_dir):
+    a = smoke_stream(48)
+    own = [m for m in smoke_stream(60, seed=1) if isinstance(m, Task)][30:54]  # other tasks after the first 24
+    b = [m for m in a if isinstance(m, Task)][:24] + own
+    assert shared_tasks([a, b]) == 24 and shared_tasks([a, a[:5]]) == 5
+    sim = SimConfig(batch=8, eta=2, max_in_flight=16, seed=3)
+    trunk = Harness(sim, str(tiny_policy_dir), [], AGENT)
+    trunk.load(a, 20.0)
+    trunk._push(0.0, "tick")
+    assert trunk.advance(lambda *_: None, before_task=24)  # stopped before the tick that would start task 24
+    assert 0 < trunk.started_tasks <= 24 < trunk.started_tasks + trunk._admissible(trunk.events[0].time)
+    branched = simulate_branches(sim, str(tiny_policy_dir), [a, b], [], AGENT, 20.0, log=lambda *_: None)
+    for stream, got in zip((a, b), branched):
+        alone = simulate(sim, str(tiny_policy_dir), stream, [], AGENT, 20.0, log=lambda *_: None)
+        assert len(got.steps) >= 4
+        pd.testing.assert_frame_equal(got.trajectories, alone.trajectories)
+        timing = [c for c in alone.steps if c == "wall_step_s" or c.startswith("perf/")]
+        assert timing and got.steps.columns.tolist() == alone.steps.columns.tolist()
+        pd.testing.assert_frame_equal(got.steps.drop(columns=timing), alone.steps.drop(columns=timing))
+    assert branched[0].trajectories["task_id"].tolist() != branched[1].trajectories["task_id"].tolist()
+    with pytest.raises(ValueError, match="no task of their own"):
+        simulate_branches(sim, str(tiny_policy_dir), [a, a[:30]], [], AGENT, 20.0)
+    with pytest.raises(ValueError, match="only async"):
+        simulate_branches(dataclasses.replace(sim, mode="sync", eta=0), str(tiny_policy_dir), [a, b])
 
 
 def test_staleness_bound_and_finish_order(tiny_policy_dir):
@@ -489,6 +522,44 @@ def test_quick_suite_writes_well_formed_outputs(tiny_policy_dir, tmp_path):
                        "--lr", "1e-4", "--out", str(tmp_path)]) == 0
     rerun = json.loads((tmp_path / "runs" / "answer_format-sao-s0.json").read_text())
     assert "optim.lr=0.0001" in rerun["learner_sets"] and rerun["sim"]["threads"] == 2
+
+
+def test_suite_1_5_is_1_4_with_its_three_changes():
+    old, new = load_plan(SUITE), load_plan(SUITE_1_5)
+    assert (new.version, new.learner, new.shared_pre) == ("1.5", ("value.layers=2", "batch.micro_batch=64"), True)
+    assert (old.learner, old.shared_pre) == ((), False)
+    same = ["name", "drifts", "seeds", "pre", "post", "lr", "window", "harness", "warm_start", "pretrain_sets",
+            "pilot_seeds", "warm_start_sha256"]
+    assert [getattr(new, k) for k in same] == [getattr(old, k) for k in same]
+    assert [a.name for a in new.arms] == [a.name for a in old.arms]
+    sao, drift = arms(["sao"])[0], old.drifts[0]
+    assert run_settings(new, sao, drift, 0)["learner_sets"][-2:] == ["value.layers=2", "batch.micro_batch=64"]
+    assert run_settings(new, sao, drift, 0)["shared_pre_drift"] and "shared_pre_drift" not in run_settings(old, sao,
+                                                                                                       drift, 0)
+
+
+def test_drifts_from_one_concept_share_their_pre_drift_runs(tiny_policy_dir, tmp_path):
+    plan = load_plan(SUITE_1_5, quick=True)
+    streams = {d["name"]: drift_stream(plan, d, 0, 1)[0] for d in plan.drifts}
+    tasks = {k: [m for m in v if isinstance(m, Task)] for k, v in streams.items()}
+    assert shared_tasks(list(streams.values())) == 128 == plan.pre  # the whole pre-drift phase
+    assert tasks["tool_rename"][0].task_id == "tool.look/plain/0-0-0" and tasks["tool_args"][128].task_id == \
+        "tool_args-0-128"  # post-drift tasks keep their drift's names (their own rollout seeds)
+    one_block = ["--set", "value.layers=1"]  # the tiny policy has one block
+    assert suite_main(["--suite", str(SUITE_1_5), "--init", str(tiny_policy_dir), "--quick", "--jobs", "2", *one_block,
+                       "--out", str(tmp_path / "shared")]) == 0
+    alone = dataclasses.replace(plan, shared_pre=False, learner_sets=("value.layers=1",))
+    for arm in arms(["sao", "grpo"]):
+        for drift in plan.drifts:
+            shared = json.loads((tmp_path / "shared" / "runs" / f"{drift['name']}-{arm.name}-s0.json").read_text())
+            assert shared["shared_pre_drift"] and shared["learner_sets"][-3:] == [*plan.learner, "value.layers=1"]
+            stream = drift_stream(plan, drift, 0, arm.group_size)[0]  # the same stream, simulated alone
+            res = simulate(sim_config(split_threads(plan, 2), arm, 0), str(tiny_policy_dir), stream,  # 1 thread each
+                           run_settings(alone, arm, drift, 0)["learner_sets"], [], 20.0, log=lambda *_: None)
+            assert shared["post_drift"]["reward"] == res.trajectories.query("phase == 1").sort_values(
+                ["seq", "member"])["reward"].tolist()
+            assert [s_["learner/policy_loss"] for s_ in shared["steps"]] == pytest.approx(
+                res.steps["learner/policy_loss"].tolist(), abs=0, nan_ok=True)
 
 
 @pytest.mark.slow
