@@ -10,7 +10,8 @@ The policy every arm starts from is the suite's own warm start (`learner.pretrai
 section, cached under runs/cache; `--init DIR` uses another). `--admissibility` runs the pilot's first check alone:
 the frozen arm's post-drift start of every drift on the pilot seeds, against `admissible_start`. `--pool` pools the
 suite.json files of invocations on disjoint seeds (seeds accumulate across sessions; `pool_results` says what they
-must share).
+must share). A suite file may extend another (`extends:`, `read_suite`): drift_v1_5.yaml is 1.4 with its own learner
+overrides and shared pre-drift phases (`run_branches`).
 
     .venv/bin/python bench/suite.py --suite bench/suites/drift_v1.yaml --quick
     .venv/bin/python bench/suite.py --suite bench/suites/drift_v1.yaml --admissibility --out docs/bench/suite_pilot
