@@ -5,9 +5,13 @@ warm-start weights (another build: another CPU builds other bits, docs/bench/sui
 Per arm: the pooled difference to the reference arm in each, with both intervals (bootstrap and t), and whether the
 replicate reaches the same verdict (the sign of the mean, and whether the interval excludes 0). Per run (drift, arm,
 seed): the replicate's outcome minus the original's, against the original's spread over seeds of one drift and arm.
+With --new-version the replicate may be a later version of the suite (drift_v1 1.5 against 1.4, say): do the
+conclusions survive its changes.
 
     .venv/bin/python bench/suite_replicate.py docs/bench/suite_main/v1.4/seeds-0-6.json \
         runs/bench/suite-v1.4-b/suite.json --out docs/bench/suite_main/v1.4/replicate-b.json
+    .venv/bin/python bench/suite_replicate.py docs/bench/suite_main/v1.4/replicate-85e9cc/seeds-0-6.json \
+        docs/bench/suite_main/v1.5/seeds-0-6.json --new-version --out docs/bench/suite_main/v1.5/against-1.4.json
 """
 
 from __future__ import annotations
@@ -29,9 +33,10 @@ from bench.stats import verdict  # noqa: E402
 PLAN_KEYS = ("suite", "suite_version", "reference_arm", "window", "lr")
 
 
-def same_plan(a: dict, b: dict) -> None:
-    """Refuse two results that differ in anything but their runs' weights and outcomes."""
-    diff = differing(a, b, PLAN_KEYS)
+def same_plan(a: dict, b: dict, new_version: bool = False) -> None:
+    """Refuse two results that differ in anything but their runs' weights and outcomes (and the suite version, with
+    `new_version`)."""
+    diff = differing(a, b, [k for k in PLAN_KEYS if not (new_version and k == "suite_version")])
     keys = [{(r["drift"], r["arm"], r["seed"]) for r in x["runs"]} for x in (a, b)]
     if keys[0] != keys[1]:
         diff.append(f"runs ({len(keys[0] ^ keys[1])} (drift, arm, seed) in one only)")
@@ -74,12 +79,13 @@ def run_shifts(a: dict, b: dict, outcome: str) -> dict[str, Any]:
     return out
 
 
-def compare(a: dict, b: dict, outcome: str = "auc_equal_rollouts") -> dict[str, Any]:
-    same_plan(a, b)
+def compare(a: dict, b: dict, outcome: str = "auc_equal_rollouts", new_version: bool = False) -> dict[str, Any]:
+    same_plan(a, b, new_version)
     arms = arm_verdicts(a, b, outcome)
     b_arms = {p["arm"]: p for p in b["pooled"]}
     pooled = {p["arm"]: [round(p[outcome], 4), round(b_arms[p["arm"]][outcome], 4)] for p in a["pooled"]}
     return {"outcome": outcome, "init_sha256": [a.get("init_sha256"), b.get("init_sha256")],
+            "suite_version": [a.get("suite_version"), b.get("suite_version")],
             "pooled_original_replicate": pooled, "arms": arms,
             "same_verdicts": {kind: sum(r[kind]["same_verdict"] for r in arms)
                               for kind in ("interval_bootstrap", "interval_t")},
@@ -90,11 +96,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("original", type=Path, help="a suite.json (e.g. the committed pooled result)")
     p.add_argument("replicate", type=Path, help="a suite.json of the same plan from other warm-start weights")
+    p.add_argument("--new-version", action="store_true", help="the replicate may be another version of the suite")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
     orig, rep = (json.loads(f.read_text()) for f in (a.original, a.replicate))
     result = {"original": str(a.original), "replicate": str(a.replicate),
-              **{o: compare(orig, rep, o) for o in ("auc_equal_rollouts", "auc_equal_tokens")}}
+              **{o: compare(orig, rep, o, a.new_version) for o in ("auc_equal_rollouts", "auc_equal_tokens")}}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1) + "\n")
     r = result["auc_equal_rollouts"]

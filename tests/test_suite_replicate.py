@@ -55,6 +55,17 @@ def test_results_of_two_plans_are_refused_naming_what_differs():
         compare(a, b)
 
 
+def test_a_later_suite_version_is_compared_only_when_asked():
+    a = _result("aa", _interval(-0.2, -0.3, -0.1), _interval(-0.2, -0.4, -0.05), RUNS_A)
+    b = {**_result("aa", _interval(-0.1, -0.2, -0.02), _interval(-0.1, -0.3, 0.1), RUNS_B), "suite_version": "1.5"}
+    with pytest.raises(ValueError, match=r"differ in suite_version$"):
+        compare(a, b)
+    r = compare(a, b, new_version=True)
+    assert r["suite_version"] == ["1", "1.5"] and r["same_verdicts"] == {"interval_bootstrap": 1, "interval_t": 0}
+    with pytest.raises(ValueError, match=r"differ in lr$"):
+        compare(a, {**b, "lr": 2e-4}, new_version=True)
+
+
 def test_main_writes_both_aucs(tmp_path):
     a = _result("aa", _interval(-0.2, -0.3, -0.1), _interval(-0.2, -0.4, -0.05), RUNS_A)
     b = _result("bb", _interval(-0.1, -0.2, -0.02), _interval(-0.1, -0.3, 0.1), RUNS_B)
