@@ -17,6 +17,9 @@ Generation is done eagerly at a rollout's start, so the finish time is known whe
 lets the rollout policy lag the learner (learner_step_s > 0) and what a lazier generation would read.
 
 Everything is seeded: the same seed gives the same trajectories, rewards and learner steps (tests/test_harness.py).
+`simulate_branches` runs several streams that start with the same tasks (drifts from one concept) as one run up to
+the first admission of a task of their own, then one deep copy of it per stream: each branch's Result is the one
+`simulate` gives on that stream alone (tested), the shared part's cost split between them.
 
     .venv/bin/python bench/harness.py --init runs/cache/warmstart-XXXX --scenario default --limit 2000
 """
