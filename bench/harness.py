@@ -281,10 +281,14 @@ class Harness:
 
     def run(self, stream: list[Task | DriftEvent], scenario_rate: float = 0.0, log=print) -> Result:
         """`scenario_rate`: the rate the stream's created_at were drawn at (rescaled to SimConfig.rate)."""
-        self.load(stream, scenario_rate)
-        self._push(0.0, "tick")
+        self.start(stream, scenario_rate)
         self.advance(log)
         return self.result()
+
+    def start(self, stream: list[Task | DriftEvent], scenario_rate: float = 0.0) -> None:
+        """A new run on `stream`: its tasks loaded and the first admission queued at time 0."""
+        self.load(stream, scenario_rate)
+        self._push(0.0, "tick")
 
     def load(self, stream: list[Task | DriftEvent], scenario_rate: float = 0.0) -> None:
         """The stream's tasks still to start (after the `started_tasks` already started) and its drift events."""
@@ -477,8 +481,7 @@ def simulate_branches(sim: SimConfig, init: str, streams: list[list[Task | Drift
     if short:
         raise ValueError(f"simulate_branches: streams {short} have no task of their own after the {shared} shared")
     trunk = Harness(sim, init, learner_sets, agent_sets)
-    trunk.load(streams[0], scenario_rate)
-    trunk._push(0.0, "tick")
+    trunk.start(streams[0], scenario_rate)
     trunk.advance(log, before_task=shared)
     trunk.share_costs(len(streams))
     rng = (torch.get_rng_state(), random.getstate(), np.random.get_state())

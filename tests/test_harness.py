@@ -142,8 +142,7 @@ def test_branches_of_a_shared_start_equal_their_runs_alone(tiny_policy_dir):
     assert shared_tasks([a, b]) == 24 and shared_tasks([a, a[:5]]) == 5
     sim = SimConfig(batch=8, eta=2, max_in_flight=16, seed=3)
     trunk = Harness(sim, str(tiny_policy_dir), [], AGENT)
-    trunk.load(a, 20.0)
-    trunk._push(0.0, "tick")
+    trunk.start(a, 20.0)
     assert trunk.advance(lambda *_: None, before_task=24)  # stopped before the tick that would start task 24
     assert 0 < trunk.started_tasks <= 24 < trunk.started_tasks + trunk._admissible(trunk.events[0].time)
     branched = simulate_branches(sim, str(tiny_policy_dir), [a, b], [], AGENT, 20.0, log=lambda *_: None)
