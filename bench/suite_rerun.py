@@ -5,12 +5,16 @@ reproduce every earlier run file (its steps, post-drift rewards, by-phase table 
 invocation's suite.json must pool to the committed result. Run walls are compared by kind of arm (SAO-like, group,
 frozen) and by seed: a change that speeds up one kind shows against the others, which also carry the machine's own
 speed. Without --ref, the invocation's run walls alone (e.g. a replicate from other weights, whose results are
-meant to differ).
+meant to differ). With --combine, the walls files of several invocations on disjoint seeds (a main run in parts)
+summed into the whole run's: its wall, its run walls by seed and kind of arm, against the 2-hour budget.
 
     .venv/bin/python bench/suite_rerun.py runs/bench/suite-v1.4-full7 --ref runs/bench/suite-v1.4-cr \\
         runs/bench/suite-v1.4-s4 runs/bench/suite-v1.4-s5 runs/bench/suite-v1.4-s6 \\
         --pooled docs/bench/suite_main/v1.4/seeds-0-6.json --out docs/bench/suite_main/v1.4/seeds-0-6-one-run.json
     .venv/bin/python bench/suite_rerun.py runs/bench/replicate-456 --out runs/bench/replicate-456/walls.json
+    .venv/bin/python bench/suite_rerun.py --combine docs/bench/suite_main/v1.5/walls-seed-0.json \\
+        docs/bench/suite_main/v1.5/walls-seed-1.json docs/bench/suite_main/v1.5/walls-seeds-2-6.json \\
+        --against docs/bench/suite_main/v1.4/replicate-85e9cc/walls.json --out docs/bench/suite_main/v1.5/walls.json
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ if __package__ in (None, ""):
 from bench.arms import arms  # noqa: E402
 from bench.common import json_equal  # noqa: E402
 
+BUDGET_S = 7200  # issue 15: the full suite in <= 2 h on a 2-core machine
 RESULT_KEYS = ("steps", "post_drift", "by_phase", "recoveries")  # what a run file says about the run itself
 SUITE_KEYS = ("runs", "per_drift_arm", "pooled")  # what a suite.json says about its runs together
 
@@ -66,15 +71,78 @@ def compare_runs(new_dir: Path, ref_dirs: list[Path]) -> dict[str, Any]:
             "without_ref": [n for n in new if n not in old], **walls}
 
 
+def seeds_label(seeds: list[int]) -> str:
+    """"seed 0", "seeds 2-6" (consecutive) or "seeds 1, 3"."""
+    s = sorted(seeds)
+    if len(s) == 1:
+        return f"seed {s[0]}"
+    return f"seeds {s[0]}-{s[-1]}" if s == list(range(s[0], s[-1] + 1)) else "seeds " + ", ".join(map(str, s))
+
+
+def combine_walls(parts: list[Path], budget_s: float = BUDGET_S, what: str = "") -> dict[str, Any]:
+    """The walls files of invocations on disjoint seeds (each written by this script without --ref) as one run: the
+    invocation walls summed (one after the other), run walls and learner steps summed by kind of arm and by seed."""
+    out: dict[str, Any] = {"what": what, "parts": {}, "invocation_walls_s": {}, "git_commits": {}}
+    totals: dict[str, dict[str, Any]] = {}
+    owner: dict[str, Path] = {}
+    for path in parts:
+        walls = json.loads(path.read_text())
+        seeds = sorted(int(k.split()[1]) for k in walls if k.startswith("seed "))
+        if "wall_s" not in walls or not seeds or walls.get("ref"):
+            raise ValueError(f"{path}: not the walls of one invocation (suite_rerun.py without --ref)")
+        label = seeds_label(seeds)
+        for seed in seeds:
+            if f"seed {seed}" in owner:
+                raise ValueError(f"{path}: seed {seed} is also in {owner[f'seed {seed}']}: parts must be disjoint")
+            owner[f"seed {seed}"] = path
+        out["parts"][label] = path.name
+        out["invocation_walls_s"][label] = walls["wall_s"]
+        out["git_commits"][label] = walls.get("git_commit")
+        for key, w in walls.items():
+            if isinstance(w, dict) and "run_wall_s" in w:
+                t = totals.setdefault(key, {"runs": 0, "run_wall_s": 0.0, "learner_steps": 0})
+                for k in t:
+                    t[k] += w[k]
+    wall = round(sum(out["invocation_walls_s"].values()), 1)
+    kinds = {k: {**t, "run_wall_s": round(t["run_wall_s"], 1)} for k, t in sorted(totals.items())
+             if not k.startswith("seed ")}
+    by_seed = {k: round(totals[k]["run_wall_s"], 1) for k in sorted(owner, key=lambda k: int(k.split()[1]))}
+    out.update(wall_s=wall, run_walls_s=by_seed, run_wall_s=round(sum(by_seed.values()), 1),
+               by_kind=kinds, budget_s=budget_s, over_budget_s=round(wall - budget_s, 1))
+    return out
+
+
+def against(combined: dict[str, Any], other: Path) -> dict[str, Any]:
+    """Wall and run-wall ratios to another whole run's walls (e.g. the previous version on the same machine kind)."""
+    ref = json.loads(other.read_text())
+    ref_run_wall = ref.get("run_wall_s", ref.get("run_wall_s_seeds_0_6"))
+    return {"against": {"file": str(other), "wall_s": ref["wall_s"], "run_wall_s": ref_run_wall},
+            "ratio_wall": round(combined["wall_s"] / ref["wall_s"], 3),
+            "ratio_run_wall": round(combined["run_wall_s"] / ref_run_wall, 3) if ref_run_wall else None}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("new", type=Path, help="the invocation's --out (runs/ and suite.json, or a pilot's pilot.json)")
+    p.add_argument("new", type=Path, nargs="?",
+                   help="the invocation's --out (runs/ and suite.json, or a pilot's pilot.json)")
     p.add_argument("--ref", type=Path, nargs="*", default=[], help="--out folders of the earlier runs (none: the "
                    "invocation's run walls alone, by kind of arm and seed)")
     p.add_argument("--pooled", type=Path, help="the committed suite.json the invocation's must equal in "
                    + ", ".join(SUITE_KEYS))
+    p.add_argument("--combine", type=Path, nargs="+", metavar="WALLS_JSON",
+                   help="instead of an invocation: walls files of invocations on disjoint seeds, summed as one run")
+    p.add_argument("--against", type=Path, help="with --combine: another whole run's walls.json to take ratios to")
+    p.add_argument("--budget-s", type=float, default=BUDGET_S)
+    p.add_argument("--what", default="", help="with --combine: what the run was (machine, weights, invocations)")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
+    if (a.new is None) == (a.combine is None):
+        p.error("give an invocation's --out folder or --combine WALLS_JSON..., not both")
+    if a.combine:
+        result = combine_walls(a.combine, a.budget_s, a.what)
+        if a.against:
+            result.update(against(result, a.against))
+        return _write(a.out, result, 0)
     if a.ref:
         result = compare_runs(a.new, a.ref)
     else:
@@ -89,10 +157,14 @@ def main(argv: list[str] | None = None) -> int:
         ref = json.loads(a.pooled.read_text())
         result["pooled"] = str(a.pooled)
         result["pooled_equal"] = {k: json_equal(suite[k], ref[k]) for k in SUITE_KEYS}
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=1))
+    return _write(a.out, result, 0 if not result.get("unequal") and all(result.get("pooled_equal", {}).values()) else 1)
+
+
+def _write(path: Path, result: dict[str, Any], status: int) -> int:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
-    return 0 if not result.get("unequal") and all(result.get("pooled_equal", {}).values()) else 1
+    return status
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench.suite_rerun import compare_runs, main
+from bench.suite_rerun import compare_runs, main, seeds_label
 
 
 def write_run(folder, name, arm, wall, reward, steps=0):
@@ -68,3 +68,47 @@ def test_without_ref_the_walls_alone_by_kind_and_seed(tmp_path):
     (new / "pilot.json").unlink()
     with pytest.raises(SystemExit, match="no suite.json or pilot.json"):
         main([str(new), "--out", str(tmp_path / "w.json")])
+
+
+def write_walls(path, wall, seeds, kinds, commit="abc"):
+    """A walls file as suite_rerun.py writes it without --ref: `seeds` {seed: (runs, wall, steps)}, `kinds` the same."""
+    walls = {"runs": sum(r for r, _, _ in seeds.values()), "wall_s": wall, "git_commit": commit, "ref": []}
+    for key, (runs, w, steps) in [*((f"seed {s}", v) for s, v in seeds.items()), *kinds.items()]:
+        walls[key] = {"runs": runs, "run_wall_s": w, "learner_steps": steps}
+    path.write_text(json.dumps(walls))
+    return path
+
+
+def test_walls_of_parts_on_disjoint_seeds_sum_to_the_whole_run(tmp_path):
+    a = write_walls(tmp_path / "walls-seed-0.json", 1000.5, {0: (3, 1900.0, 50)},
+                    {"sao_like": (2, 1500.0, 50), "frozen": (1, 400.0, 0)}, commit="c0")
+    b = write_walls(tmp_path / "walls-seeds-1-2.json", 6500.0, {1: (3, 2000.25, 40), 2: (3, 2100.0, 45)},
+                    {"sao_like": (4, 3300.0, 60), "group": (2, 800.25, 25)}, commit="c1")
+    prev = tmp_path / "prev.json"
+    prev.write_text(json.dumps({"wall_s": 10000.0, "run_wall_s": 12000.0}))
+    out = tmp_path / "walls.json"
+    assert main(["--combine", str(a), str(b), "--against", str(prev), "--what", "two parts", "--out", str(out)]) == 0
+    got = json.loads(out.read_text())
+    assert got["parts"] == {"seed 0": "walls-seed-0.json", "seeds 1-2": "walls-seeds-1-2.json"}
+    assert got["invocation_walls_s"] == {"seed 0": 1000.5, "seeds 1-2": 6500.0}
+    assert got["git_commits"] == {"seed 0": "c0", "seeds 1-2": "c1"}
+    assert got["wall_s"] == 7500.5 and got["budget_s"] == 7200 and got["over_budget_s"] == 300.5
+    assert got["run_walls_s"] == {"seed 0": 1900.0, "seed 1": 2000.2, "seed 2": 2100.0}  # 2000.25 rounded to even
+    assert got["run_wall_s"] == 6000.2  # 1900 + 2000.25 + 2100 = 6000.25
+    assert got["by_kind"] == {"frozen": {"runs": 1, "run_wall_s": 400.0, "learner_steps": 0},
+                              "group": {"runs": 2, "run_wall_s": 800.2, "learner_steps": 25},
+                              "sao_like": {"runs": 6, "run_wall_s": 4800.0, "learner_steps": 110}}
+    assert got["ratio_wall"] == 0.75 and got["ratio_run_wall"] == 0.5 and got["what"] == "two parts"
+
+
+def test_combining_parts_that_share_a_seed_is_refused(tmp_path):
+    a = write_walls(tmp_path / "a.json", 10.0, {0: (1, 5.0, 1)}, {"sao_like": (1, 5.0, 1)})
+    b = write_walls(tmp_path / "b.json", 10.0, {0: (1, 5.0, 1), 1: (1, 5.0, 1)}, {"sao_like": (2, 10.0, 2)})
+    with pytest.raises(ValueError, match="b.json: seed 0 is also in .*a.json"):
+        main(["--combine", str(a), str(b), "--out", str(tmp_path / "w.json")])
+    with pytest.raises(SystemExit):  # neither an invocation nor --combine
+        main(["--out", str(tmp_path / "w.json")])
+
+
+def test_seed_labels():
+    assert [seeds_label(s) for s in ([0], [2, 3, 4, 5, 6], [3, 1])] == ["seed 0", "seeds 2-6", "seeds 1, 3"]
