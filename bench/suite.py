@@ -100,11 +100,20 @@ def resolve(value: Any, name: str, used: list[str]) -> Any:
 
 
 def read_suite(path: str | Path) -> dict[str, Any]:
-    """A suite file's contents; with `extends: FILE` (beside it), that file's with this one's keys laid over it."""
+    """A suite file's contents; with `extends: FILE` (beside it), that file's with this one's keys laid over it
+    (`lay_over`: a section this file sets in part keeps the rest of that file's)."""
     raw = yaml.safe_load(Path(path).read_text())
     if "extends" in raw:
-        return {**read_suite(Path(path).parent / raw.pop("extends")), **raw}
+        return lay_over(read_suite(Path(path).parent / raw.pop("extends")), raw)
     return raw
+
+
+def lay_over(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over`'s keys over `base`'s, mappings merged key by key at every depth; a list or a value replaces."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = lay_over(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+    return out
 
 
 def load_plan(path: str | Path, quick: bool = False) -> Plan:

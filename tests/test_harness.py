@@ -35,6 +35,7 @@ from bench.suite import (
     drift_scenario,
     drift_stream,
     finished_run,
+    lay_over,
     load_plan,
     lr_of,
     main_seeds,
@@ -535,6 +536,17 @@ def test_suite_1_5_is_1_4_with_its_three_changes():
     assert run_settings(new, sao, drift, 0)["learner_sets"][-2:] == ["value.layers=2", "batch.micro_batch=64"]
     assert run_settings(new, sao, drift, 0)["shared_pre_drift"] and "shared_pre_drift" not in run_settings(old, sao,
                                                                                                        drift, 0)
+
+
+def test_an_extending_suite_sets_part_of_a_section_and_keeps_the_rest(tmp_path):
+    assert lay_over({"a": {"x": 1, "y": {"p": 1, "q": 2}}, "l": [1, 2], "v": 1},
+                    {"a": {"y": {"q": 3}}, "l": [3], "w": 2}) == \
+        {"a": {"x": 1, "y": {"p": 1, "q": 3}}, "l": [3], "v": 1, "w": 2}
+    (tmp_path / "base.yaml").write_text(SUITE.read_text())
+    (tmp_path / "eta16.yaml").write_text("extends: base.yaml\nversion: x\nharness: {eta: 16}\n")
+    base, child = load_plan(tmp_path / "base.yaml"), load_plan(tmp_path / "eta16.yaml")
+    assert child.harness == {**base.harness, "eta": 16} and base.harness["eta"] == 4
+    assert child.harness["latency"] == base.harness["latency"] and child.version == "x"
 
 
 def test_drifts_from_one_concept_share_their_pre_drift_runs(tiny_policy_dir, tmp_path):
