@@ -43,15 +43,20 @@ def kind(arm: str) -> str:
 
 def run_walls(runs: list[dict]) -> dict[str, dict[str, Any]]:
     """Run files' walls and learner steps summed by kind of arm and by seed (with --jobs 2 two runs share the two
-    cores: a sum of run walls, not the invocation's wall)."""
+    cores: a sum of run walls, not the invocation's wall), and where the walls went: the harness's sections
+    (generate, train, load) summed, each run's shared pre-drift part already split between its branches."""
     walls: dict[str, dict[str, Any]] = {}
     for run in runs:
         for key in (kind(run["arm"]), f"seed {run['seed']}"):
-            w = walls.setdefault(key, {"runs": 0, "run_wall_s": 0.0, "learner_steps": 0})
+            w = walls.setdefault(key, {"runs": 0, "run_wall_s": 0.0, "learner_steps": 0, "section_wall_s": {}})
             w["runs"] += 1
             w["run_wall_s"] += run["summary"]["wall_s"]
             w["learner_steps"] += run["summary"].get("learner_steps", 0)
-    return {k: {**w, "run_wall_s": round(w["run_wall_s"], 1)} for k, w in sorted(walls.items())}
+            for name, sec in run["summary"].get("sections", {}).items():
+                w["section_wall_s"][name] = w["section_wall_s"].get(name, 0.0) + sec["wall_s"]
+    return {k: {**w, "run_wall_s": round(w["run_wall_s"], 1),
+                "section_wall_s": {n: round(v, 1) for n, v in sorted(w["section_wall_s"].items())}}
+            for k, w in sorted(walls.items())}
 
 
 def read_runs(folder: Path) -> dict[str, dict]:
@@ -100,12 +105,15 @@ def combine_walls(parts: list[Path], budget_s: float = BUDGET_S, what: str = "")
         out["git_commits"][label] = walls.get("git_commit")
         for key, w in walls.items():
             if isinstance(w, dict) and "run_wall_s" in w:
-                t = totals.setdefault(key, {"runs": 0, "run_wall_s": 0.0, "learner_steps": 0})
-                for k in t:
+                t = totals.setdefault(key, {"runs": 0, "run_wall_s": 0.0, "learner_steps": 0, "section_wall_s": {}})
+                for k in ("runs", "run_wall_s", "learner_steps"):
                     t[k] += w[k]
+                for name, v in w.get("section_wall_s", {}).items():
+                    t["section_wall_s"][name] = t["section_wall_s"].get(name, 0.0) + v
     wall = round(sum(out["invocation_walls_s"].values()), 1)
-    kinds = {k: {**t, "run_wall_s": round(t["run_wall_s"], 1)} for k, t in sorted(totals.items())
-             if not k.startswith("seed ")}
+    kinds = {k: {**t, "run_wall_s": round(t["run_wall_s"], 1),
+                 "section_wall_s": {n: round(v, 1) for n, v in sorted(t["section_wall_s"].items())}}
+             for k, t in sorted(totals.items()) if not k.startswith("seed ")}
     by_seed = {k: round(totals[k]["run_wall_s"], 1) for k in sorted(owner, key=lambda k: int(k.split()[1]))}
     out.update(wall_s=wall, run_walls_s=by_seed, run_wall_s=round(sum(by_seed.values()), 1),
                by_kind=kinds, budget_s=budget_s, over_budget_s=round(wall - budget_s, 1))

@@ -9,8 +9,9 @@ import pytest
 from bench.suite_rerun import compare_runs, main, seeds_label
 
 
-def write_run(folder, name, arm, wall, reward, steps=0):
-    run = {"arm": arm, "seed": int(name[-6]), "summary": {"wall_s": wall, "learner_steps": steps},
+def write_run(folder, name, arm, wall, reward, steps=0, sections=None):
+    sections = {k: {"wall_s": v, "cpu_s": v} for k, v in (sections or {}).items()}
+    run = {"arm": arm, "seed": int(name[-6]), "summary": {"wall_s": wall, "learner_steps": steps, "sections": sections},
            "steps": [{"step": 1}], "by_phase": [],
            "recoveries": [], "post_drift": {"reward": [reward]}}
     (folder / "runs").mkdir(parents=True, exist_ok=True)
@@ -52,19 +53,23 @@ def test_exit_status_says_whether_everything_reproduced(tmp_path):
 
 def test_without_ref_the_walls_alone_by_kind_and_seed(tmp_path):
     new = tmp_path / "new"
-    write_run(new, "a-sao-s0.json", "sao", 9.0, 0.5, steps=10)
-    write_run(new, "b-sao-s1.json", "sao", 11.5, 0.5, steps=12)
-    write_run(new, "a-grpo-s1.json", "grpo", 4.0, 0.5, steps=3)
-    write_run(new, "a-frozen-s0.json", "frozen", 1.0, 0.0)
+    write_run(new, "a-sao-s0.json", "sao", 9.0, 0.5, steps=10, sections={"generate": 3.0, "train": 5.5})
+    write_run(new, "b-sao-s1.json", "sao", 11.5, 0.5, steps=12, sections={"generate": 4.25, "train": 7.0})
+    write_run(new, "a-grpo-s1.json", "grpo", 4.0, 0.5, steps=3, sections={"generate": 1.0, "train": 2.5})
+    write_run(new, "a-frozen-s0.json", "frozen", 1.0, 0.0, sections={"generate": 0.75})
     (new / "pilot.json").write_text(json.dumps({"wall_s": 13.0, "git_commit": "abc"}))  # a pilot's folder
     assert main([str(new), "--out", str(tmp_path / "w.json")]) == 0
     got = json.loads((tmp_path / "w.json").read_text())
     assert got["runs"] == 4 and got["wall_s"] == 13.0 and got["ref"] == []
-    assert got["sao_like"] == {"runs": 2, "run_wall_s": 20.5, "learner_steps": 22}
-    assert got["group"] == {"runs": 1, "run_wall_s": 4.0, "learner_steps": 3}
-    assert got["frozen"] == {"runs": 1, "run_wall_s": 1.0, "learner_steps": 0}
-    assert got["seed 0"] == {"runs": 2, "run_wall_s": 10.0, "learner_steps": 10}
-    assert got["seed 1"] == {"runs": 2, "run_wall_s": 15.5, "learner_steps": 15}
+    assert got["sao_like"] == {"runs": 2, "run_wall_s": 20.5, "learner_steps": 22,
+                               "section_wall_s": {"generate": 7.2, "train": 12.5}}  # 7.25 rounded to even
+    assert got["group"] == {"runs": 1, "run_wall_s": 4.0, "learner_steps": 3,
+                            "section_wall_s": {"generate": 1.0, "train": 2.5}}
+    assert got["frozen"] == {"runs": 1, "run_wall_s": 1.0, "learner_steps": 0, "section_wall_s": {"generate": 0.8}}
+    assert got["seed 0"] == {"runs": 2, "run_wall_s": 10.0, "learner_steps": 10,
+                             "section_wall_s": {"generate": 3.8, "train": 5.5}}  # 3.75
+    assert got["seed 1"] == {"runs": 2, "run_wall_s": 15.5, "learner_steps": 15,
+                             "section_wall_s": {"generate": 5.2, "train": 9.5}}  # 5.25 to even
     (new / "pilot.json").unlink()
     with pytest.raises(SystemExit, match="no suite.json or pilot.json"):
         main([str(new), "--out", str(tmp_path / "w.json")])
@@ -74,7 +79,8 @@ def write_walls(path, wall, seeds, kinds, commit="abc"):
     """A walls file as suite_rerun.py writes it without --ref: `seeds` {seed: (runs, wall, steps)}, `kinds` the same."""
     walls = {"runs": sum(r for r, _, _ in seeds.values()), "wall_s": wall, "git_commit": commit, "ref": []}
     for key, (runs, w, steps) in [*((f"seed {s}", v) for s, v in seeds.items()), *kinds.items()]:
-        walls[key] = {"runs": runs, "run_wall_s": w, "learner_steps": steps}
+        walls[key] = {"runs": runs, "run_wall_s": w, "learner_steps": steps,
+                      "section_wall_s": {"generate": w / 4, "train": w / 2}}
     path.write_text(json.dumps(walls))
     return path
 
@@ -95,9 +101,13 @@ def test_walls_of_parts_on_disjoint_seeds_sum_to_the_whole_run(tmp_path):
     assert got["wall_s"] == 7500.5 and got["budget_s"] == 7200 and got["over_budget_s"] == 300.5
     assert got["run_walls_s"] == {"seed 0": 1900.0, "seed 1": 2000.2, "seed 2": 2100.0}  # 2000.25 rounded to even
     assert got["run_wall_s"] == 6000.2  # 1900 + 2000.25 + 2100 = 6000.25
-    assert got["by_kind"] == {"frozen": {"runs": 1, "run_wall_s": 400.0, "learner_steps": 0},
-                              "group": {"runs": 2, "run_wall_s": 800.2, "learner_steps": 25},
-                              "sao_like": {"runs": 6, "run_wall_s": 4800.0, "learner_steps": 110}}
+    assert got["by_kind"] == {
+        "frozen": {"runs": 1, "run_wall_s": 400.0, "learner_steps": 0,
+                   "section_wall_s": {"generate": 100.0, "train": 200.0}},
+        "group": {"runs": 2, "run_wall_s": 800.2, "learner_steps": 25,
+                  "section_wall_s": {"generate": 200.1, "train": 400.1}},  # 200.0625 and 400.125
+        "sao_like": {"runs": 6, "run_wall_s": 4800.0, "learner_steps": 110,
+                     "section_wall_s": {"generate": 1200.0, "train": 2400.0}}}  # 375 + 825, 750 + 1650
     assert got["ratio_wall"] == 0.75 and got["ratio_run_wall"] == 0.5 and got["what"] == "two parts"
 
 
