@@ -47,16 +47,28 @@ def run_walls(runs: list[dict]) -> dict[str, dict[str, Any]]:
     (generate, train, load) summed, each run's shared pre-drift part already split between its branches."""
     walls: dict[str, dict[str, Any]] = {}
     for run in runs:
+        sections = {name: sec["wall_s"] for name, sec in run["summary"].get("sections", {}).items()}
         for key in (kind(run["arm"]), f"seed {run['seed']}"):
-            w = walls.setdefault(key, {"runs": 0, "run_wall_s": 0.0, "learner_steps": 0, "section_wall_s": {}})
-            w["runs"] += 1
-            w["run_wall_s"] += run["summary"]["wall_s"]
-            w["learner_steps"] += run["summary"].get("learner_steps", 0)
-            for name, sec in run["summary"].get("sections", {}).items():
-                w["section_wall_s"][name] = w["section_wall_s"].get(name, 0.0) + sec["wall_s"]
-    return {k: {**w, "run_wall_s": round(w["run_wall_s"], 1),
-                "section_wall_s": {n: round(v, 1) for n, v in sorted(w["section_wall_s"].items())}}
-            for k, w in sorted(walls.items())}
+            _add_walls(walls.setdefault(key, _no_walls()), {"runs": 1, "run_wall_s": run["summary"]["wall_s"],
+                                                            "learner_steps": run["summary"].get("learner_steps", 0),
+                                                            "section_wall_s": sections})
+    return {k: _rounded(w) for k, w in sorted(walls.items())}
+
+
+def _no_walls() -> dict[str, Any]:
+    return {"runs": 0, "run_wall_s": 0.0, "learner_steps": 0, "section_wall_s": {}}
+
+
+def _add_walls(total: dict[str, Any], w: dict[str, Any]) -> None:
+    for k in ("runs", "run_wall_s", "learner_steps"):
+        total[k] += w[k]
+    for name, v in w.get("section_wall_s", {}).items():
+        total["section_wall_s"][name] = total["section_wall_s"].get(name, 0.0) + v
+
+
+def _rounded(w: dict[str, Any]) -> dict[str, Any]:
+    return {**w, "run_wall_s": round(w["run_wall_s"], 1),
+            "section_wall_s": {n: round(v, 1) for n, v in sorted(w["section_wall_s"].items())}}
 
 
 def read_runs(folder: Path) -> dict[str, dict]:
@@ -86,7 +98,8 @@ def seeds_label(seeds: list[int]) -> str:
 
 def combine_walls(parts: list[Path], budget_s: float = BUDGET_S, what: str = "") -> dict[str, Any]:
     """The walls files of invocations on disjoint seeds (each written by this script without --ref) as one run: the
-    invocation walls summed (one after the other), run walls and learner steps summed by kind of arm and by seed."""
+    invocation walls summed (one after the other), run walls, learner steps and sections summed by kind of arm, run
+    walls by seed."""
     out: dict[str, Any] = {"what": what, "parts": {}, "invocation_walls_s": {}, "git_commits": {}}
     totals: dict[str, dict[str, Any]] = {}
     owner: dict[str, Path] = {}
@@ -105,15 +118,9 @@ def combine_walls(parts: list[Path], budget_s: float = BUDGET_S, what: str = "")
         out["git_commits"][label] = walls.get("git_commit")
         for key, w in walls.items():
             if isinstance(w, dict) and "run_wall_s" in w:
-                t = totals.setdefault(key, {"runs": 0, "run_wall_s": 0.0, "learner_steps": 0, "section_wall_s": {}})
-                for k in ("runs", "run_wall_s", "learner_steps"):
-                    t[k] += w[k]
-                for name, v in w.get("section_wall_s", {}).items():
-                    t["section_wall_s"][name] = t["section_wall_s"].get(name, 0.0) + v
+                _add_walls(totals.setdefault(key, _no_walls()), w)
     wall = round(sum(out["invocation_walls_s"].values()), 1)
-    kinds = {k: {**t, "run_wall_s": round(t["run_wall_s"], 1),
-                 "section_wall_s": {n: round(v, 1) for n, v in sorted(t["section_wall_s"].items())}}
-             for k, t in sorted(totals.items()) if not k.startswith("seed ")}
+    kinds = {k: _rounded(t) for k, t in sorted(totals.items()) if not k.startswith("seed ")}
     by_seed = {k: round(totals[k]["run_wall_s"], 1) for k in sorted(owner, key=lambda k: int(k.split()[1]))}
     out.update(wall_s=wall, run_walls_s=by_seed, run_wall_s=round(sum(by_seed.values()), 1),
                by_kind=kinds, budget_s=budget_s, over_budget_s=round(wall - budget_s, 1))
@@ -146,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if (a.new is None) == (a.combine is None):
         p.error("give an invocation's --out folder or --combine WALLS_JSON..., not both")
+    if a.against and not a.combine:
+        p.error("--against goes with --combine")
     if a.combine:
         result = combine_walls(a.combine, a.budget_s, a.what)
         if a.against:
