@@ -147,12 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--combine", type=Path, nargs="+", metavar="WALLS_JSON",
                    help="instead of an invocation: walls files of invocations on disjoint seeds, summed as one run")
     p.add_argument("--against", type=Path, help="with --combine: another whole run's walls.json to take ratios to")
-    p.add_argument("--budget-s", type=float, default=BUDGET_S)
+    p.add_argument("--budget-s", type=float, default=BUDGET_S, help="with --combine: the wall budget (default 2 h)")
     p.add_argument("--what", default="", help="with --combine: what the run was (machine, weights, invocations)")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
     if (a.new is None) == (a.combine is None):
-        p.error("give an invocation's --out folder or --combine WALLS_JSON..., not both")
+        p.error("give exactly one of: an invocation's --out folder, --combine WALLS_JSON...")
     if a.against and not a.combine:
         p.error("--against goes with --combine")
     if a.combine:
