@@ -234,3 +234,12 @@ def test_kl_penalty_k3_is_clamped_like_verl():
     assert kl_penalty(lp, ref, torch.ones_like(lp), "k1")[0].tolist() == [-30.0, 30.0, -2.5]  # k1: no clamp
     with pytest.raises(ValueError, match="k2"):
         kl_penalty(lp, ref, torch.ones_like(lp), "k2")
+
+
+def test_ess_frac_is_computed_in_float64_and_never_above_one():
+    from learner.algorithms.losses import _ess_frac
+
+    # r = [1, 3]: (1 + 3)^2 / (2 (1 + 9)) = 16 / 20
+    assert _ess_frac(torch.tensor([1.0, 3.0])) == pytest.approx(0.8, rel=1e-12)
+    # equal ratios: exactly 1 (float32 sums of 100,003 such ratios had rounded it above 1)
+    assert _ess_frac(torch.full((100_003,), 1.0 + 2.0 ** -20)) <= 1.0

@@ -50,9 +50,16 @@ def _stats(loss: torch.Tensor, logp: torch.Tensor, old_logp: torch.Tensor, mask:
             "ratio_max": float(r[m].max()) if m.any() else 1.0,
             "kl_k1": float(masked_mean(-lr, mask)),
             "kl_k3": float(masked_mean(r - 1.0 - lr, mask)),
-            "ess_frac": float(r[m].sum() ** 2 / (m.sum() * (r[m] ** 2).sum())) if m.any() else 1.0,
+            "ess_frac": _ess_frac(r[m]) if m.any() else 1.0,
             "n_tokens": float(m.sum()),
         }
+
+
+def _ess_frac(r: torch.Tensor) -> float:
+    """(sum r)^2 / (n sum r^2), in float64 and at most 1: in float32 a batch of ratios near 1 rounded it to
+    1.00000003, above the bound Cauchy-Schwarz sets."""
+    r = r.double()
+    return min(float(r.sum() ** 2 / (r.numel() * (r ** 2).sum())), 1.0)
 
 
 def _clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, eps_low: float, eps_high: float):
