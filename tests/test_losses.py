@@ -241,8 +241,6 @@ def test_ess_frac_is_computed_in_float64_and_never_above_one():
 
     # r = [1, 3]: (1 + 3)^2 / (2 (1 + 9)) = 16 / 20
     assert _ess_frac(torch.tensor([1.0, 3.0])) == pytest.approx(0.8, rel=1e-12)
-    # ratios within 1e-5 of 1: the float32 formula gives 1.00000012 on these (seed 0), above the bound
+    # ratios within 1e-5 of 1: the float32 formula gave 1.00000012 on these (seed 0, AVX2 EPYC), above the bound
     torch.manual_seed(0)
-    r = 1.0 + 1e-5 * torch.randn(3000)
-    assert float(r.sum() ** 2 / (r.numel() * (r ** 2).sum())) > 1.0
-    assert 0.999 < _ess_frac(r) <= 1.0
+    assert 0.999 < _ess_frac(1.0 + 1e-5 * torch.randn(3000)) <= 1.0
