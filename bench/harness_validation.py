@@ -136,7 +136,9 @@ def validate(run_dir: Path, scenario: str | None = None) -> dict[str, Any]:
     sim = calibrate(run_dir, cfg, real, scn)
     stream = scenario_stream(scn, cfg["launch"]["seed"])
     agent_sets = [f"{k}={cfg['agent'][k]}" for k in AGENT_KEYS]
-    res = simulate(sim, cfg["learner"]["io"]["init"], stream, [], agent_sets, scn.rate)
+    loss = cfg["learner"]["loss"]
+    learner_sets = [f"loss.{k}={loss[k]}" for k in ("kl_type", "kl_coef") if k in loss]  # the run's anchor
+    res = simulate(sim, cfg["learner"]["io"]["init"], stream, learner_sets, agent_sets, scn.rate)
     sim_t = res.trajectories
     cells = pd.DataFrame({"real": reward_cells(real), "harness": reward_cells(sim_t)})
     cells["abs_diff"] = (cells["real"] - cells["harness"]).abs()

@@ -24,7 +24,7 @@ from streamer.wire.config import ConfigError
 # of the registry it selects from (tests/test_config.py checks it)
 LossName = Literal["sao", "ppo", "dual_clip", "dapo", "gspo", "cispo", "decoupled_ppo"]  # algorithms.POLICY_LOSSES
 Estimator = Literal["gae", "grpo", "dr_grpo", "rloo"]  # gae, then algorithms.GROUP_ESTIMATORS
-KLType = Literal["k1", "k3"]  # algorithms.KL_TYPES
+KLType = Literal["k1", "k3", "forward"]  # algorithms.KL_TYPES
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]  # algorithms.AGGS
 BackendName = Literal["torch", "megatron"]
 BackendDtype = Literal["float32", "bfloat16"]
@@ -40,7 +40,8 @@ class LossConfig:
     behav_cap: float = 5.0  # decoupled_ppo only: tokens with pi_prox/mu above it are dropped
     agg: Aggregation | None = None  # None: the loss's default
     # KL penalty to the frozen initial policy (io.init), verl's use_kl_loss: loss += kl_coef · agg(kl_type per
-    # token). 0: off (no reference model is built). k1 = log pi - log ref; k3 = verl's low_var_kl
+    # token). 0: off (no reference model is built). k1 = log pi - log ref; k3 = verl's low_var_kl; forward = the
+    # exact KL(ref || pi) over the vocabulary (learner.algorithms.kl)
     # 0.1 by default: RL on a stationary stream sharpens the policy onto the concepts it is rewarded for, until a
     # drifted concept can no longer be sampled (no signal) and negative advantages push mass into garbage (the
     # lr-2e-4 collapse); the anchor keeps the warm start's alternatives alive (bench/online.py, docs/bench/)

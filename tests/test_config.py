@@ -24,6 +24,15 @@ def test_yaml_then_overrides(tmp_path):
     assert cfg == Outer(Inner(lr=0.5, name="y"), n=7)
 
 
+def test_base_goes_under_the_file_and_overrides_and_is_not_written_into(tmp_path):
+    base = {"inner": {"name": "b"}}
+    p = tmp_path / "c.yaml"
+    p.write_text("inner:\n  lr: 0.5\n")
+    assert load_config(Outer, p, ["inner.name=y"], base=base) == Outer(Inner(lr=0.5, name="y"))
+    assert load_config(Outer, p, base=base) == Outer(Inner(lr=0.5, name="b"))
+    assert base == {"inner": {"name": "b"}}
+
+
 def test_unknown_field_is_named(tmp_path):
     p = tmp_path / "c.yaml"
     p.write_text("inner:\n  lx: 0.5\n")

@@ -236,6 +236,30 @@ def test_kl_penalty_k3_is_clamped_like_verl():
         kl_penalty(lp, ref, torch.ones_like(lp), "k2")
 
 
+def test_forward_kl_hand_numbers_gradient_and_padding():
+    from learner.algorithms import forward_kl, kl_penalty
+
+    # V = 2. Position 0: ref (1/2, 1/2), pi (1/4, 3/4): KL(ref || pi) = 1/2 ln 2 + 1/2 ln(2/3) = 1/2 ln(4/3).
+    # Position 1: pi = ref, 0. Position 2: ref (1, 0) with log 0 = -inf, pi (1/2, 1/2): 1 ln 2 (0 log 0 = 0).
+    # Position 3: padding (its reference row is zeros, as the trainer pads): 0.
+    z = torch.tensor([[[0.0, math.log(3.0)], [1.0, -1.0], [0.0, 0.0], [5.0, -5.0]]], dtype=torch.float64,
+                     requires_grad=True)
+    logp = torch.log_softmax(z, -1)
+    ref = torch.log(torch.tensor([[[0.5, 0.5], [math.e / (math.e + 1 / math.e), 1 / math.e / (math.e + 1 / math.e)],
+                                   [1.0, 0.0], [1.0, 1.0]]], dtype=torch.float64))
+    ref[0, 3] = 0.0
+    mask = torch.tensor([[1, 1, 1, 0]])
+    kl = forward_kl(logp, ref, mask)
+    assert kl[0].tolist() == pytest.approx([0.5 * math.log(4 / 3), 0.0, math.log(2.0), 0.0], abs=1e-12)
+    # d KL(ref || softmax(z)) / d z = pi - ref at each scored position; nothing at padding, no NaN from log 0
+    kl.sum().backward()
+    assert z.grad[0].flatten().tolist() == pytest.approx([-0.25, 0.25, 0.0, 0.0, -0.5, 0.5, 0.0, 0.0], abs=1e-12)
+    with pytest.raises(ValueError, match="forward_kl"):
+        kl_penalty(logp[..., 0], ref[..., 0], mask, "forward")
+    with pytest.raises(ValueError, match=r"\[B, T, V\]"):
+        forward_kl(logp[..., 0], ref[..., 0], mask)
+
+
 def test_ess_frac_is_computed_in_float64_and_never_above_one():
     from learner.algorithms.losses import _ess_frac
 

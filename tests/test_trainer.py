@@ -144,12 +144,13 @@ def test_micro_batches_close_at_size_and_at_doubled_length(policy0):
     assert [len(x.tokens) for x in by_length(t[::-1])] == lengths
 
 
-def test_length_sorted_micro_batches_give_the_whole_batch_update(tmp_path, policy0):
+@pytest.mark.parametrize("kl", ["k3", "forward"])
+def test_length_sorted_micro_batches_give_the_whole_batch_update(tmp_path, policy0, kl):
     t = synthetic_trajectories(policy0, 8)
     assert len({len(x.tokens) for x in t}) > 2
     after = []
     for micro, order in ((1000, t), (2, by_length(t))):
-        cfg = make_cfg(tmp_path, f"batch.micro_batch={micro}", "loss.kl_coef=0.1")
+        cfg = make_cfg(tmp_path, f"batch.micro_batch={micro}", "loss.kl_coef=0.1", f"loss.kl_type={kl}")
         models = build_models(cfg)
         batch = collate(order)
         metrics, applied = update(cfg, models, batch, prepare(cfg, models, batch), train_policy=True)
@@ -519,7 +520,7 @@ def test_kl_penalty_to_the_initial_policy(tmp_path, policy0):
 
 
 @pytest.mark.parametrize("loss", ["sao", "ppo", "dual_clip", "dapo", "gspo", "cispo", "decoupled_ppo"])
-@pytest.mark.parametrize("kind", ["k1", "k3"])
+@pytest.mark.parametrize("kind", ["k1", "k3", "forward"])
 def test_every_loss_takes_the_kl_penalty(tmp_path, policy0, loss, kind):
     cfg = make_cfg(tmp_path, f"loss.name={loss}", f"loss.kl_type={kind}", "loss.kl_coef=0.1", "value.warmup_steps=0",
                    "optim.updates_per_batch=2", "batch.max_trajectories=6", "batch.tokens=100000")
@@ -529,3 +530,19 @@ def test_every_loss_takes_the_kl_penalty(tmp_path, policy0, loss, kind):
     assert len(events) == 1 and not events[0].skipped
     assert math.isfinite(m["learner/policy_loss"]) and math.isfinite(m["learner/kl_ref"])
     assert m["learner/kl_ref"] != 0.0  # the second update moved the policy away from the reference
+
+
+def test_next_token_logprobs_hold_the_sampled_tokens_log_probs(policy0):
+    from learner.models.scoring import next_token_logprobs, token_logprobs
+
+    trajs = synthetic_trajectories(policy0, 3)
+    batch = collate(trajs)
+    ids, attn = batch.input_ids, batch.attention_mask
+    full = next_token_logprobs(policy0, ids, attn, 0.7)
+    picked = token_logprobs(policy0, ids, attn, 0.7)
+    scored = picked != 0
+    assert full.shape == (*ids.shape, policy0.config.vocab_size) and int(scored.sum()) > 0
+    # the sampled token's entry is token_logprobs', each scored row a distribution, zeros where nothing is scored
+    assert torch.allclose(full.gather(-1, ids.unsqueeze(-1)).squeeze(-1), picked, atol=1e-6)
+    assert torch.allclose(full.exp().sum(-1)[scored], torch.ones(int(scored.sum())), atol=1e-5)
+    assert bool((full[~scored] == 0).all())

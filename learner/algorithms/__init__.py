@@ -13,14 +13,14 @@ from learner.algorithms.advantages import (
     sao_advantages,
     sao_returns,
 )
-from learner.algorithms.kl import KL_TYPES, kl_penalty
+from learner.algorithms.kl import FULL_KL_TYPES, KL_TYPES, forward_kl, kl_penalty
 from learner.algorithms.losses import POLICY_LOSSES, loss_params, policy_loss
 from learner.algorithms.masked import AGGS, aggregate, masked_mean, masked_whiten
 from learner.algorithms.value import explained_variance, value_loss
 
 __all__ = [
-    "AGGS", "GROUP_ESTIMATORS", "KL_TYPES", "POLICY_LOSSES", "adaptive_lambda", "aggregate", "dr_grpo",
-    "explained_variance", "gae", "group_advantages", "grpo", "kl_penalty", "loss_params", "masked_mean",
+    "AGGS", "FULL_KL_TYPES", "GROUP_ESTIMATORS", "KL_TYPES", "POLICY_LOSSES", "adaptive_lambda", "aggregate", "dr_grpo",
+    "explained_variance", "forward_kl", "gae", "group_advantages", "grpo", "kl_penalty", "loss_params", "masked_mean",
     "masked_whiten", "place_reward", "policy_loss", "rloo", "sao_actor_advantages", "sao_advantages", "sao_returns",
     "value_loss",
 ]

@@ -105,6 +105,14 @@ def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, mask: to
     return _shift(picked, mask)
 
 
+def next_token_logprobs_from_logits(logits: torch.Tensor, mask: torch.Tensor,
+                                    temperature: Temperature = None) -> torch.Tensor:
+    """[B, T, V]: the whole distribution token t was drawn from (same alignment and zeros as `logprobs_from_logits`)."""
+    logp = F.pad(_log_softmax(logits, temperature), (0, 0, 1, 0))
+    prev_real = F.pad(mask[:, :-1], (1, 0)).bool()
+    return torch.where((mask.bool() & prev_real).unsqueeze(-1), logp, torch.zeros_like(logp))
+
+
 def entropy_from_logits(logits: torch.Tensor, mask: torch.Tensor, temperature: Temperature = None) -> torch.Tensor:
     logp = _log_softmax(logits, temperature)
     ent = -(logp.exp() * logp).sum(-1)
@@ -126,14 +134,21 @@ def token_entropy(model: PreTrainedModel, input_ids: torch.Tensor,
     return entropy_from_logits(policy_logits(model, input_ids, mask), mask, temperature)
 
 
+def next_token_logprobs(model: PreTrainedModel, input_ids: torch.Tensor,
+                        attention_mask: torch.Tensor | None = None, temperature: Temperature = None) -> torch.Tensor:
+    """[B, T, V]: log pi_T(v | tokens < t) for every v (the forward KL's input; 0 where token_logprobs is 0)."""
+    mask = _check(input_ids, attention_mask)
+    return next_token_logprobs_from_logits(policy_logits(model, input_ids, mask), mask, temperature)
+
+
 def logprobs_and_entropy(model: PreTrainedModel, input_ids: torch.Tensor,
                          attention_mask: torch.Tensor | None = None,
-                         temperature: Temperature = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both from one forward pass (the trainer's usual call)."""
+                         temperature: Temperature = None, full: bool = False) -> tuple[torch.Tensor, ...]:
+    """Both from one forward pass (the trainer's usual call); `full`: also `next_token_logprobs`, from the same."""
     mask = _check(input_ids, attention_mask)
     logits = policy_logits(model, input_ids, mask)
-    return (logprobs_from_logits(logits, input_ids, mask, temperature),
-            entropy_from_logits(logits, mask, temperature))
+    out = (logprobs_from_logits(logits, input_ids, mask, temperature), entropy_from_logits(logits, mask, temperature))
+    return out + (next_token_logprobs_from_logits(logits, mask, temperature),) if full else out
 
 
 def values(value_model: ValueModel, input_ids: torch.Tensor,

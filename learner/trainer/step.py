@@ -14,7 +14,8 @@ batch, each rank back-propagates its own rows weighted against the whole batch's
 metrics, gradients and the clip are reduced over the ranks before the finite check (gradients and clip by the
 backend's `clip_grads`, see learner.backends.base), so every rank takes the same decision.
 
-With `loss.kl_coef > 0` the policy loss also carries kl_coef · agg(kl_penalty(pi, ref)), a KL penalty to
+With `loss.kl_coef > 0` the policy loss also carries kl_coef · agg(kl_penalty(pi, ref)) (or agg(forward_kl), from
+both models' whole next-token distributions, with `loss.kl_type=forward`), a KL penalty to
 the frozen initial policy (`Models.reference`, verl's use_kl_loss), aggregated and micro-batch weighted
 like the policy loss; `kl_ref` reports its masked per-token mean.
 """
@@ -27,7 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from learner.algorithms import (
+    FULL_KL_TYPES,
     aggregate,
+    forward_kl,
     group_advantages,
     kl_penalty,
     loss_params,
@@ -39,7 +42,7 @@ from learner.algorithms import (
 )
 from learner.algorithms.masked import masked_mean
 from learner.config import LearnerConfig
-from learner.models.scoring import logprobs_and_entropy, token_logprobs, values
+from learner.models.scoring import logprobs_and_entropy, next_token_logprobs, token_logprobs, values
 from learner.trainer.batching import Batch, group_key
 from learner.trainer.ranks import Shard
 from streamer.wire.reductions import reduction
@@ -102,8 +105,9 @@ def _micro(batch: Batch, size: int):
 
 
 def _join_rows(parts, width: int) -> torch.Tensor:
-    """Micro-batch outputs (each cut to its own width), padded with zeros to `width` and stacked in row order."""
-    return torch.cat([F.pad(out, (0, width - out.shape[1])) for out in parts])
+    """Micro-batch outputs ([b, t, ...], each cut to its own width t), padded with zeros to `width` and stacked in
+    row order."""
+    return torch.cat([F.pad(out, (0, 0) * (out.dim() - 2) + (0, width - out.shape[1])) for out in parts])
 
 
 def _per_micro(cfg: LearnerConfig, batch: Batch, fn) -> torch.Tensor:
@@ -167,8 +171,9 @@ def prepare(cfg: LearnerConfig, models: Models, batch: Batch, values_from_update
         if models.reference is None:
             raise ValueError("loss.kl_coef > 0 needs Models.reference "
                              "(build the models with learner.train.build_models)")
-        out["ref_logp"] = _per_micro(cfg, batch, lambda b: token_logprobs(models.reference, b.input_ids,
-                                                                         b.attention_mask, b.temperature))
+        score = next_token_logprobs if cfg.loss.kl_type in FULL_KL_TYPES else token_logprobs
+        out["ref_logp"] = _per_micro(cfg, batch, lambda b: score(models.reference, b.input_ids, b.attention_mask,
+                                                                 b.temperature))
     return out
 
 
@@ -225,11 +230,13 @@ def policy_backward(cfg: LearnerConfig, models: Models, batch: Batch, ref: dict,
         mb = batch.rows(i, j)
         mask, cols = mb.loss_mask, slice(0, mb.input_ids.shape[1])
         w = scale * _denom(mask, agg) / max(full, 1.0)
-        logp, ent = logprobs_and_entropy(models.policy, mb.input_ids, mb.attention_mask, mb.temperature)
+        whole = "ref_logp" in ref and cfg.loss.kl_type in FULL_KL_TYPES  # the forward KL reads pi's [b, t, V]
+        logp, ent, *dist = logprobs_and_entropy(models.policy, mb.input_ids, mb.attention_mask, mb.temperature, whole)
         extra = {"prox_logp": ref["prox_logp"][i:j, cols]} if "prox_logp" in ref else {}
         loss, m = policy_loss(cfg.loss.name, logp, mb.old_logp, ref["advantages"][i:j, cols], mask, **params, **extra)
         if "ref_logp" in ref:
-            kl = kl_penalty(logp, ref["ref_logp"][i:j, cols], mask, cfg.loss.kl_type)
+            kl = (forward_kl(dist[0], ref["ref_logp"][i:j, cols], mask) if whole else
+                  kl_penalty(logp, ref["ref_logp"][i:j, cols], mask, cfg.loss.kl_type))
             loss = loss + cfg.loss.kl_coef * aggregate(kl, mask, agg)
             m["loss"] = float(loss.detach())
             m["kl_ref"] = float(masked_mean(kl.detach(), mask))

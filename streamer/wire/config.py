@@ -9,6 +9,7 @@ section of it.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import re
@@ -115,7 +116,7 @@ def load_config(cls: type[C], yaml_path: str | Path | None = None, overrides: li
                 base: dict[str, Any] | None = None, section: str | None = None) -> C:
     """Defaults of `cls`, then `base`, then the YAML file (its `section` if it is a run file), then `key=value`
     overrides."""
-    data: dict[str, Any] = dict(base or {})
+    data: dict[str, Any] = copy.deepcopy(base or {})  # overrides write into nested dicts: never the caller's
     where = cls.__name__
     if yaml_path is not None:
         where = f"{yaml_path}" + (f" [{section}]" if section else "")
