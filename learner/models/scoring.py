@@ -68,11 +68,13 @@ def _packed(body, mask: torch.Tensor) -> bool:
 
 
 def _shift(per_pred: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """[B, T-1] quantities of predictions 0..T-2 -> [B, T] aligned with tokens 1..T-1 (token 0 gets 0)."""
-    out = F.pad(per_pred, (1, 0))
+    """[B, T-1, ...] quantities of predictions 0..T-2 -> [B, T, ...] aligned with tokens 1..T-1 (token 0 gets 0)."""
+    extra = per_pred.dim() - 2
+    out = F.pad(per_pred, (0, 0) * extra + (1, 0))
     # Token t is scored only if it and the token before it are real (the first real token has no context).
     prev_real = F.pad(mask[:, :-1], (1, 0)).bool()
-    return torch.where(mask.bool() & prev_real, out, torch.zeros_like(out))
+    scored = (mask.bool() & prev_real).reshape(*mask.shape, *[1] * extra)
+    return torch.where(scored, out, torch.zeros_like(out))
 
 
 def scale_logits(logits: torch.Tensor, temperature: Temperature) -> torch.Tensor:
@@ -108,9 +110,7 @@ def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, mask: to
 def next_token_logprobs_from_logits(logits: torch.Tensor, mask: torch.Tensor,
                                     temperature: Temperature = None) -> torch.Tensor:
     """[B, T, V]: the whole distribution token t was drawn from (same alignment and zeros as `logprobs_from_logits`)."""
-    logp = F.pad(_log_softmax(logits, temperature), (0, 0, 1, 0))
-    prev_real = F.pad(mask[:, :-1], (1, 0)).bool()
-    return torch.where((mask.bool() & prev_real).unsqueeze(-1), logp, torch.zeros_like(logp))
+    return _shift(_log_softmax(logits, temperature), mask)
 
 
 def entropy_from_logits(logits: torch.Tensor, mask: torch.Tensor, temperature: Temperature = None) -> torch.Tensor:

@@ -226,11 +226,11 @@ def policy_backward(cfg: LearnerConfig, models: Models, batch: Batch, ref: dict,
                     scale: float = 1.0) -> dict[str, float]:
     params, agg = cfg.loss.params(), policy_agg(cfg)
     total, full = {}, _denom(batch.loss_mask, agg) if norm is None else norm
+    whole = "ref_logp" in ref and cfg.loss.kl_type in FULL_KL_TYPES  # the forward KL reads pi's [b, t, V]
     for i, j in _micro(batch, cfg.batch.micro_batch):
         mb = batch.rows(i, j)
         mask, cols = mb.loss_mask, slice(0, mb.input_ids.shape[1])
         w = scale * _denom(mask, agg) / max(full, 1.0)
-        whole = "ref_logp" in ref and cfg.loss.kl_type in FULL_KL_TYPES  # the forward KL reads pi's [b, t, V]
         logp, ent, *dist = logprobs_and_entropy(models.policy, mb.input_ids, mb.attention_mask, mb.temperature, whole)
         extra = {"prox_logp": ref["prox_logp"][i:j, cols]} if "prox_logp" in ref else {}
         loss, m = policy_loss(cfg.loss.name, logp, mb.old_logp, ref["advantages"][i:j, cols], mask, **params, **extra)
