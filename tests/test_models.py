@@ -122,6 +122,50 @@ def test_packed_scoring_equals_the_hf_forward(policy, value_model, left):
         torch.testing.assert_close(values(value_model, ids, mask)[real], hf_values[real], atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("left", [False, True])
+def test_scoring_only_the_scored_tokens_changes_nothing_there(value_model, left):
+    """With `scored` (the trainer passes its loss mask) the packed forward runs its last layer on the scored tokens'
+    predecessors alone: log-probs, entropies, next-token log-probs and their gradients equal the full forward's at
+    the scored tokens, every other token gets 0; `values(..., at=)` likewise (a row with nothing scored included)."""
+    ids, mask, _ = _batch([9, 4, 6, 7, 12, 3], seed=4, left=left)
+    g = torch.Generator().manual_seed(6)
+    scored = mask.bool() & (torch.rand(ids.shape, generator=g) < 0.4)
+    scored[:, :1] = False  # never a row's first slot (the loss mask never holds it)
+    scored[2] = False  # a row with nothing to score
+    pol = build_policy(seed=0).train()
+    w = torch.randn(*ids.shape, generator=g)
+    outs, grads = [], []
+    for given in (None, scored):
+        pol.zero_grad(set_to_none=True)
+        lp, ent, full = logprobs_and_entropy(pol, ids, mask, 0.7, full=True, scored=given)
+        ((lp + ent + full.logsumexp(-1)) * w * scored).sum().backward()
+        outs.append((lp.detach(), ent.detach(), full.detach()))
+        grads.append([torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in pol.parameters()])
+    for every, only in zip(*outs):
+        torch.testing.assert_close(only[scored], every[scored], atol=2e-5, rtol=0)
+        assert torch.all(only[~scored] == 0)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(token_logprobs(pol, ids, mask, 0.7, scored), outs[1][0], atol=1e-6, rtol=0)
+    with torch.no_grad():
+        v_all, v_at = values(value_model, ids, mask), values(value_model, ids, mask, at=scored)
+    torch.testing.assert_close(v_at[scored], v_all[scored], atol=2e-5, rtol=0)
+    assert torch.all(v_at[~scored] == 0)
+
+
+def test_scoring_only_the_scored_tokens_on_the_hf_forward_zeroes_the_rest():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    dense = Qwen3ForCausalLM(Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+    ids, mask, _ = _batch([5, 3, 4], seed=2)
+    scored = torch.zeros_like(mask, dtype=torch.bool)
+    scored[0, 2:4] = scored[2, 3] = True
+    every, only = token_logprobs(dense, ids, mask), token_logprobs(dense, ids, mask, scored=scored)
+    torch.testing.assert_close(only[scored], every[scored])
+    assert torch.all(only[~scored] == 0) and torch.all(every[0, 1:5] != 0)
+
+
 def test_packed_scoring_is_refused_where_it_does_not_apply(policy):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 

@@ -94,9 +94,12 @@ class PackedBatch:
 
 class PaddedPack(PackedBatch):
     """The real tokens of a padded `[B, T]` batch (`attention_mask` 1 = real, either padding side), packed; `unpack`
-    puts per-token rows back in place. Positions count the real tokens of a row, as `position_ids_from_mask`."""
+    puts per-token rows of the kept tokens back in place. Positions count the real tokens of a row, as
+    `position_ids_from_mask`. `at` ([B, T] bool): the positions whose outputs are wanted (default: every real token);
+    `keep` holds their packed indices."""
 
-    def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, groups: int) -> None:
+    def __init__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, groups: int,
+                 at: torch.Tensor | None = None) -> None:
         B, T = input_ids.shape
         mask = attention_mask.bool()
         lens = mask.sum(-1)
@@ -104,10 +107,14 @@ class PaddedPack(PackedBatch):
         self.slot = (order[:, None] * T + torch.arange(T))[mask[order]]  # [N] in [B * T]
         self.shape = (B, T)
         self._pack(input_ids.flatten().index_select(0, self.slot), lens[order].tolist(), groups)
+        if at is None:
+            self.keep = torch.arange(len(self.slot))
+        else:
+            self.keep = at.bool().flatten().index_select(0, self.slot).nonzero().flatten()
 
     def unpack(self, x: torch.Tensor) -> torch.Tensor:
-        """[N, ...] per packed token -> [B, T, ...], zeros at padding (differentiable)."""
-        out = x.new_zeros(self.shape[0] * self.shape[1], *x.shape[1:]).index_copy(0, self.slot, x)
+        """[K, ...] per kept token -> [B, T, ...], zeros elsewhere (differentiable)."""
+        out = x.new_zeros(self.shape[0] * self.shape[1], *x.shape[1:]).index_copy(0, self.slot[self.keep], x)
         return out.view(*self.shape, *x.shape[1:])
 
 
@@ -208,12 +215,14 @@ def packable(body) -> bool:
     return all(hasattr(layer.mlp, "experts") and layer.self_attn.q_proj.bias is None for layer in layers)
 
 
-def packed_states(body, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                  groups: int = 2) -> tuple[torch.Tensor, PaddedPack]:
-    """The backbone's last hidden states (after its final norm) at the real tokens of a padded batch, packed ([N, H]),
-    and the packing that puts them back (`PaddedPack.unpack`): the HF forward's `last_hidden_state` at those tokens."""
-    pack = PaddedPack(input_ids, attention_mask, groups)
-    x = _layers(body, pack, keep=torch.arange(len(pack.ids), device=input_ids.device))
+def packed_states(body, input_ids: torch.Tensor, attention_mask: torch.Tensor, groups: int = 2,
+                  at: torch.Tensor | None = None) -> tuple[torch.Tensor, PaddedPack]:
+    """The backbone's last hidden states (after its final norm) at the real tokens of a padded batch, packed ([K, H]),
+    and the packing that puts them back (`PaddedPack.unpack`): the HF forward's `last_hidden_state` at those tokens.
+    `at` ([B, T] bool): only those positions (default: every real token); the last layer's attention output and
+    MoE then run on them alone."""
+    pack = PaddedPack(input_ids, attention_mask, groups, at)
+    x = _layers(body, pack, keep=pack.keep)
     return RMSNorm.apply(x, body.norm.weight, body.config.rms_norm_eps), pack
 
 

@@ -4,6 +4,10 @@ Shapes: `input_ids`, `attention_mask` are [B, T] (1 = real token, either padding
 positions are counted from the mask); every output is [B, T] aligned with the input tokens,
 so `out[:, t]` belongs to token t. Padded positions hold 0.
 
+`scored` ([B, T], e.g. the loss mask): the tokens whose log-probs or entropies are wanted; the others get 0 too, and
+the packed forward runs its last layer's attention output and MoE on their predecessors alone (the trainer scores
+only generated tokens: most of a batch's tokens are prompt and tool output, which only feed attention).
+
 Sampling temperature: an agent that samples at T records log-probs of softmax(logits / T), so the
 learner must score at the same T or the ratio pi/mu is far from 1 even on-policy (and the strict
 clip drops those tokens). Every log-prob/entropy function here takes an optional `temperature`, a
@@ -41,13 +45,15 @@ def _check(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torc
 
 
 def policy_logits(model: PreTrainedModel, input_ids: torch.Tensor,
-                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, T, V] fp32 logits; logits[:, t] predicts token t+1 (0 at padding for a packable model, `_packed`)."""
+                  attention_mask: torch.Tensor | None = None, at: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T, V] fp32 logits; logits[:, t] predicts token t+1 (0 at padding for a packable model, `_packed`).
+    `at` ([B, T] bool): the positions whose logits are wanted, 0 elsewhere (default: all)."""
     mask = _check(input_ids, attention_mask)
     if _packed(getattr(model, "model", None), mask):
-        h, pack = packed_states(model.model, input_ids, mask)
+        h, pack = packed_states(model.model, input_ids, mask, at=at)
         return pack.unpack(model.lm_head(h)).float()
-    return hf_policy_logits(model, input_ids, mask)
+    logits = hf_policy_logits(model, input_ids, mask)
+    return logits if at is None else torch.where(at.bool()[..., None], logits, torch.zeros_like(logits))
 
 
 def hf_policy_logits(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -67,14 +73,21 @@ def _packed(body, mask: torch.Tensor) -> bool:
             and bool(mask.bool().any(-1).all()))
 
 
-def _shift(per_pred: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """[B, T-1, ...] quantities of predictions 0..T-2 -> [B, T, ...] aligned with tokens 1..T-1 (token 0 gets 0)."""
+def _predictors(scored: torch.Tensor | None) -> torch.Tensor | None:
+    """[B, T] bool: the positions whose outputs predict the `scored` tokens (position t - 1 for token t)."""
+    return None if scored is None else F.pad(scored[:, 1:], (0, 1)).bool()
+
+
+def _shift(per_pred: torch.Tensor, mask: torch.Tensor, scored: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T-1, ...] quantities of predictions 0..T-2 -> [B, T, ...] aligned with tokens 1..T-1 (token 0 gets 0),
+    0 at tokens not `scored` (default: every one)."""
     extra = per_pred.dim() - 2
     out = F.pad(per_pred, (0, 0) * extra + (1, 0))
     # Token t is scored only if it and the token before it are real (the first real token has no context).
     prev_real = F.pad(mask[:, :-1], (1, 0)).bool()
-    scored = (mask.bool() & prev_real).reshape(*mask.shape, *[1] * extra)
-    return torch.where(scored, out, torch.zeros_like(out))
+    keep = mask.bool() & prev_real & (True if scored is None else scored.bool())
+    keep = keep.reshape(*mask.shape, *[1] * extra)
+    return torch.where(keep, out, torch.zeros_like(out))
 
 
 def scale_logits(logits: torch.Tensor, temperature: Temperature) -> torch.Tensor:
@@ -101,30 +114,32 @@ def _log_softmax(logits: torch.Tensor, temperature: Temperature) -> torch.Tensor
 
 
 def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor,
-                         temperature: Temperature = None) -> torch.Tensor:
+                         temperature: Temperature = None, scored: torch.Tensor | None = None) -> torch.Tensor:
     logp = _log_softmax(logits, temperature)
     picked = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return _shift(picked, mask)
+    return _shift(picked, mask, scored)
 
 
-def next_token_logprobs_from_logits(logits: torch.Tensor, mask: torch.Tensor,
-                                    temperature: Temperature = None) -> torch.Tensor:
+def next_token_logprobs_from_logits(logits: torch.Tensor, mask: torch.Tensor, temperature: Temperature = None,
+                                    scored: torch.Tensor | None = None) -> torch.Tensor:
     """[B, T, V]: the whole distribution token t was drawn from (same alignment and zeros as `logprobs_from_logits`)."""
-    return _shift(_log_softmax(logits, temperature), mask)
+    return _shift(_log_softmax(logits, temperature), mask, scored)
 
 
-def entropy_from_logits(logits: torch.Tensor, mask: torch.Tensor, temperature: Temperature = None) -> torch.Tensor:
+def entropy_from_logits(logits: torch.Tensor, mask: torch.Tensor, temperature: Temperature = None,
+                        scored: torch.Tensor | None = None) -> torch.Tensor:
     logp = _log_softmax(logits, temperature)
     ent = -(logp.exp() * logp).sum(-1)
-    return _shift(ent, mask)
+    return _shift(ent, mask, scored)
 
 
-def token_logprobs(model: PreTrainedModel, input_ids: torch.Tensor,
-                   attention_mask: torch.Tensor | None = None, temperature: Temperature = None) -> torch.Tensor:
-    """[B, T]: log pi_T(token t | tokens < t) (T = `temperature`, default 1); 0 at the first real token and
-    at padding."""
+def token_logprobs(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                   temperature: Temperature = None, scored: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T]: log pi_T(token t | tokens < t) (T = `temperature`, default 1); 0 at the first real token, at padding
+    and at tokens not `scored`."""
     mask = _check(input_ids, attention_mask)
-    return logprobs_from_logits(policy_logits(model, input_ids, mask), input_ids, mask, temperature)
+    logits = policy_logits(model, input_ids, mask, _predictors(scored))
+    return logprobs_from_logits(logits, input_ids, mask, temperature, scored)
 
 
 def token_entropy(model: PreTrainedModel, input_ids: torch.Tensor,
@@ -134,32 +149,36 @@ def token_entropy(model: PreTrainedModel, input_ids: torch.Tensor,
     return entropy_from_logits(policy_logits(model, input_ids, mask), mask, temperature)
 
 
-def next_token_logprobs(model: PreTrainedModel, input_ids: torch.Tensor,
-                        attention_mask: torch.Tensor | None = None, temperature: Temperature = None) -> torch.Tensor:
+def next_token_logprobs(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                        temperature: Temperature = None, scored: torch.Tensor | None = None) -> torch.Tensor:
     """[B, T, V]: log pi_T(v | tokens < t) for every v (the forward KL's input; 0 where token_logprobs is 0)."""
     mask = _check(input_ids, attention_mask)
-    return next_token_logprobs_from_logits(policy_logits(model, input_ids, mask), mask, temperature)
+    logits = policy_logits(model, input_ids, mask, _predictors(scored))
+    return next_token_logprobs_from_logits(logits, mask, temperature, scored)
 
 
 def logprobs_and_entropy(model: PreTrainedModel, input_ids: torch.Tensor,
-                         attention_mask: torch.Tensor | None = None,
-                         temperature: Temperature = None, full: bool = False) -> tuple[torch.Tensor, ...]:
+                         attention_mask: torch.Tensor | None = None, temperature: Temperature = None,
+                         full: bool = False, scored: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """Both from one forward pass (the trainer's usual call); `full`: also `next_token_logprobs`, from the same."""
     mask = _check(input_ids, attention_mask)
-    logits = policy_logits(model, input_ids, mask)
-    out = (logprobs_from_logits(logits, input_ids, mask, temperature), entropy_from_logits(logits, mask, temperature))
-    return out + (next_token_logprobs_from_logits(logits, mask, temperature),) if full else out
+    logits = policy_logits(model, input_ids, mask, _predictors(scored))
+    out = (logprobs_from_logits(logits, input_ids, mask, temperature, scored),
+           entropy_from_logits(logits, mask, temperature, scored))
+    return out + (next_token_logprobs_from_logits(logits, mask, temperature, scored),) if full else out
 
 
-def values(value_model: ValueModel, input_ids: torch.Tensor,
-           attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """[B, T]: V(prefix ending at token t); 0 at padding."""
+def values(value_model: ValueModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+           at: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, T]: V(prefix ending at token t); 0 at padding and, given `at` ([B, T] bool), at positions not in it (the
+    packed forward's last layer then runs on those positions alone)."""
     mask = _check(input_ids, attention_mask)
     if isinstance(value_model, ValueModel) and _packed(value_model.backbone, mask):
-        h, pack = packed_states(value_model.backbone, input_ids, mask)
+        h, pack = packed_states(value_model.backbone, input_ids, mask, at=at)
         return pack.unpack(value_model.head(h).squeeze(-1))
     v = value_model(input_ids, mask, position_ids_from_mask(mask))
-    return torch.where(mask.bool(), v, torch.zeros_like(v))
+    keep = mask.bool() if at is None else mask.bool() & at.bool()
+    return torch.where(keep, v, torch.zeros_like(v))
 
 
 def router_logits(model: nn.Module, input_ids: torch.Tensor,

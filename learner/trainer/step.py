@@ -86,8 +86,9 @@ def build_optimizers(cfg: LearnerConfig, policy: torch.nn.Module, value: torch.n
 
 
 def state_values(value_model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-    """[B, T]: V(tokens < t), the value of the state in which token t was generated."""
-    v = values(value_model, batch.input_ids, batch.attention_mask)
+    """[B, T]: V(tokens < t), the value of the state in which token t was generated; 0 off the loss mask (every use
+    is masked), so the value forward's last layer runs on those states alone."""
+    v = values(value_model, batch.input_ids, batch.attention_mask, at=F.pad(batch.loss_mask[:, 1:], (0, 1)).bool())
     return F.pad(v[:, :-1], (1, 0))
 
 
@@ -166,14 +167,15 @@ def prepare(cfg: LearnerConfig, models: Models, batch: Batch, values_from_update
         return out
     if cfg.loss.name == "decoupled_ppo":  # AReaL's proximal policy: the learner's weights before this update
         out["prox_logp"] = _per_micro(cfg, batch, lambda b: token_logprobs(models.policy, b.input_ids,
-                                                                          b.attention_mask, b.temperature))
+                                                                          b.attention_mask, b.temperature,
+                                                                          b.loss_mask))
     if cfg.loss.kl_coef > 0:  # the frozen reference policy, at each trajectory's sampling temperature
         if models.reference is None:
             raise ValueError("loss.kl_coef > 0 needs Models.reference "
                              "(build the models with learner.train.build_models)")
         score = next_token_logprobs if cfg.loss.kl_type in FULL_KL_TYPES else token_logprobs
         out["ref_logp"] = _per_micro(cfg, batch, lambda b: score(models.reference, b.input_ids, b.attention_mask,
-                                                                 b.temperature))
+                                                                 b.temperature, b.loss_mask))
     return out
 
 
@@ -231,7 +233,8 @@ def policy_backward(cfg: LearnerConfig, models: Models, batch: Batch, ref: dict,
         mb = batch.rows(i, j)
         mask, cols = mb.loss_mask, slice(0, mb.input_ids.shape[1])
         w = scale * _denom(mask, agg) / max(full, 1.0)
-        logp, ent, *dist = logprobs_and_entropy(models.policy, mb.input_ids, mb.attention_mask, mb.temperature, whole)
+        logp, ent, *dist = logprobs_and_entropy(models.policy, mb.input_ids, mb.attention_mask, mb.temperature, whole,
+                                                mask)
         extra = {"prox_logp": ref["prox_logp"][i:j, cols]} if "prox_logp" in ref else {}
         loss, m = policy_loss(cfg.loss.name, logp, mb.old_logp, ref["advantages"][i:j, cols], mask, **params, **extra)
         if "ref_logp" in ref:
