@@ -83,7 +83,11 @@ def compare_runs(new_dir: Path, ref_dirs: list[Path]) -> dict[str, Any]:
     unequal = [n for n in new if n in old and not all(json_equal(new[n][k], old[n][k]) for k in RESULT_KEYS)]
     walls_new, walls_old = run_walls([new[n] for n in old]), run_walls(list(old.values()))
     walls = {k: {"runs": w["runs"], "run_wall_s_new": w["run_wall_s"], "run_wall_s_old": walls_old[k]["run_wall_s"],
-                 "ratio": round(w["run_wall_s"] / walls_old[k]["run_wall_s"], 4)} for k, w in walls_new.items()}
+                 "ratio": round(w["run_wall_s"] / walls_old[k]["run_wall_s"], 4),
+                 "learner_steps_new": w["learner_steps"], "learner_steps_old": walls_old[k]["learner_steps"],
+                 "section_ratio": {n: round(v / walls_old[k]["section_wall_s"][n], 4)
+                                   for n, v in w["section_wall_s"].items() if walls_old[k]["section_wall_s"].get(n)}}
+             for k, w in walls_new.items()}
     return {"runs": len(new), "equal_to_ref_runs": len(old) - len(unequal), "unequal": unequal,
             "without_ref": [n for n in new if n not in old], **walls}
 

@@ -20,19 +20,23 @@ def write_run(folder, name, arm, wall, reward, steps=0, sections=None):
 
 def test_runs_compared_by_result_and_timed_by_kind_of_arm(tmp_path):
     new, old = tmp_path / "new", tmp_path / "old"
-    write_run(new, "a-sao-s0.json", "sao", 9.0, 0.5)
-    write_run(old, "a-sao-s0.json", "sao", 10.0, 0.5)
-    write_run(new, "a-ppo-s0.json", "ppo", 3.0, 0.25)
-    write_run(old, "a-ppo-s0.json", "ppo", 2.0, 0.75)  # another result: listed as unequal
+    write_run(new, "a-sao-s0.json", "sao", 9.0, 0.5, 7, {"generate": 3.0, "train": 6.0})
+    write_run(old, "a-sao-s0.json", "sao", 10.0, 0.5, 7, {"generate": 2.0, "train": 8.0})
+    write_run(new, "a-ppo-s0.json", "ppo", 3.0, 0.25, 2, {"generate": 1.0, "train": 2.0})
+    write_run(old, "a-ppo-s0.json", "ppo", 2.0, 0.75, 3, {"generate": 1.0, "train": 1.0})  # another result: unequal
     write_run(new, "a-grpo-s0.json", "grpo", 4.0, 0.5)
     write_run(old, "a-grpo-s0.json", "grpo", 5.0, 0.5)
     write_run(new, "b-frozen-s0.json", "frozen", 1.0, 0.0)  # no earlier run of that name
     got = compare_runs(new, [old])
     assert (got["runs"], got["equal_to_ref_runs"], got["unequal"], got["without_ref"]) == (
         4, 2, ["a-ppo-s0.json"], ["b-frozen-s0.json"])
-    assert got["sao_like"] == {"runs": 2, "run_wall_s_new": 12.0, "run_wall_s_old": 12.0, "ratio": 1.0}
-    assert got["group"] == {"runs": 1, "run_wall_s_new": 4.0, "run_wall_s_old": 5.0, "ratio": 0.8}
-    assert got["seed 0"] == {"runs": 3, "run_wall_s_new": 16.0, "run_wall_s_old": 17.0, "ratio": round(16 / 17, 4)}
+    # sections summed over sao and ppo: generate 4 against 3, train 8 against 9
+    assert got["sao_like"] == {"runs": 2, "run_wall_s_new": 12.0, "run_wall_s_old": 12.0, "ratio": 1.0,
+                               "learner_steps_new": 9, "learner_steps_old": 10,
+                               "section_ratio": {"generate": round(4 / 3, 4), "train": round(8 / 9, 4)}}
+    assert got["group"] == {"runs": 1, "run_wall_s_new": 4.0, "run_wall_s_old": 5.0, "ratio": 0.8,
+                            "learner_steps_new": 0, "learner_steps_old": 0, "section_ratio": {}}
+    assert got["seed 0"]["run_wall_s_new"] == 16.0 and got["seed 0"]["ratio"] == round(16 / 17, 4)
     assert "frozen" not in got
 
 
