@@ -24,7 +24,7 @@ from learner.models import (
     values,
 )
 from learner.models.packed import packable
-from learner.models.scoring import hf_policy_logits, policy_logits, position_ids_from_mask
+from learner.models.scoring import hf_policy_logits, policy_logits, position_ids_from_mask, predictor_positions
 
 V = CharTokenizer().vocab_size
 
@@ -120,6 +120,13 @@ def test_packed_scoring_equals_the_hf_forward(policy, value_model, left):
     with torch.no_grad():
         hf_values = value_model(ids, mask, position_ids_from_mask(mask))
         torch.testing.assert_close(values(value_model, ids, mask)[real], hf_values[real], atol=2e-5, rtol=0)
+
+
+def test_predictor_positions_by_hand():
+    # token t is predicted at position t - 1: scored tokens 1, 2 of row 0 and 3 of row 1
+    scored = torch.tensor([[0, 1, 1, 0], [0, 0, 0, 1]], dtype=torch.float32)
+    assert predictor_positions(scored).tolist() == [[True, True, False, False], [False, False, True, False]]
+    assert predictor_positions(None) is None
 
 
 @pytest.mark.parametrize("left", [False, True])

@@ -73,7 +73,7 @@ def _packed(body, mask: torch.Tensor) -> bool:
             and bool(mask.bool().any(-1).all()))
 
 
-def _predictors(scored: torch.Tensor | None) -> torch.Tensor | None:
+def predictor_positions(scored: torch.Tensor | None) -> torch.Tensor | None:
     """[B, T] bool: the positions whose outputs predict the `scored` tokens (position t - 1 for token t)."""
     return None if scored is None else F.pad(scored[:, 1:], (0, 1)).bool()
 
@@ -138,7 +138,7 @@ def token_logprobs(model: PreTrainedModel, input_ids: torch.Tensor, attention_ma
     """[B, T]: log pi_T(token t | tokens < t) (T = `temperature`, default 1); 0 at the first real token, at padding
     and at tokens not `scored`."""
     mask = _check(input_ids, attention_mask)
-    logits = policy_logits(model, input_ids, mask, _predictors(scored))
+    logits = policy_logits(model, input_ids, mask, predictor_positions(scored))
     return logprobs_from_logits(logits, input_ids, mask, temperature, scored)
 
 
@@ -153,7 +153,7 @@ def next_token_logprobs(model: PreTrainedModel, input_ids: torch.Tensor, attenti
                         temperature: Temperature = None, scored: torch.Tensor | None = None) -> torch.Tensor:
     """[B, T, V]: log pi_T(v | tokens < t) for every v (the forward KL's input; 0 where token_logprobs is 0)."""
     mask = _check(input_ids, attention_mask)
-    logits = policy_logits(model, input_ids, mask, _predictors(scored))
+    logits = policy_logits(model, input_ids, mask, predictor_positions(scored))
     return next_token_logprobs_from_logits(logits, mask, temperature, scored)
 
 
@@ -162,7 +162,7 @@ def logprobs_and_entropy(model: PreTrainedModel, input_ids: torch.Tensor,
                          full: bool = False, scored: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """Both from one forward pass (the trainer's usual call); `full`: also `next_token_logprobs`, from the same."""
     mask = _check(input_ids, attention_mask)
-    logits = policy_logits(model, input_ids, mask, _predictors(scored))
+    logits = policy_logits(model, input_ids, mask, predictor_positions(scored))
     out = (logprobs_from_logits(logits, input_ids, mask, temperature, scored),
            entropy_from_logits(logits, mask, temperature, scored))
     return out + (next_token_logprobs_from_logits(logits, mask, temperature, scored),) if full else out

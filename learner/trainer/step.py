@@ -42,7 +42,13 @@ from learner.algorithms import (
 )
 from learner.algorithms.masked import masked_mean
 from learner.config import LearnerConfig
-from learner.models.scoring import logprobs_and_entropy, next_token_logprobs, token_logprobs, values
+from learner.models.scoring import (
+    logprobs_and_entropy,
+    next_token_logprobs,
+    predictor_positions,
+    token_logprobs,
+    values,
+)
 from learner.trainer.batching import Batch, group_key
 from learner.trainer.ranks import Shard
 from streamer.wire.reductions import reduction
@@ -88,7 +94,7 @@ def build_optimizers(cfg: LearnerConfig, policy: torch.nn.Module, value: torch.n
 def state_values(value_model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """[B, T]: V(tokens < t), the value of the state in which token t was generated; 0 off the loss mask (every use
     is masked), so the value forward's last layer runs on those states alone."""
-    v = values(value_model, batch.input_ids, batch.attention_mask, at=F.pad(batch.loss_mask[:, 1:], (0, 1)).bool())
+    v = values(value_model, batch.input_ids, batch.attention_mask, at=predictor_positions(batch.loss_mask))
     return F.pad(v[:, :-1], (1, 0))
 
 
