@@ -68,6 +68,33 @@ def test_greedy_matches_between_engines(policy):
     assert [g.token_ids for g in ours] == [g.token_ids for g in theirs]
 
 
+class PrefillRows(TorchSampler):
+    """The real engine, recording how many rows each prefill ran."""
+
+    def _prefill(self, ids, valid, max_new_tokens):
+        self.prefill_rows.append(ids.shape[0])
+        return super()._prefill(ids, valid, max_new_tokens)
+
+
+@pytest.mark.parametrize("engine_name", ["torch", "hf"])
+def test_identical_prompts_share_one_prefill_and_sample_apart(policy, engine_name):
+    engine = make_engine(engine_name, policy, TOK)
+    p, q = _prompts([9, 4], seed=3)
+    greedy = engine.generate([p, q, p, p], 8, temperature=0)
+    assert greedy[0].token_ids == greedy[2].token_ids == greedy[3].token_ids
+    assert greedy[0].token_ids == engine.generate([p], 8, temperature=0)[0].token_ids
+    assert greedy[1].token_ids == engine.generate([q], 8, temperature=0)[0].token_ids
+    group = engine.generate([p] * 8, 12, temperature=1.0, seed=4)  # a GRPO group: one draw per row
+    assert len({tuple(g.token_ids) for g in group}) > 1
+    for g in group:
+        torch.testing.assert_close(torch.tensor(g.logprobs), _reference_logprobs(policy, p, g), atol=1e-5, rtol=0)
+    if engine_name == "torch":
+        counted = PrefillRows(policy, TOK)
+        counted.prefill_rows = []
+        counted.generate([p, q, p, p, q], 4, temperature=1.0, seed=1)
+        assert counted.prefill_rows == [2]
+
+
 def test_seeded_sampling_is_reproducible(policy):
     engine = TorchSampler(policy, TOK)
     prompts = _prompts([5, 9], seed=2)

@@ -58,8 +58,7 @@ class BatchedSampler(Engine):
         check_sampling(max_new_tokens, temperature, top_p)
         spec = resolve_stop(stop, self.tokenizer, self.eos_id)
         B = len(prompts)
-        ids, valid = left_pad(prompts, self.model.config.pad_token_id or 0)
-        state, logits = self._prefill(ids, valid, max_new_tokens)
+        state, logits, valid = self._prefill_shared(prompts, max_new_tokens)
         next_pos = valid.sum(-1, keepdim=True)
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         stop_ids = torch.tensor(sorted(spec.token_ids | ({spec.eos_id} - {None})), dtype=torch.long)
@@ -92,6 +91,20 @@ class BatchedSampler(Engine):
             text = self.tokenizer.decode(toks[i]) if self.tokenizer is not None else ""
             out.append(Generation(toks[i], lps[i], slps[i], reasons[i] or "length", self.version, text))
         return out
+
+
+    def _prefill_shared(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """`_prefill` once per distinct prompt (a GRPO group's n rollouts share theirs, as a prefix cache would), its
+        cache rows and logits then copied to every row of that prompt; returns the state, [B, V] logits and the
+        [B, P] real-token mask."""
+        first: dict[tuple[int, ...], int] = {}
+        row_of = [first.setdefault(tuple(p), len(first)) for p in prompts]
+        ids, valid = left_pad([list(p) for p in first], self.model.config.pad_token_id or 0)
+        state, logits = self._prefill(ids, valid, max_new_tokens)
+        if len(first) == len(prompts):
+            return state, logits, valid
+        rows = torch.tensor(row_of)
+        return self._select(state, rows), logits[rows], valid[rows]
 
 
 class TorchSampler(BatchedSampler):
