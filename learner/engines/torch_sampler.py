@@ -92,7 +92,6 @@ class BatchedSampler(Engine):
             out.append(Generation(toks[i], lps[i], slps[i], reasons[i] or "length", self.version, text))
         return out
 
-
     def _prefill_shared(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[Any, torch.Tensor, torch.Tensor]:
         """`_prefill` once per distinct prompt (a GRPO group's n rollouts share theirs, as a prefix cache would), its
         cache rows and logits then copied to every row of that prompt; returns the state, [B, V] logits and the
