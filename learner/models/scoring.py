@@ -113,11 +113,18 @@ def _log_softmax(logits: torch.Tensor, temperature: Temperature) -> torch.Tensor
     return torch.log_softmax(scale_logits(logits[:, :-1].float(), temperature), dim=-1)
 
 
+def _picked(logp: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """[B, T-1]: each next token's log-prob from the [B, T-1, V] log-probs of predictions 0..T-2."""
+    return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def _entropy(logp: torch.Tensor) -> torch.Tensor:
+    return -(logp.exp() * logp).sum(-1)
+
+
 def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor,
                          temperature: Temperature = None, scored: torch.Tensor | None = None) -> torch.Tensor:
-    logp = _log_softmax(logits, temperature)
-    picked = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    return _shift(picked, mask, scored)
+    return _shift(_picked(_log_softmax(logits, temperature), input_ids), mask, scored)
 
 
 def next_token_logprobs_from_logits(logits: torch.Tensor, mask: torch.Tensor, temperature: Temperature = None,
@@ -128,9 +135,7 @@ def next_token_logprobs_from_logits(logits: torch.Tensor, mask: torch.Tensor, te
 
 def entropy_from_logits(logits: torch.Tensor, mask: torch.Tensor, temperature: Temperature = None,
                         scored: torch.Tensor | None = None) -> torch.Tensor:
-    logp = _log_softmax(logits, temperature)
-    ent = -(logp.exp() * logp).sum(-1)
-    return _shift(ent, mask, scored)
+    return _shift(_entropy(_log_softmax(logits, temperature)), mask, scored)
 
 
 def token_logprobs(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -160,12 +165,12 @@ def next_token_logprobs(model: PreTrainedModel, input_ids: torch.Tensor, attenti
 def logprobs_and_entropy(model: PreTrainedModel, input_ids: torch.Tensor,
                          attention_mask: torch.Tensor | None = None, temperature: Temperature = None,
                          full: bool = False, scored: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-    """Both from one forward pass (the trainer's usual call); `full`: also `next_token_logprobs`, from the same."""
+    """Both from one forward pass and one log-softmax (the trainer's usual call); `full`: also `next_token_logprobs`,
+    from the same."""
     mask = _check(input_ids, attention_mask)
-    logits = policy_logits(model, input_ids, mask, predictor_positions(scored))
-    out = (logprobs_from_logits(logits, input_ids, mask, temperature, scored),
-           entropy_from_logits(logits, mask, temperature, scored))
-    return out + (next_token_logprobs_from_logits(logits, mask, temperature, scored),) if full else out
+    logp = _log_softmax(policy_logits(model, input_ids, mask, predictor_positions(scored)), temperature)
+    out = (_shift(_picked(logp, input_ids), mask, scored), _shift(_entropy(logp), mask, scored))
+    return out + (_shift(logp, mask, scored),) if full else out
 
 
 def values(value_model: ValueModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
