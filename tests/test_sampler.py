@@ -9,7 +9,7 @@ import torch
 
 from learner.engines import Generation, make_engine
 from learner.engines.sampling import top_p_filter
-from learner.engines.torch_sampler import TorchSampler
+from learner.engines.torch_sampler import CachedSampler, TorchSampler
 from learner.models import CharTokenizer, build_policy, policy_logits, save_policy, token_logprobs
 from learner.models.tokenizer import EOS_ID
 
@@ -76,9 +76,9 @@ class PrefillRows(TorchSampler):
         return super()._prefill(ids, valid, max_new_tokens)
 
 
-@pytest.mark.parametrize("engine_name", ["torch", "hf"])
-def test_identical_prompts_share_one_prefill_and_sample_apart(policy, engine_name):
-    engine = make_engine(engine_name, policy, TOK)
+@pytest.mark.parametrize("sampler", [TorchSampler, CachedSampler])  # both BatchedSampler model paths
+def test_identical_prompts_share_one_prefill_and_sample_apart(policy, sampler):
+    engine = sampler(policy, TOK)
     p, q = _prompts([9, 4], seed=3)
     greedy = engine.generate([p, q, p, p], 8, temperature=0)
     assert greedy[0].token_ids == greedy[2].token_ids == greedy[3].token_ids
@@ -88,7 +88,7 @@ def test_identical_prompts_share_one_prefill_and_sample_apart(policy, engine_nam
     assert len({tuple(g.token_ids) for g in group}) > 1
     for g in group:
         torch.testing.assert_close(torch.tensor(g.logprobs), _reference_logprobs(policy, p, g), atol=1e-5, rtol=0)
-    if engine_name == "torch":
+    if sampler is TorchSampler:
         counted = PrefillRows(policy, TOK)
         counted.prefill_rows = []
         counted.generate([p, q, p, p, q], 4, temperature=1.0, seed=1)
