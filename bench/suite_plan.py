@@ -96,6 +96,17 @@ def budget_seeds(seed_cpu_s: float, budget_s: float, cores: int) -> int:
     return int(budget_s * cores // seed_cpu_s)
 
 
+def seeds_in_budget(plan: Plan, files: list[Path], post: dict[str, int], n_rule: int, budget_s: float,
+                    cores: int) -> dict[str, Any]:
+    """The seeds rule's `n_rule` capped by the seeds that fit `budget_s` on `cores` cores, each seed priced at the
+    CPU per rollout of the run `files` (`seed_cost`) with the post-drift lengths `post`."""
+    cost = seed_cost(plan, cpu_per_rollout(files), post)
+    fit = budget_seeds(cost["cpu_s"], budget_s, cores)
+    n = min(n_rule, fit)
+    return {"seed_cost": cost, "budget_s": budget_s, "cores": cores, "budget_seeds": fit, "main_seeds": n,
+            "capped_by_budget": n < n_rule, "predicted_wall_s": n * cost["cpu_s"] / cores}
+
+
 def trained_arms(plan: Plan) -> list[str]:
     """The arms with a learning rate of their own (`suite.has_own_lr`)."""
     return [a.name for a in plan.arms if has_own_lr(a)]
@@ -137,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
                    "the frozen control")
     p.add_argument("--budget-s", type=float, default=7200.0)
     p.add_argument("--cores", type=int, default=2)
+    p.add_argument("--budget-only", action="store_true",
+                   help="keep the suite's filled lr, post-drift lengths and main seeds' count (the seeds rule's n); "
+                        "only price them at this pilot's CPU per rollout and cap the seeds by the budget")
     p.add_argument("--out", default="runs/bench/suite/main_plan.json")
     a = p.parse_args(argv)
     plan = load_plan(a.suite)
@@ -155,18 +169,20 @@ def main(argv: list[str] | None = None) -> int:
              if e["arm"] in ("sao", "grpo") and lr[e["arm"]]["lr"] == pl["lr"]]
     post = post_rollouts_rule(at_lr, plan.pilot_post)
     files += sorted(Path(a.frozen).glob("runs/*-frozen-*.json")) if a.frozen else []
-    cost = seed_cost(plan, cpu_per_rollout(files), {k: v["post_rollouts"] for k, v in post.items()})
     rule = seeds_rule(chosen, "sao")
-    fit = budget_seeds(cost["cpu_s"], a.budget_s, a.cores)
-    n = min(rule["n"], fit)
+    if a.budget_only:  # the suite's own lr, lengths and n; this pilot prices them
+        lr, post, n_rule = {}, {k: {"post_rollouts": v} for k, v in plan.post.items()}, len(plan.seeds)
+    else:
+        n_rule = rule["n"]
+    budget = seeds_in_budget(plan, files, {k: v["post_rollouts"] for k, v in post.items()}, n_rule, a.budget_s,
+                             a.cores)
     sd = rule["per_arm"][rule["largest_sd_arm"]]["sd"]
-    result = {"suite": plan.name, "pilots": a.pilots, "init": a.init,
+    n = budget["main_seeds"]
+    result = {"suite": plan.name, "version": plan.version, "pilots": a.pilots, "init": a.init,
+              "budget_only": a.budget_only,
               "arms_in_pilot": {str(pl["lr"]): sorted({r["arm"] for r in pl["runs"]}) for pl in pilots},
-              "lr": lr, "post_rollouts": post, "seeds_rule": rule,
-              "seed_cost": cost, "budget_s": a.budget_s, "cores": a.cores, "budget_seeds": fit,
-              "main_seeds": n, "capped_by_budget": n < rule["n"],
-              "detectable_difference_3se": 3 * sd / math.sqrt(n) if n else math.nan,
-              "predicted_wall_s": n * cost["cpu_s"] / a.cores}
+              "lr": lr, "post_rollouts": post, "seeds_rule": rule, "n_rule": n_rule, **budget,
+              "detectable_difference_3se": 3 * sd / math.sqrt(n) if n else math.nan}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from bench.suite_plan import (
     budget_seeds,
     complete,
     seed_cost,
+    seeds_in_budget,
     seeds_rule,
     trained_arms,
     with_grid_edges,
@@ -64,6 +66,25 @@ def test_budget_and_seed_cost_by_hand():
     assert out["priced_as"]["eta0"] == "sao" and out["priced_as"]["gspo"] == "grpo"  # no pilot of their own
     assert out["cpu_s"] == pytest.approx(56.5)
     assert budget_seeds(56.5, budget_s=100.0, cores=2) == 3  # 200 CPU-s / 56.5 per seed
+
+
+def test_seeds_in_budget_prices_run_files_by_hand(tmp_path):
+    plan = load_plan(SUITE)
+    plan = dataclasses.replace(plan, arms=arms(["sao", "grpo", "eta0"]), drifts=plan.drifts[:2], pre=100)
+    a, b = (d["name"] for d in plan.drifts)
+    files = []
+    for arm, drift, cpu_s, rollouts in [("sao", a, 10.0, 1000), ("sao", b, 6.0, 300),  # 0.01 and 0.02 per rollout
+                                        ("grpo", a, 5.0, 1000), ("grpo", b, 3.0, 600)]:  # 0.005 each
+        f = tmp_path / f"{drift}-{arm}.json"
+        f.write_text(json.dumps({"arm": arm, "drift": drift, "sim": {"threads": 1},
+                                 "summary": {"cpu_s": cpu_s, "trajectories": rollouts}}))
+        files.append(f)
+    # a seed: sao 0.01 x 1000 + 0.02 x 500 = 20, eta0 priced as sao 20, grpo 0.005 x 1500 = 7.5; 47.5 CPU-s
+    out = seeds_in_budget(plan, files, {a: 900, b: 400}, n_rule=7, budget_s=100.0, cores=2)
+    assert out["seed_cost"]["cpu_s"] == pytest.approx(47.5)
+    assert out["budget_seeds"] == 4 and out["main_seeds"] == 4 and out["capped_by_budget"]  # 200 / 47.5 = 4.2
+    assert out["predicted_wall_s"] == pytest.approx(4 * 47.5 / 2)
+    assert seeds_in_budget(plan, files, {a: 900, b: 400}, n_rule=3, budget_s=100.0, cores=2)["main_seeds"] == 3
 
 
 def test_an_arm_missing_a_cell_is_left_out():
