@@ -7,9 +7,15 @@
 # Model: bench/megatron_step.py --size gpu (8 layers, hidden 1024, 16 experts top-2, width 1024).
 # On CPU-only machines it stops: the CPU path is tested by tests/test_megatron_backend.py.
 # Last, the drift suite's pilot sized to 8 minutes (SKIP_PILOT=1 skips it; PILOT_BUDGET_S=... changes it).
+# A GPU machine with its own CUDA torch and no package registry: download the pinned wheels it lacks for its Python
+# elsewhere (`pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 ...`:
+# msgspec, kafka-python, crc32c, lz4, transformers, huggingface-hub, tokenizers, megatron-core at pyproject.toml's
+# pins), `pip install --no-index --no-deps --target /tmp/site` there, then
+# `PYTHONPATH=/tmp/site:$PWD PY=python3 bash bench/gpu_check.sh`; carry runs/cache to skip the warm start's build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
+[ -x "$PY" ] || command -v "$PY" >/dev/null || { echo "gpu_check: no python at $PY (set PY=...)" >&2; exit 2; }
 NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 if [ "$NGPU" -lt 1 ]; then
   echo "gpu_check: no CUDA device visible; nothing to check (CPU parity: pytest tests/test_megatron_backend.py)" >&2

@@ -6,7 +6,8 @@ Per arm: the pooled difference to the reference arm in each, with both intervals
 replicate reaches the same verdict (the sign of the mean, and whether the interval excludes 0). Per run (drift, arm,
 seed): the replicate's outcome minus the original's, against the original's spread over seeds of one drift and arm.
 With --new-version the replicate may be a later version of the suite (drift_v1 1.5 against 1.4, say): do the
-conclusions survive its changes.
+conclusions survive its changes. With --common-seeds the two may hold different seeds (a version whose budget took 5
+of the other's 7, say): the verdicts are each file's own pooled intervals, the run shifts over the seeds both hold.
 
     .venv/bin/python bench/suite_replicate.py docs/bench/suite_main/v1.4/seeds-0-6.json \
         runs/bench/suite-v1.4-b/suite.json --out docs/bench/suite_main/v1.4/replicate-b.json
@@ -33,11 +34,13 @@ from bench.stats import verdict  # noqa: E402
 PLAN_KEYS = ("suite", "suite_version", "reference_arm", "window", "lr")
 
 
-def same_plan(a: dict, b: dict, new_version: bool = False) -> None:
+def same_plan(a: dict, b: dict, new_version: bool = False, common_seeds: bool = False) -> None:
     """Refuse two results that differ in anything but their runs' weights and outcomes (and the suite version, with
-    `new_version`)."""
+    `new_version`; the seeds, with `common_seeds`, as long as some are shared)."""
     diff = differing(a, b, [k for k in PLAN_KEYS if not (new_version and k == "suite_version")])
     keys = [{(r["drift"], r["arm"], r["seed"]) for r in x["runs"]} for x in (a, b)]
+    if common_seeds:
+        keys = [{k[:2] for k in x} for x in keys] if keys[0] & keys[1] else [{"no run in common"}, set()]
     if keys[0] != keys[1]:
         diff.append(f"runs ({len(keys[0] ^ keys[1])} (drift, arm, seed) in one only)")
     if diff:
@@ -70,17 +73,19 @@ def run_shifts(a: dict, b: dict, outcome: str) -> dict[str, Any]:
     rb = {(r["drift"], r["arm"], r["seed"]): r[outcome] for r in b["runs"]}
     out = {}
     for arm in sorted({k[1] for k in ra}):
-        keys = [k for k in ra if k[1] == arm]
+        every = [k for k in ra if k[1] == arm]
+        keys = [k for k in every if k in rb]
         d = np.array([rb[k] - ra[k] for k in keys])
-        drifts = sorted({k[0] for k in keys})
-        seed_sd = np.mean([np.std([ra[k] for k in keys if k[0] == dr], ddof=1) for dr in drifts])
+        drifts = sorted({k[0] for k in every})
+        seed_sd = np.mean([np.std([ra[k] for k in every if k[0] == dr], ddof=1) for dr in drifts])
         out[arm] = {"runs": len(keys), "mean": round(float(d.mean()), 4), "sd": round(float(d.std(ddof=1)), 4),
                     "max_abs": round(float(np.abs(d).max()), 4), "original_sd_over_seeds": round(float(seed_sd), 4)}
     return out
 
 
-def compare(a: dict, b: dict, outcome: str = "auc_equal_rollouts", new_version: bool = False) -> dict[str, Any]:
-    same_plan(a, b, new_version)
+def compare(a: dict, b: dict, outcome: str = "auc_equal_rollouts", new_version: bool = False,
+            common_seeds: bool = False) -> dict[str, Any]:
+    same_plan(a, b, new_version, common_seeds)
     arms = arm_verdicts(a, b, outcome)
     b_arms = {p["arm"]: p for p in b["pooled"]}
     pooled = {p["arm"]: [round(p[outcome], 4), round(b_arms[p["arm"]][outcome], 4)] for p in a["pooled"]}
@@ -97,11 +102,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("original", type=Path, help="a suite.json (e.g. the committed pooled result)")
     p.add_argument("replicate", type=Path, help="a suite.json of the same plan from other warm-start weights")
     p.add_argument("--new-version", action="store_true", help="the replicate may be another version of the suite")
+    p.add_argument("--common-seeds", action="store_true",
+                   help="the two may hold different seeds: run shifts over the seeds both hold")
     p.add_argument("--out", type=Path, required=True)
     a = p.parse_args(argv)
     orig, rep = (json.loads(f.read_text()) for f in (a.original, a.replicate))
     result = {"original": str(a.original), "replicate": str(a.replicate),
-              **{o: compare(orig, rep, o, a.new_version) for o in ("auc_equal_rollouts", "auc_equal_tokens")}}
+              **{o: compare(orig, rep, o, a.new_version, a.common_seeds)
+                 for o in ("auc_equal_rollouts", "auc_equal_tokens")}}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1) + "\n")
     r = result["auc_equal_rollouts"]

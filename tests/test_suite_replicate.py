@@ -66,6 +66,22 @@ def test_a_later_suite_version_is_compared_only_when_asked():
         compare(a, {**b, "lr": 2e-4}, new_version=True)
 
 
+def test_results_on_different_seeds_compare_the_runs_both_hold_when_asked():
+    a = _result("aa", _interval(-0.2, -0.3, -0.1), _interval(-0.2, -0.4, -0.05), RUNS_A)
+    b = _result("bb", _interval(-0.1, -0.2, -0.02), _interval(-0.1, -0.3, 0.1),
+                {k: v for k, v in RUNS_B.items() if k[2] == 0})  # seed 0 alone
+    with pytest.raises(ValueError, match=r"runs \(2 \(drift, arm, seed\) in one only\)"):
+        compare(a, b)
+    r = compare(a, b, common_seeds=True)
+    assert r["same_verdicts"] == {"interval_bootstrap": 1, "interval_t": 0}  # each file's own pooled intervals
+    sao = r["run_shifts"]["sao"]  # seed 0: 0.6 - 0.5; the original's SD over both its seeds
+    assert sao["runs"] == 1 and sao["mean"] == 0.1 and sao["original_sd_over_seeds"] == 0.1414
+    assert r["run_shifts"]["grpo"]["mean"] == 0.0
+    other = _result("bb", _interval(-0.1, -0.2, -0.02), _interval(-0.1, -0.3, 0.1), {("d", "sao", 5): 0.6})
+    with pytest.raises(ValueError, match="in one only"):  # no run in common
+        compare(a, other, common_seeds=True)
+
+
 def test_main_writes_both_aucs(tmp_path):
     a = _result("aa", _interval(-0.2, -0.3, -0.1), _interval(-0.2, -0.4, -0.05), RUNS_A)
     b = _result("bb", _interval(-0.1, -0.2, -0.02), _interval(-0.1, -0.3, 0.1), RUNS_B)
