@@ -12,6 +12,9 @@ main_plan.json:
   is how many seeds fit the budget at the pilot's measured CPU per rollout; when n is larger, the plan takes the
   budget's seeds and states the difference it can detect at 3 standard errors, 3 sd_d / sqrt(n);
 and beside it pilot-lr-<lr>.json: each grid point's outcomes (`suite.combine`), which bench/suite_report.py draws.
+With --budget-only (a later version that keeps its lr, lengths and n, on other code or another machine): only the
+budget, the suite's own post-drift lengths priced at this pilot's CPU per rollout and its n capped by the seeds that
+fit (`seeds_in_budget`).
 
     .venv/bin/python bench/suite_plan.py --suite bench/suites/drift_v1.yaml --init runs/cache/warmstart-XXXX \
         --pilots 2e-4=runs/bench/suite-lr-2e-4 4e-4=runs/bench/suite-lr-4e-4 --frozen docs/bench/suite_pilot/v1.1 \
