@@ -40,9 +40,11 @@ def same_plan(a: dict, b: dict, new_version: bool = False, common_seeds: bool = 
     diff = differing(a, b, [k for k in PLAN_KEYS if not (new_version and k == "suite_version")])
     keys = [{(r["drift"], r["arm"], r["seed"]) for r in x["runs"]} for x in (a, b)]
     if common_seeds:
-        keys = [{k[:2] for k in x} for x in keys] if keys[0] & keys[1] else [{"no run in common"}, set()]
+        if not keys[0] & keys[1]:
+            diff.append("runs (no (drift, arm, seed) in both)")
+        keys = [{k[:2] for k in x} for x in keys]
     if keys[0] != keys[1]:
-        diff.append(f"runs ({len(keys[0] ^ keys[1])} (drift, arm, seed) in one only)")
+        diff.append(f"runs ({len(keys[0] ^ keys[1])} (drift, arm{'' if common_seeds else ', seed'}) in one only)")
     if diff:
         raise ValueError(f"not one plan: they differ in {', '.join(diff)}")
 
