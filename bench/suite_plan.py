@@ -46,6 +46,8 @@ from bench.suite import (  # noqa: E402
     finished_run,
     has_own_lr,
     load_plan,
+    lr_of,
+    post_of,
     post_rollouts_rule,
     run_path,
     seed_differences,
@@ -140,6 +142,25 @@ def complete(runs: list[dict], n_cells: int) -> list[dict]:
     return [r for r in runs if count[r["arm"]] == n_cells]
 
 
+def suite_choices(plan: Plan) -> tuple[dict[str, dict], dict[str, dict]]:
+    """The suite's own lr per trained arm and post-drift rollouts per drift, in main_plan.json's shape (what
+    `--budget-only` keeps)."""
+    lr = {name: {"lr": lr_of(plan, ARMS[name]), "from_suite": True} for name in trained_arms(plan)}
+    post = {d["name"]: {"post_rollouts": post_of(plan, d), "from_suite": True} for d in plan.drifts}
+    return lr, post
+
+
+def pilot_choices(plan: Plan, pilots: list[dict]) -> tuple[dict[str, dict], dict[str, dict]]:
+    """The lr rule over the grid points each arm ran (an arm the pilot did not cover inherits SAO's lr, and says
+    so) and the post-drift rule on SAO and GRPO, each at its chosen lr."""
+    lr = with_grid_edges(choose_lr(pilots))
+    for name in trained_arms(plan):
+        lr.setdefault(name, {"lr": lr["sao"]["lr"], "auc_equal_rollouts_by_lr": {}, "not_in_pilot": True})
+    at_lr = [e for pl in pilots for e in pl["per_drift_arm"]
+             if e["arm"] in ("sao", "grpo") and lr[e["arm"]]["lr"] == pl["lr"]]
+    return lr, post_rollouts_rule(at_lr, plan.pilot_post)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--suite", required=True)
@@ -154,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-only", action="store_true",
                    help="keep the suite's filled lr, post-drift lengths and main seeds' count (the seeds rule's n); "
                         "only price them at this pilot's CPU per rollout and cap the seeds by the budget")
+    p.add_argument("--n-rule", type=int, help="with --budget-only: the seeds rule's n to cap (default: the suite's "
+                   "main seeds; a suite whose seeds the budget already capped names the rule's n here)")
     p.add_argument("--out", default="runs/bench/suite/main_plan.json")
     a = p.parse_args(argv)
     plan = load_plan(a.suite)
@@ -164,19 +187,11 @@ def main(argv: list[str] | None = None) -> int:
         runs = complete(pilot_runs(plan, Path(directory), float(lr), a.init, a.jobs), cells)
         pilots.append({**combine(plan, runs), "lr": float(lr)})
         files += [run_path(Path(directory), ARMS[r["arm"]], {"name": r["drift"]}, r["seed"]) for r in runs]
-    lr = with_grid_edges(choose_lr(pilots))
-    for name in trained_arms(plan):  # an arm the pilot did not cover inherits SAO's lr, and says so
-        lr.setdefault(name, {"lr": lr["sao"]["lr"], "auc_equal_rollouts_by_lr": {}, "not_in_pilot": True})
-    chosen = pd.DataFrame([r for pl in pilots for r in pl["runs"] if lr[r["arm"]]["lr"] == pl["lr"]])
-    at_lr = [e for pl in pilots for e in pl["per_drift_arm"]
-             if e["arm"] in ("sao", "grpo") and lr[e["arm"]]["lr"] == pl["lr"]]
-    post = post_rollouts_rule(at_lr, plan.pilot_post)
     files += sorted(Path(a.frozen).glob("runs/*-frozen-*.json")) if a.frozen else []
+    lr, post = suite_choices(plan) if a.budget_only else pilot_choices(plan, pilots)
+    chosen = pd.DataFrame([r for pl in pilots for r in pl["runs"] if lr[r["arm"]]["lr"] == pl["lr"]])
     rule = seeds_rule(chosen, "sao")
-    if a.budget_only:  # the suite's own lr, lengths and n; this pilot prices them
-        lr, post, n_rule = {}, {k: {"post_rollouts": v} for k, v in plan.post.items()}, len(plan.seeds)
-    else:
-        n_rule = rule["n"]
+    n_rule = (a.n_rule or len(plan.seeds)) if a.budget_only else rule["n"]
     budget = seeds_in_budget(plan, files, {k: v["post_rollouts"] for k, v in post.items()}, n_rule, a.budget_s,
                              a.cores)
     sd = rule["per_arm"][rule["largest_sd_arm"]]["sd"]

@@ -79,10 +79,20 @@ def run_shifts(a: dict, b: dict, outcome: str) -> dict[str, Any]:
         keys = [k for k in every if k in rb]
         d = np.array([rb[k] - ra[k] for k in keys])
         drifts = sorted({k[0] for k in every})
-        seed_sd = np.mean([np.std([ra[k] for k in every if k[0] == dr], ddof=1) for dr in drifts])
-        out[arm] = {"runs": len(keys), "mean": round(float(d.mean()), 4), "sd": round(float(d.std(ddof=1)), 4),
-                    "max_abs": round(float(np.abs(d).max()), 4), "original_sd_over_seeds": round(float(seed_sd), 4)}
+        seed_sds = [sample_sd([ra[k] for k in every if k[0] == dr]) for dr in drifts]
+        seed_sd = None if None in seed_sds else float(np.mean(seed_sds))
+        out[arm] = {"runs": len(keys), "mean": round(float(d.mean()), 4), "sd": _round(sample_sd(d)),
+                    "max_abs": round(float(np.abs(d).max()), 4), "original_sd_over_seeds": _round(seed_sd)}
     return out
+
+
+def sample_sd(x) -> float | None:
+    """The sample SD (ddof 1); None for fewer than two values, where it is undefined (NaN is not JSON)."""
+    return float(np.std(x, ddof=1)) if len(x) > 1 else None
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
 
 
 def compare(a: dict, b: dict, outcome: str = "auc_equal_rollouts", new_version: bool = False,

@@ -18,6 +18,7 @@ from bench.suite_plan import (
     seed_cost,
     seeds_in_budget,
     seeds_rule,
+    suite_choices,
     trained_arms,
     with_grid_edges,
 )
@@ -85,6 +86,17 @@ def test_seeds_in_budget_prices_run_files_by_hand(tmp_path):
     assert out["budget_seeds"] == 4 and out["main_seeds"] == 4 and out["capped_by_budget"]  # 200 / 47.5 = 4.2
     assert out["predicted_wall_s"] == pytest.approx(4 * 47.5 / 2)
     assert seeds_in_budget(plan, files, {a: 900, b: 400}, n_rule=3, budget_s=100.0, cores=2)["main_seeds"] == 3
+
+
+def test_budget_only_keeps_the_suites_own_lr_and_lengths():
+    plan = load_plan(SUITE)
+    plan = dataclasses.replace(plan, arms=arms(["sao", "grpo", "eta0", "frozen"]), drifts=plan.drifts[:2],
+                               lr={"sao": 4e-4, "grpo": 5e-5}, post={plan.drifts[0]["name"]: 900,
+                                                                    plan.drifts[1]["name"]: 400})
+    lr, post = suite_choices(plan)
+    assert lr == {"sao": {"lr": 4e-4, "from_suite": True}, "grpo": {"lr": 5e-5, "from_suite": True}}  # own lr only
+    assert [v["post_rollouts"] for v in post.values()] == [900, 400]
+    assert list(post) == [d["name"] for d in plan.drifts]
 
 
 def test_an_arm_missing_a_cell_is_left_out():

@@ -76,6 +76,8 @@ def test_results_on_different_seeds_compare_the_runs_both_hold_when_asked():
     assert r["same_verdicts"] == {"interval_bootstrap": 1, "interval_t": 0}  # each file's own pooled intervals
     sao = r["run_shifts"]["sao"]  # seed 0: 0.6 - 0.5; the original's SD over both its seeds
     assert sao["runs"] == 1 and sao["mean"] == 0.1 and sao["original_sd_over_seeds"] == 0.1414
+    assert sao["sd"] is None  # one common run: no SD (not NaN, which JSON cannot hold)
+    json.dumps(r, allow_nan=False)
     assert r["run_shifts"]["grpo"]["mean"] == 0.0
     other = _result("bb", _interval(-0.1, -0.2, -0.02), _interval(-0.1, -0.3, 0.1), {("d", "sao", 5): 0.6})
     no_common = r"runs \(no \(drift, arm, seed\) in both\), runs \(1 \(drift, arm\) in one only"
