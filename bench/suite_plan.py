@@ -179,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
                    "main seeds; a suite whose seeds the budget already capped names the rule's n here)")
     p.add_argument("--out", default="runs/bench/suite/main_plan.json")
     a = p.parse_args(argv)
+    if a.n_rule is not None and not a.budget_only:
+        p.error("--n-rule goes with --budget-only (otherwise the pilot's power calculation sets n)")
     plan = load_plan(a.suite)
     cells = len(plan.drifts) * len(plan.pilot_seeds)
     pilots, files = [], []
