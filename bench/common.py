@@ -25,6 +25,7 @@ from typing import Any, Callable
 import numpy as np
 import pandas as pd
 
+from bench import stats
 from learner.trainer.checkpoint import file_sha256
 from streamer.runs import adaptation as ad
 from streamer.runs.layout import finite  # NaN/inf -> null, numpy scalars -> Python, recursively
@@ -32,10 +33,6 @@ from streamer.runs.layout import finite  # NaN/inf -> null, numpy scalars -> Pyt
 BASE_SCENARIO = "benchmark"
 CACHE_DIR = "runs/bench/cache"  # warm starts shared by the three benchmarks (keyed by their config)
 # two-sided 95% Student-t quantiles by degrees of freedom (n - 1); 1.96 beyond 30
-_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
-         10: 2.228, 15: 2.131, 20: 2.086, 30: 2.042}
-
-
 # ------------------------------------------------------------------ scenarios
 
 def snapshot_base(name: str = BASE_SCENARIO) -> Path:
@@ -208,9 +205,7 @@ def mean_ci(values) -> dict[str, float]:
     m = float(v.mean())
     if v.size == 1:
         return {"mean": m, "lo": m, "hi": m, "n": 1}
-    df = v.size - 1
-    t = _T975.get(df) or next((_T975[k] for k in sorted(_T975) if k >= df), 1.96)
-    h = t * float(v.std(ddof=1)) / math.sqrt(v.size)
+    h = stats.t975(v.size - 1) * float(v.std(ddof=1)) / math.sqrt(v.size)
     return {"mean": m, "lo": m - h, "hi": m + h, "n": int(v.size)}
 
 
@@ -315,8 +310,8 @@ def save_figure(fig, path: Path, title: str | None = None) -> Path:
 
 def band(curves: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Pointwise mean and 95% interval over seeds of equally long curves."""
-    stats = [mean_ci(col) for col in np.asarray(curves, float).T]
-    return tuple(np.array([s[k] for s in stats], float) for k in ("mean", "lo", "hi"))  # type: ignore
+    per_point = [mean_ci(col) for col in np.asarray(curves, float).T]
+    return tuple(np.array([s[k] for s in per_point], float) for k in ("mean", "lo", "hi"))  # type: ignore
 
 
 def asdicts(items) -> list[dict]:

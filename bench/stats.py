@@ -82,6 +82,11 @@ def t_interval(diffs) -> dict[str, float]:
             "n": int(d.size)}
 
 
+def sample_sd(x) -> float | None:
+    """The sample SD (ddof 1); None for fewer than two values, where it is undefined (NaN is not JSON)."""
+    return float(np.std(x, ddof=1)) if len(x) > 1 else None
+
+
 def seeds_for(sd_diff: float, delta: float, k_sigma: float = 3.0, minimum: int = 5) -> int:
     """Seeds n so that a mean paired difference of `delta` is `k_sigma` standard errors: n = ceil((k sd / delta)^2)."""
     if not delta > 0:

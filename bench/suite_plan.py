@@ -34,7 +34,6 @@ from typing import Any
 if __package__ in (None, ""):  # `python bench/suite_plan.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from bench import stats  # noqa: E402
@@ -62,7 +61,10 @@ def seeds_rule(runs: pd.DataFrame, ref: str, k_sigma: float = 3.0, rel: float = 
     per_arm = {}
     for arm in sorted(set(runs["arm"]) - {ref}):
         d = seed_differences(runs, "auc_equal_rollouts", arm, ref).to_numpy()
-        sd = float(np.std(d, ddof=1)) if len(d) > 1 else math.nan
+        sd = stats.sample_sd(d)
+        if sd is None:
+            raise ValueError(f"seeds rule: arm {arm!r} has {len(d)} paired pilot seed(s) with {ref!r}; the power "
+                             "calculation needs the SD of at least 2")
         per_arm[arm] = {"paired_differences": d.round(5).tolist(), "mean": float(d.mean()), "sd": sd,
                         "n": stats.seeds_for(sd, delta, k_sigma, minimum)}
     worst = max(per_arm, key=lambda a: per_arm[a]["sd"])
@@ -181,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.n_rule is not None and not a.budget_only:
         p.error("--n-rule goes with --budget-only (otherwise the pilot's power calculation sets n)")
+    if a.n_rule is not None and a.n_rule < 1:
+        p.error(f"--n-rule must be at least 1, got {a.n_rule}")
     plan = load_plan(a.suite)
     cells = len(plan.drifts) * len(plan.pilot_seeds)
     pilots, files = [], []
@@ -193,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     lr, post = suite_choices(plan) if a.budget_only else pilot_choices(plan, pilots)
     chosen = pd.DataFrame([r for pl in pilots for r in pl["runs"] if lr[r["arm"]]["lr"] == pl["lr"]])
     rule = seeds_rule(chosen, "sao")
-    n_rule = (a.n_rule or len(plan.seeds)) if a.budget_only else rule["n"]
+    n_rule = (len(plan.seeds) if a.n_rule is None else a.n_rule) if a.budget_only else rule["n"]
     budget = seeds_in_budget(plan, files, {k: v["post_rollouts"] for k, v in post.items()}, n_rule, a.budget_s,
                              a.cores)
     sd = rule["per_arm"][rule["largest_sd_arm"]]["sd"]
@@ -202,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
               "budget_only": a.budget_only,
               "arms_in_pilot": {str(pl["lr"]): sorted({r["arm"] for r in pl["runs"]}) for pl in pilots},
               "lr": lr, "post_rollouts": post, "seeds_rule": rule, "n_rule": n_rule, **budget,
-              "detectable_difference_3se": 3 * sd / math.sqrt(n) if n else math.nan}
+              "detectable_difference_3se": 3 * sd / math.sqrt(n) if n else None}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

@@ -29,7 +29,7 @@ if __package__ in (None, ""):  # `python bench/suite_replicate.py`
 import numpy as np  # noqa: E402
 
 from bench.common import differing  # noqa: E402
-from bench.stats import verdict  # noqa: E402
+from bench.stats import sample_sd, verdict  # noqa: E402
 
 PLAN_KEYS = ("suite", "suite_version", "reference_arm", "window", "lr")
 
@@ -84,11 +84,6 @@ def run_shifts(a: dict, b: dict, outcome: str) -> dict[str, Any]:
         out[arm] = {"runs": len(keys), "mean": round(float(d.mean()), 4), "sd": _round(sample_sd(d)),
                     "max_abs": round(float(np.abs(d).max()), 4), "original_sd_over_seeds": _round(seed_sd)}
     return out
-
-
-def sample_sd(x) -> float | None:
-    """The sample SD (ddof 1); None for fewer than two values, where it is undefined (NaN is not JSON)."""
-    return float(np.std(x, ddof=1)) if len(x) > 1 else None
 
 
 def _round(x: float | None) -> float | None:

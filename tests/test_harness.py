@@ -15,7 +15,7 @@ import pytest
 
 from bench import stats
 from bench.arms import ARMS, arms
-from bench.common import init_sha256, reusable_run
+from bench.common import init_sha256, mean_ci, reusable_run
 from bench.harness import (
     Harness,
     SimConfig,
@@ -121,6 +121,18 @@ def test_stats_hand_computed():
     assert stats.t975(30) == pytest.approx(2.0423, abs=1e-3)  # the expansion beyond the table (tables: 2.0423)
     with pytest.raises(ValueError, match="df must be >= 1"):
         stats.t975(0)
+    assert stats.sample_sd([0.1, 0.2, 0.3]) == pytest.approx(0.1) and stats.sample_sd([0.1]) is None
+
+
+def test_mean_ci_uses_the_t_quantile_of_its_df():
+    # 3 values: the t interval above, 0.2 +- 0.24843
+    ci = mean_ci([0.1, 0.2, None, 0.3])
+    assert (ci["mean"], ci["lo"], ci["hi"], ci["n"]) == pytest.approx((0.2, -0.04843, 0.44843, 3), abs=1e-5)
+    # six 0s and six 1s: sd sqrt(3 / 11) = 0.52223, se 0.150756; t(0.975, 11) 2.201 (the expansion 2.1990), not
+    # the 2.131 of df 15 that a sparse table would round to: half width 0.3315
+    ci = mean_ci([0.0] * 6 + [1.0] * 6)
+    assert ci["hi"] - ci["mean"] == pytest.approx(2.1990 * 0.150756, abs=2e-4)
+    assert mean_ci([0.7]) == {"mean": 0.7, "lo": 0.7, "hi": 0.7, "n": 1}
 
 
 # ---------------------------------------------------------------------------------------------- the simulation

@@ -51,6 +51,12 @@ def test_seeds_rule_by_hand():
     assert rule["largest_sd_arm"] == "ppo" and rule["n"] == 34
 
 
+def test_seeds_rule_refuses_one_pilot_seed():
+    one_seed = pilot_runs().query("seed == 1")
+    with pytest.raises(ValueError, match="'grpo' has 1 paired pilot seed"):
+        seeds_rule(one_seed, "sao")
+
+
 def test_budget_and_seed_cost_by_hand():
     plan = load_plan(SUITE)
     plan = dataclasses.replace(plan, arms=arms(["sao", "grpo", "frozen", "eta0", "gspo"]), drifts=plan.drifts[:2],
