@@ -80,7 +80,7 @@ fi
 # fit run many at once, one thread each (bench/pilot_sizing.py). The tiny model's harness runs on CPU threads: this
 # uses the machine's cores, not the GPU. The warm start is built first when runs/cache lacks it (timed apart).
 if [ "${SKIP_PILOT:-0}" != 1 ]; then
-  "$PY" bench/pilot_sizing.py --suite bench/suites/drift_v1_5.yaml --budget-s "${PILOT_BUDGET_S:-480}" \
+  "$PY" bench/pilot_sizing.py --suite bench/suites/drift_v1_6.yaml --budget-s "${PILOT_BUDGET_S:-480}" \
     --out runs/bench/gpu_pilot
   echo "saved runs/bench/gpu_pilot/pilot.json"
 fi
