@@ -32,7 +32,8 @@ from streamer.runs.layout import finite  # NaN/inf -> null, numpy scalars -> Pyt
 
 BASE_SCENARIO = "benchmark"
 CACHE_DIR = "runs/bench/cache"  # warm starts shared by the three benchmarks (keyed by their config)
-# two-sided 95% Student-t quantiles by degrees of freedom (n - 1); 1.96 beyond 30
+
+
 # ------------------------------------------------------------------ scenarios
 
 def snapshot_base(name: str = BASE_SCENARIO) -> Path:
