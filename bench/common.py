@@ -206,8 +206,8 @@ def mean_ci(values) -> dict[str, float]:
     m = float(v.mean())
     if v.size == 1:
         return {"mean": m, "lo": m, "hi": m, "n": 1}
-    h = stats.t975(v.size - 1) * float(v.std(ddof=1)) / math.sqrt(v.size)
-    return {"mean": m, "lo": m - h, "hi": m + h, "n": int(v.size)}
+    t = stats.t_interval(v)
+    return {"mean": t["mean"], "lo": t["low"], "hi": t["high"], "n": t["n"]}
 
 
 def git(*args: str) -> str:
