@@ -1,15 +1,15 @@
 """Text rules every family shares: the alphabet, answer cleaning and the verdict type.
 
-The alphabet is the char tokenizer's (`learner/models/tokenizer.py`); it is repeated here so that
-the simulator depends on `streamer.wire.schema` only (a test checks the two stay equal).
+The alphabet and the tool-call markup are the embedded character model's (`streamer.wire.alphabet`, which the
+char tokenizer `learner/models/tokenizer.py` reads too).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ALPHABET = "abcdefghijklmnopqrstuvwxyz0123456789" + " +-*/%=()[]{}<>:;,.?!_|#@'\"&^~$\n"
-MARKUP = ("<call>", "</call>", "<obs>", "</obs>")
+from streamer.wire.alphabet import ALPHABET, MARKUP
+
 MAX_ANSWER_CHARS = 64  # far above any reference answer (<= 12); longer text is rejected unread
 
 _ALPHABET_SET = frozenset(ALPHABET)

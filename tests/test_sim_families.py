@@ -6,12 +6,11 @@ import random
 
 import pytest
 
-from learner.models.tokenizer import ALPHABET as TOKENIZER_ALPHABET
-from learner.models.tokenizer import MARKUP as TOKENIZER_MARKUP
+from learner.models.tokenizer import CharTokenizer
 from simulator.families import FAMILIES
 from simulator.families.arith import solve
 from simulator.families.tools import world_facts
-from simulator.text import ALPHABET, MARKUP, in_alphabet
+from simulator.text import MARKUP, in_alphabet
 from streamer.wire.schema import Task
 
 CONCEPTS = {"arith": ["add10", "sub10", "mul7", "max5", "absdiff9"],
@@ -43,9 +42,14 @@ def _final_answer(family: str, task: Task) -> str:
     return demo.rsplit("</obs>", 1)[-1]  # the tool family's answer follows its last observation
 
 
-def test_alphabet_matches_the_tokenizer():
-    assert ALPHABET == TOKENIZER_ALPHABET
-    assert tuple(MARKUP) == tuple(TOKENIZER_MARKUP)
+def test_the_char_tokenizer_reads_every_family_text_without_an_unknown_token():
+    tok = CharTokenizer()
+    assert [tok.encode(m) for m in MARKUP] == [[tok.token_to_id[m]] for m in MARKUP]  # one token each
+    for family, concepts in CONCEPTS.items():
+        for concept in concepts:
+            task = _task(family, concept)
+            for text in (task.prompt, FAMILIES[family].demonstrate(task)):
+                assert tok.unk_id not in tok.encode(text), (family, concept, text)
 
 
 @pytest.mark.parametrize("family", sorted(CONCEPTS))

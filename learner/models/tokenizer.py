@@ -1,23 +1,22 @@
 """Tokenizers the agents and the learner use: the embedded character tokenizer, or a model's own.
 
 `CharTokenizer` is the tiny model's, built locally (no hub): every simulator prompt, answer and
-observation is written in ALPHABET; the markup strings in MARKUP are single tokens so that a tool call
-is a short, learnable sequence. `HFTokenizer` puts any transformers tokenizer behind the same small
-interface (encode, decode, encode_prompt, the special ids, save), applying the model's chat template to
-prompts when it has one. `load_tokenizer(dir)` picks the one a model directory holds.
+observation is written in ALPHABET (`streamer.wire.alphabet`, the simulator's too); the markup strings in
+MARKUP are single tokens so that a tool call is a short, learnable sequence. `HFTokenizer` puts any transformers
+tokenizer behind the same small interface (encode, decode, encode_prompt, the special ids, save), applying the
+model's chat template to prompts when it has one. `load_tokenizer(dir)` picks the one a model directory holds.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import string
 from pathlib import Path
 from typing import Protocol
 
+from streamer.wire.alphabet import ALPHABET, MARKUP
+
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
-MARKUP = ["<call>", "</call>", "<obs>", "</obs>"]
-ALPHABET = string.ascii_lowercase + string.digits + " +-*/%=()[]{}<>:;,.?!_|#@'\"&^~$\n"
 
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 _MARKUP_RE = re.compile("(" + "|".join(map(re.escape, MARKUP)) + ")")
@@ -43,7 +42,7 @@ class Tokenizer(Protocol):
 
 class CharTokenizer:
     def __init__(self) -> None:
-        self.id_to_token = SPECIALS + MARKUP + list(ALPHABET)
+        self.id_to_token = SPECIALS + list(MARKUP) + list(ALPHABET)
         self.token_to_id = {t: i for i, t in enumerate(self.id_to_token)}
         self.pad_id, self.bos_id, self.eos_id, self.unk_id = PAD_ID, BOS_ID, EOS_ID, UNK_ID
 
