@@ -25,7 +25,7 @@ from typing import Any, Callable
 import numpy as np
 import pandas as pd
 
-from bench import stats
+from experiments import stats
 from learner.trainer.checkpoint import file_sha256
 from streamer.runs import adaptation as ad
 from streamer.runs.layout import finite  # NaN/inf -> null, numpy scalars -> Python, recursively

@@ -77,10 +77,10 @@ if "$VLLM_PY" -c "import vllm" 2>/dev/null && [ "${SKIP_OWN_MODEL:-0}" != 1 ]; t
 fi
 
 # The drift suite's pilot (issue 15, item 7) in 8 minutes: a timing pilot prices every arm's runs, then the arms that
-# fit run many at once, one thread each (bench/pilot_sizing.py). The tiny model's harness runs on CPU threads: this
+# fit run many at once, one thread each (experiments/pilot_sizing.py). The tiny model's harness runs on CPU threads: this
 # uses the machine's cores, not the GPU. The warm start is built first when runs/cache lacks it (timed apart).
 if [ "${SKIP_PILOT:-0}" != 1 ]; then
-  "$PY" bench/pilot_sizing.py --suite bench/suites/drift_v1_6.yaml --budget-s "${PILOT_BUDGET_S:-480}" \
+  "$PY" -m experiments.pilot_sizing --suite experiments/suites/drift_v1_6.yaml --budget-s "${PILOT_BUDGET_S:-480}" \
     --out runs/bench/gpu_pilot
   echo "saved runs/bench/gpu_pilot/pilot.json"
 fi

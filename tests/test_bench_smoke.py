@@ -1,7 +1,7 @@
-"""Smoke test of the headline benchmarks: `--quick` (what CI runs) runs the real pipeline briefly (embedded broker,
-tiny warm start, agents, learner) and this checks only that each script writes well-formed outputs
-(the JSON keys the README and the dashboards read, a PNG that is a PNG). Figures are not judged here:
-timing and quality live in the benchmarks themselves."""
+"""Smoke test of the headline experiments and bench/pipeline.py: `--quick` (what CI runs) runs the real pipeline
+briefly (embedded broker, tiny warm start, agents, learner) and this checks only that each script writes well-formed
+outputs (the JSON keys the README and the dashboards read, a PNG that is a PNG). Figures are not judged here: timing
+and quality live in the experiments themselves."""
 
 from __future__ import annotations
 
@@ -17,10 +17,12 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _run(script: str, out: Path) -> dict:
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--quick", "--out", str(out)],
+    """`script`: a file under the checkout (bench/pipeline.py) or a module run with -m (experiments.stability)."""
+    target = [str(ROOT / script)] if script.endswith(".py") else ["-m", script]
+    proc = subprocess.run([sys.executable, *target, "--quick", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"{script} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    name = script.removesuffix(".py")
+    name = Path(script).stem if script.endswith(".py") else script.rpartition(".")[2]
     png = out / f"{name}.png"
     assert png.read_bytes()[:8] == PNG_MAGIC, f"{png} is not a PNG"
     result = json.loads((out / f"{name}.json").read_text())
@@ -31,7 +33,7 @@ def _run(script: str, out: Path) -> dict:
 
 @pytest.mark.slow
 def test_drift_algorithms_smoke(tmp_path):
-    r = _run("drift_algorithms.py", tmp_path)
+    r = _run("experiments.drift_algorithms", tmp_path)
     assert {"table", "runs", "curves", "drift_marks", "token_budget", "settings"} <= set(r)
     assert {x["algo"] for x in r["runs"]} == {"sao", "grpo"} == set(r["table"])
     for row in r["runs"]:
@@ -46,7 +48,7 @@ def test_drift_algorithms_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_async_vs_sync_smoke(tmp_path):
-    r = _run("async_vs_sync.py", tmp_path)
+    r = _run("experiments.async_vs_sync", tmp_path)
     assert [x["mode"] for x in r["runs"]] == ["async", "sync"]
     assert {"speedup_trajectories_per_s", "speedup_trained_per_s", "goal_met", "token_budget"} <= set(r)
     for row in r["runs"]:
@@ -57,7 +59,7 @@ def test_async_vs_sync_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_stability_smoke(tmp_path):
-    r = _run("stability.py", tmp_path)
+    r = _run("experiments.stability", tmp_path)
     assert r["max_staleness"] == 8 and [x["algo"] for x in r["runs"]] == ["sao"]
     row = r["runs"][0]
     assert {"learner_steps", "staleness", "collapsed", "series", "masked"} <= set(row)
@@ -78,4 +80,4 @@ def check_pipeline(r: dict) -> None:
 @pytest.mark.slow
 def test_pipeline_smoke(tmp_path):
     # --quick: the isolated step, then sao up with a 20-step warm start for ~25 s (<= 90 s in all)
-    check_pipeline(_run("pipeline.py", tmp_path))
+    check_pipeline(_run("bench/pipeline.py", tmp_path))

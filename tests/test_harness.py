@@ -1,5 +1,6 @@
-"""The simulated online-learning harness (bench/harness.py), the drift suite (bench/suites/drift_v1.yaml, bench/arms.py,
-bench/suite.py) and its statistics (bench/stats.py), on the real engine and learner with a tiny random policy."""
+"""The simulated online-learning harness (experiments/harness.py), the drift suite (experiments/suites/drift_v1.yaml,
+experiments/arms.py, experiments/suite.py) and its statistics (experiments/stats.py), on the real engine and learner
+with a tiny random policy."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from bench import stats
-from bench.arms import ARMS, arms
 from bench.common import init_sha256, mean_ci, reusable_run
-from bench.harness import (
+from experiments import stats
+from experiments.arms import ARMS, arms
+from experiments.harness import (
     Harness,
     SimConfig,
     arrival_times,
@@ -27,8 +28,8 @@ from bench.harness import (
     simulate,
     simulate_branches,
 )
-from bench.offpolicy import main as offpolicy_main
-from bench.suite import (
+from experiments.offpolicy import main as offpolicy_main
+from experiments.suite import (
     choose_lr,
     combine,
     drift_options,
@@ -53,14 +54,14 @@ from bench.suite import (
     warm_start_note,
     warm_start_scenario,
 )
-from bench.suite import main as suite_main
-from bench.suite_report import report as suite_report
-from bench.sync_baselines import main as sync_main
+from experiments.suite import main as suite_main
+from experiments.suite_report import report as suite_report
+from experiments.sync_baselines import main as sync_main
 from simulator.scenario import Scenario, load_scenario, validate_scenario
 from streamer.wire.config import load_config
 from streamer.wire.schema import DriftEvent, Task
 
-SUITE = Path(__file__).resolve().parent.parent / "bench" / "suites" / "drift_v1.yaml"
+SUITE = Path(__file__).resolve().parent.parent / "experiments" / "suites" / "drift_v1.yaml"
 SUITE_1_5 = SUITE.with_name("drift_v1_5.yaml")
 AGENT = ["max_new_tokens=6"]  # a random policy writes garbage: keep its answers short
 

@@ -1,4 +1,4 @@
-"""The harness validation (bench/harness_validation.py): the scenario a run ran, and the pooled comparison on
+"""The harness validation (experiments/harness_validation.py): the scenario a run ran, and the pooled comparison on
 hand-made per-run results."""
 
 import json
@@ -7,7 +7,7 @@ import shutil
 import pandas as pd
 import pytest
 
-from bench.harness_validation import main, majority, pool, ran_scenario, same_batches
+from experiments.harness_validation import main, majority, pool, ran_scenario, same_batches
 from simulator.scenario import SCENARIO_DIR
 
 

@@ -1,4 +1,5 @@
-"""The suite's pilot sized to a wall-clock budget (bench/pilot_sizing.py): the fit by hand, the outputs end to end."""
+"""The suite's pilot sized to a wall-clock budget (experiments/pilot_sizing.py): the fit by hand, the outputs end to
+end."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from bench.pilot_sizing import fit_arms, main, per_run_cost, predicted_wall_s
-from bench.suite import load_plan
+from experiments.pilot_sizing import fit_arms, main, per_run_cost, predicted_wall_s
+from experiments.suite import load_plan
 
-SUITE = Path(__file__).resolve().parent.parent / "bench" / "suites" / "drift_v1.yaml"
+SUITE = Path(__file__).resolve().parent.parent / "experiments" / "suites" / "drift_v1.yaml"
 
 
 def test_predicted_wall_is_the_even_share_plus_the_longest_run():

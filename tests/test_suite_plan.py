@@ -1,4 +1,4 @@
-"""The main run's plan from the pilot (bench/suite_plan.py): the power calculation and the budget, by hand."""
+"""The main run's plan from the pilot (experiments/suite_plan.py): the power calculation and the budget, by hand."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from bench.arms import arms
-from bench.suite import load_plan, seed_differences
-from bench.suite_plan import (
+from experiments.arms import arms
+from experiments.suite import load_plan, seed_differences
+from experiments.suite_plan import (
     budget_seeds,
     complete,
     seed_cost,
@@ -23,7 +23,7 @@ from bench.suite_plan import (
     with_grid_edges,
 )
 
-SUITE = Path(__file__).resolve().parent.parent / "bench" / "suites" / "drift_v1.yaml"
+SUITE = Path(__file__).resolve().parent.parent / "experiments" / "suites" / "drift_v1.yaml"
 
 
 def pilot_runs() -> pd.DataFrame:

@@ -1,11 +1,11 @@
-"""bench/suite_replicate.py: a suite's conclusions against a replicate from other warm-start weights."""
+"""experiments/suite_replicate.py: a suite's conclusions against a replicate from other warm-start weights."""
 
 import json
 
 import pytest
 
-from bench.stats import verdict
-from bench.suite_replicate import compare, main
+from experiments.stats import verdict
+from experiments.suite_replicate import compare, main
 
 
 def _interval(mean, low, high):

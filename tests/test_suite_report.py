@@ -1,8 +1,8 @@
-"""bench/suite_report.py: what the figure's title says, on hand-made results."""
+"""experiments/suite_report.py: what the figure's title says, on hand-made results."""
 
 from __future__ import annotations
 
-from bench.suite_report import figure_title
+from experiments.suite_report import figure_title
 
 
 def _result(seeds, **extra):

@@ -1,4 +1,4 @@
-"""bench/suite_rerun.py: a suite invocation against earlier run files, on hand-made run folders."""
+"""experiments/suite_rerun.py: a suite invocation against earlier run files, on hand-made run folders."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from bench.suite_rerun import compare_runs, main, seeds_label
+from experiments.suite_rerun import compare_runs, main, seeds_label
 
 
 def write_run(folder, name, arm, wall, reward, steps=0, sections=None):

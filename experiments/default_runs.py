@@ -6,7 +6,7 @@ concept by phase (windowed over each family's trajectories in stream order, drif
 verdict per drift event and family is `streamer.runs.adaptation.drift_recoveries`' status, the one definition of the
 project.
 
-    .venv/bin/python bench/default_runs.py --seeds 0,1,2 --out docs/runs/default
+    .venv/bin/python -m experiments.default_runs --seeds 0,1,2 --out docs/runs/default
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # `python bench/default_runs.py`
+if __package__ in (None, ""):  # `python -m experiments.default_runs`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"pre {r['pre_level']:.2f} initial {r['initial_level']:.2f} traj {r['trajectories']} "
                   f"steps {r['learner_steps']}", flush=True)
     png = plot(runs, out / "reward_by_phase.png")
-    save_json({"bench": "default_runs", "command": " ".join(["bench/default_runs.py", *(argv or sys.argv[1:])]),
+    command = " ".join(["python -m experiments.default_runs", *(argv or sys.argv[1:])])
+    save_json({"bench": "default_runs", "command": command,
                "machine": machine(), "png": str(png), "runs": results}, out / "default_runs.json")
     print(f"wrote {out / 'default_runs.json'} and {png}")
     return 0

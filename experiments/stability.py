@@ -11,8 +11,8 @@ fraction, KL (k3) and entropy; per run the staleness reached, skipped (non-finit
 collapse verdict: a non-finite update, entropy collapse (common.collapsed) or the windowed reward
 halving on the stationary stream.
 
-    .venv/bin/python bench/stability.py              # 1,000 steps each
-    .venv/bin/python bench/stability.py --quick      # CI (< 1 min): outputs produced and well-formed
+    .venv/bin/python -m experiments.stability              # 1,000 steps each
+    .venv/bin/python -m experiments.stability --quick      # CI (< 1 min): outputs produced and well-formed
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-if __package__ in (None, ""):  # `python bench/stability.py`
+if __package__ in (None, ""):  # `python -m experiments.stability`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common as c  # noqa: E402
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(measure(a.name, r, mode))
     png = plot(rows, out / "stability.png", f"stability ({name}): max staleness {STALENESS}, {mode.steps} steps")
     result = {"bench": "stability", "mode": name,
-              "command": " ".join(["bench/stability.py", *(argv if argv is not None else sys.argv[1:])]),
+              "command": " ".join(["python -m experiments.stability", *(argv if argv is not None else sys.argv[1:])]),
               "machine_before": machine, "machine_after": c.machine(), "wall_s": time.monotonic() - t0,
               "settings": asdict(mode), "base_scenario": str(base_path), "max_staleness": STALENESS,
               "algos": c.asdicts(algorithms()),

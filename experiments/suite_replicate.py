@@ -9,9 +9,9 @@ With --new-version the replicate may be a later version of the suite (drift_v1 1
 conclusions survive its changes. With --common-seeds the two may hold different seeds (a version whose budget took 5
 of the other's 7, say): the verdicts are each file's own pooled intervals, the run shifts over the seeds both hold.
 
-    .venv/bin/python bench/suite_replicate.py docs/bench/suite_main/v1.4/seeds-0-6.json \
+    .venv/bin/python -m experiments.suite_replicate docs/bench/suite_main/v1.4/seeds-0-6.json \
         runs/bench/suite-v1.4-b/suite.json --out docs/bench/suite_main/v1.4/replicate-b.json
-    .venv/bin/python bench/suite_replicate.py docs/bench/suite_main/v1.4/replicate-85e9cc/seeds-0-6.json \
+    .venv/bin/python -m experiments.suite_replicate docs/bench/suite_main/v1.4/replicate-85e9cc/seeds-0-6.json \
         docs/bench/suite_main/v1.5/seeds-0-6.json --new-version --out docs/bench/suite_main/v1.5/against-1.4.json
 """
 
@@ -23,13 +23,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # `python bench/suite_replicate.py`
+if __package__ in (None, ""):  # `python -m experiments.suite_replicate`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
 from bench.common import differing  # noqa: E402
-from bench.stats import sample_sd, verdict  # noqa: E402
+from experiments.stats import sample_sd, verdict  # noqa: E402
 
 PLAN_KEYS = ("suite", "suite_version", "reference_arm", "window", "lr")
 

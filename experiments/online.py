@@ -5,7 +5,7 @@ staleness an asynchronous pipeline would see), then trains on them with `Trainer
 A configuration of the default scenario runs in about a minute on 2 cores, so it is how the default
 scenario, the learning rate and the value-model designs are calibrated before `sao up` confirms them.
 
-    .venv/bin/python bench/online.py --init runs/cache/warmstart-XXXX --set optim.lr=1e-4
+    .venv/bin/python -m experiments.online --init runs/cache/warmstart-XXXX --set optim.lr=1e-4
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-if __package__ in (None, ""):  # `python bench/online.py`
+if __package__ in (None, ""):  # `python -m experiments.online`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import msgspec  # noqa: E402

@@ -1,4 +1,4 @@
-"""Run a pre-registered drift suite (bench/suites/*.yaml) through the simulated harness: arms x drifts x seeds.
+"""Run a pre-registered drift suite (experiments/suites/*.yaml) through the simulated harness: arms x drifts x seeds.
 
 Writes <out>/runs/<drift>-<arm>-s<seed>.json (summary, by-phase table, recoveries, step metrics, outcomes) and
 <out>/suite.json (every run's outcomes and, per drift and arm, Kaplan-Meier medians of samples-to-threshold and
@@ -13,8 +13,9 @@ suite.json files of invocations on disjoint seeds (seeds accumulate across sessi
 must share). A suite file may extend another (`extends:`, `read_suite`): drift_v1_5.yaml is 1.4 with its own learner
 overrides and shared pre-drift phases (`run_branches`).
 
-    .venv/bin/python bench/suite.py --suite bench/suites/drift_v1.yaml --quick
-    .venv/bin/python bench/suite.py --suite bench/suites/drift_v1.yaml --admissibility --out docs/bench/suite_pilot
+    .venv/bin/python -m experiments.suite --suite experiments/suites/drift_v1.yaml --quick
+    .venv/bin/python -m experiments.suite --suite experiments/suites/drift_v1.yaml --admissibility \
+        --out docs/bench/suite_pilot
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # `python bench/suite.py`
+if __package__ in (None, ""):  # `python -m experiments.suite`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import msgspec  # noqa: E402
@@ -36,10 +37,10 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 import yaml  # noqa: E402
 
-from bench import stats  # noqa: E402
-from bench.arms import Arm, arms  # noqa: E402
 from bench.common import differing, git_commit, init_sha256, machine, reusable_run  # noqa: E402
-from bench.harness import (  # noqa: E402
+from experiments import stats  # noqa: E402
+from experiments.arms import Arm, arms  # noqa: E402
+from experiments.harness import (  # noqa: E402
     Result,
     SimConfig,
     by_phase,
@@ -49,7 +50,7 @@ from bench.harness import (  # noqa: E402
     simulate_branches,
     summary,
 )
-from bench.parallel import run_parallel  # noqa: E402
+from experiments.parallel import run_parallel  # noqa: E402
 from learner.pretrain import PretrainConfig, kernels, pretrain  # noqa: E402
 from simulator.scenario import Scenario, validate_scenario  # noqa: E402
 from streamer.wire.config import load_config  # noqa: E402
@@ -436,7 +437,7 @@ def pool_results(results: list[dict], names: list[str]) -> dict[str, Any]:
     for name, r in zip(names, results):
         for k in POOL_SAME:
             if k not in r:
-                raise ValueError(f"--pool {name}: no '{k}' (a suite.json of an older bench/suite.py?)")
+                raise ValueError(f"--pool {name}: no '{k}' (a suite.json of an older experiments/suite.py?)")
         if diff := differing(r, first, POOL_SAME):
             raise ValueError(f"--pool {name}: {diff[0]} {r[diff[0]]!r} differs from {names[0]}'s {first[diff[0]]!r}")
     cells = {(row["arm"], row["drift"]) for row in first["runs"]}

@@ -8,11 +8,11 @@ speed. Without --ref, the invocation's run walls alone (e.g. a replicate from ot
 meant to differ). With --combine, the walls files of several invocations on disjoint seeds (a main run in parts)
 summed into the whole run's: its wall, its run walls by seed and kind of arm, against the 2-hour budget.
 
-    .venv/bin/python bench/suite_rerun.py runs/bench/suite-v1.4-full7 --ref runs/bench/suite-v1.4-cr \\
+    .venv/bin/python -m experiments.suite_rerun runs/bench/suite-v1.4-full7 --ref runs/bench/suite-v1.4-cr \\
         runs/bench/suite-v1.4-s4 runs/bench/suite-v1.4-s5 runs/bench/suite-v1.4-s6 \\
         --pooled docs/bench/suite_main/v1.4/seeds-0-6.json --out docs/bench/suite_main/v1.4/seeds-0-6-one-run.json
-    .venv/bin/python bench/suite_rerun.py runs/bench/replicate-456 --out runs/bench/replicate-456/walls.json
-    .venv/bin/python bench/suite_rerun.py --combine docs/bench/suite_main/v1.5/walls-seed-0.json \\
+    .venv/bin/python -m experiments.suite_rerun runs/bench/replicate-456 --out runs/bench/replicate-456/walls.json
+    .venv/bin/python -m experiments.suite_rerun --combine docs/bench/suite_main/v1.5/walls-seed-0.json \\
         docs/bench/suite_main/v1.5/walls-seed-1.json docs/bench/suite_main/v1.5/walls-seeds-2-6.json \\
         --against docs/bench/suite_main/v1.4/replicate-85e9cc/walls.json --out docs/bench/suite_main/v1.5/walls.json
 """
@@ -28,8 +28,8 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.arms import arms  # noqa: E402
 from bench.common import json_equal  # noqa: E402
+from experiments.arms import arms  # noqa: E402
 
 BUDGET_S = 7200  # issue 15: the full suite in <= 2 h on a 2-core machine
 RESULT_KEYS = ("steps", "post_drift", "by_phase", "recoveries")  # what a run file says about the run itself
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         result = {"runs": len(runs), **run_walls(list(runs.values()))}
     found = next((f for f in (a.new / "suite.json", a.new / "pilot.json") if f.exists()), None)
     if found is None:
-        raise SystemExit(f"{a.new}: no suite.json or pilot.json (not the --out of a bench/suite.py invocation)")
+        raise SystemExit(f"{a.new}: no suite.json or pilot.json (not the --out of a experiments/suite.py invocation)")
     suite = json.loads(found.read_text())
     result.update(wall_s=suite["wall_s"], git_commit=suite["git_commit"], ref=[str(d) for d in a.ref])
     if a.pooled:

@@ -1,13 +1,13 @@
 """Ablation of SAO's value-model designs on the default scenario's first drift (format and string rule).
 
-Runs `bench/online.py`'s in-process loop (real engine, environments, learner step; sampling one step behind)
+Runs `experiments/online.py`'s in-process loop (real engine, environments, learner step; sampling one step behind)
 on the first 5,400 tasks of the default scenario (phase 0 and the rule-and-format drift) for: the defaults
 (5 critic-only warm-up steps, fixed λ_actor 0.95), no critic warm-up, the length-adaptive λ (α 0.05, which gives
 λ = 0 for answers of 20 tokens or fewer, most of this project's).
 Writes JSON (per configuration: reward of the new concepts by position, recoveries, first-step policy loss) and
 a PNG.
 
-    .venv/bin/python bench/value_ablation.py --init runs/cache/warmstart-XXXX [--jobs 2]
+    .venv/bin/python -m experiments.value_ablation --init runs/cache/warmstart-XXXX [--jobs 2]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-if __package__ in (None, ""):  # `python bench/value_ablation.py`
+if __package__ in (None, ""):  # `python -m experiments.value_ablation`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import machine, pyplot, save_figure, save_json  # noqa: E402
@@ -32,7 +32,7 @@ NEW = {"format": "parens", "string": "sort"}
 
 
 def one(name: str, sets: list[str], init: str, seed: int) -> dict:
-    from bench.online import online_run
+    from experiments.online import online_run
     from streamer.runs.adaptation import drift_recoveries
 
     traj, steps, drifts = online_run(init, "default", sets, [], seed=seed, threads=1, limit=TASKS,
@@ -65,7 +65,7 @@ def plot(rows: list[dict], path: Path) -> Path:
         ax.set_ylim(0, 1)
     axes[0].set_ylabel("mean reward per 100")
     axes[0].legend(fontsize=7)
-    return save_figure(fig, path, "value-model designs (bench/value_ablation.py)")
+    return save_figure(fig, path, "value-model designs (experiments/value_ablation.py)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     with ProcessPoolExecutor(a.jobs) as pool:
         rows = list(pool.map(one, CONFIGS, CONFIGS.values(), [a.init] * len(CONFIGS), [a.seed] * len(CONFIGS)))
     png = plot(rows, out / "value_ablation.png")
-    save_json({"bench": "value_ablation", "command": " ".join(["bench/value_ablation.py", *(argv or sys.argv[1:])]),
+    command = " ".join(["python -m experiments.value_ablation", *(argv or sys.argv[1:])])
+    save_json({"bench": "value_ablation", "command": command,
                "machine": machine(), "tasks": TASKS, "png": str(png), "runs": rows}, out / "value_ablation.json")
     for r in rows:
         print(f"{r['name']:28s} phase-1 reward {r['mean_reward_phase1']:.3f} "

@@ -28,14 +28,14 @@ default scenario, replayed with `--pooled`; the same three tolerances, unchanged
 not added to the third's). Beside it, `--from` pools the per-run results of both JSON files (no replay) for every
 cell's difference over the six seeds and its t interval.
 
-    .venv/bin/python bench/harness_validation.py runs/default-seed0 --others runs/default-seed1 runs/default-seed2 \
-        runs/default-seed-1 --out docs/bench/harness_validation.json
-    .venv/bin/python bench/harness_validation.py runs/default-seed0 runs/default-seed1 runs/default-seed2 --pooled \
-        --scenario docs/runs/default/2026-12-02-19400-tasks/scenario.yaml --jobs 2 \
+    .venv/bin/python -m experiments.harness_validation runs/default-seed0 \
+        --others runs/default-seed1 runs/default-seed2 runs/default-seed-1 --out docs/bench/harness_validation.json
+    .venv/bin/python -m experiments.harness_validation runs/default-seed0 runs/default-seed1 runs/default-seed2 \
+        --pooled --scenario docs/runs/default/2026-12-02-19400-tasks/scenario.yaml --jobs 2 \
         --out docs/bench/harness_validation_pooled.json
-    .venv/bin/python bench/harness_validation.py runs/v2/default-seed3 runs/v2/default-seed4 runs/v2/default-seed5 \
-        --pooled --jobs 2 --out docs/bench/harness_validation_replication.json
-    .venv/bin/python bench/harness_validation.py --from docs/bench/harness_validation_pooled_24800.json \
+    .venv/bin/python -m experiments.harness_validation runs/v2/default-seed3 runs/v2/default-seed4 \
+        runs/v2/default-seed5 --pooled --jobs 2 --out docs/bench/harness_validation_replication.json
+    .venv/bin/python -m experiments.harness_validation --from docs/bench/harness_validation_pooled_24800.json \
         docs/bench/harness_validation_replication.json --out docs/bench/harness_validation_six_seeds.json
 """
 
@@ -49,15 +49,15 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # `python bench/harness_validation.py`
+if __package__ in (None, ""):  # `python -m experiments.harness_validation`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pandas as pd  # noqa: E402
 import yaml  # noqa: E402
 
-from bench.harness import SimConfig, scenario_stream, simulate, summary  # noqa: E402
-from bench.parallel import run_parallel  # noqa: E402
-from bench.stats import t_interval  # noqa: E402
+from experiments.harness import SimConfig, scenario_stream, simulate, summary  # noqa: E402
+from experiments.parallel import run_parallel  # noqa: E402
+from experiments.stats import t_interval  # noqa: E402
 from simulator.latency import LatencyConfig  # noqa: E402
 from simulator.scenario import Scenario, load_scenario  # noqa: E402
 from streamer.runs.readers import read_drift  # noqa: E402

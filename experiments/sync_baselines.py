@@ -1,9 +1,9 @@
 """Asynchronous SAO against three synchronous baselines (issue 15, item 6), in the simulated harness with the task
 stream in real time.
 
-The same drift of the suite (bench/suites/*.yaml, `--drift`), the same warm start, tasks arriving at `--rate` per
+The same drift of the suite (experiments/suites/*.yaml, `--drift`), the same warm start, tasks arriving at `--rate` per
 simulated second, tool calls with the suite's long-tailed latency and a learner step of `--learner-step-s`
-simulated seconds. Modes (bench.harness.MODES): async (eta from the suite, up to max_in_flight rollouts running);
+simulated seconds. Modes (experiments.harness.MODES): async (eta from the suite, up to max_in_flight rollouts running);
 sync (a round of `batch` rollouts, then the learner's step; what `sao up --sync` does); sync_one_step (the next round
 generates while the learner trains on the last: one step off-policy); sync_overprovision (rounds of batch x 1.25,
 the first `batch` to finish trained, the stragglers dropped). Every run: trained trajectories per simulated second,
@@ -13,8 +13,8 @@ from the drift's arrival until the 64-window success first reaches 0.7 (censored
 All times are simulated seconds: the comparison is as good as the harness's generation speed, latency and learner
 step, which the JSON records.
 
-    .venv/bin/python bench/sync_baselines.py --suite bench/suites/drift_v1.yaml --seeds 0,1,2
-    .venv/bin/python bench/sync_baselines.py --suite bench/suites/drift_v1.yaml --quick   # outputs only
+    .venv/bin/python -m experiments.sync_baselines --suite experiments/suites/drift_v1.yaml --seeds 0,1,2
+    .venv/bin/python -m experiments.sync_baselines --suite experiments/suites/drift_v1.yaml --quick   # outputs only
 """
 
 from __future__ import annotations
@@ -27,18 +27,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # `python bench/sync_baselines.py`
+if __package__ in (None, ""):  # `python -m experiments.sync_baselines`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from bench import stats  # noqa: E402
-from bench.arms import arm as get_arm  # noqa: E402
 from bench.common import pyplot  # noqa: E402
-from bench.harness import MODES, scenario_stream, simulate  # noqa: E402
-from bench.parallel import run_parallel  # noqa: E402
-from bench.suite import (  # noqa: E402
+from experiments import stats  # noqa: E402
+from experiments.arms import arm as get_arm  # noqa: E402
+from experiments.harness import MODES, scenario_stream, simulate  # noqa: E402
+from experiments.parallel import run_parallel  # noqa: E402
+from experiments.suite import (  # noqa: E402
     build_init,
     drift_scenario,
     json_default,

@@ -4,12 +4,13 @@ A timing pilot first: SAO and GRPO on every drift of the suite, `--timing-rollou
 `--jobs` runs at once (one thread each); their CPU per rollout prices every arm's pilot (3 pilot seeds x every
 drift x the pilot's phase lengths; an arm not timed is priced as GRPO when it runs groups, else as SAO:
 `suite_plan.seed_cost`). Then the pilot itself with the arms that fit `--budget-s`, SAO and GRPO first (the
-post_rollouts rule needs both), the others in the suite's order. Its JSON is `bench/suite.py --pilot`'s.
+post_rollouts rule needs both), the others in the suite's order. Its JSON is `experiments/suite.py --pilot`'s.
 
 The harness runs the tiny model on CPU threads (the torch backend has no CUDA path): on a GPU machine the pilot runs
 on its CPU cores, many runs at once; the GPU itself is not used.
 
-    .venv/bin/python bench/pilot_sizing.py --suite bench/suites/drift_v1.yaml --budget-s 480 --out runs/bench/gpu_pilot
+    .venv/bin/python -m experiments.pilot_sizing --suite experiments/suites/drift_v1.yaml --budget-s 480 \
+        --out runs/bench/gpu_pilot
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # `python bench/pilot_sizing.py`
+if __package__ in (None, ""):  # `python -m experiments.pilot_sizing`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.arms import arms  # noqa: E402
-from bench.suite import (  # noqa: E402
+from experiments.arms import arms  # noqa: E402
+from experiments.suite import (  # noqa: E402
     Plan,
     build_init,
     combine,
@@ -36,7 +37,7 @@ from bench.suite import (  # noqa: E402
     run_all,
     run_path,
 )
-from bench.suite_plan import cpu_per_rollout, seed_cost  # noqa: E402
+from experiments.suite_plan import cpu_per_rollout, seed_cost  # noqa: E402
 
 TIMED = ("sao", "grpo")
 

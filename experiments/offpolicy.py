@@ -15,13 +15,14 @@ long stability test can be run in pieces.
 first tenth's entropy: streamer.runs.stability.collapsed) or the reward halving on the stationary stream (the mean
 of the last `window` trajectories below half that of the first `window` after the first 10% of the run).
 
-The stream is the drift suite's warm-start mixture at its pre-drift concepts (bench/suites/*.yaml), one phase, so a
-fall of the reward is the learner's doing, not a drift. Each arm runs at its lr from the suite's main_plan.json
+The stream is the drift suite's warm-start mixture at its pre-drift concepts (experiments/suites/*.yaml), one phase,
+so a fall of the reward is the learner's doing, not a drift. Each arm runs at its lr from the suite's main_plan.json
 (`--plan`) or at `--lr`.
 
-    .venv/bin/python bench/offpolicy.py --suite bench/suites/drift_v1.yaml --sweep --steps 200
-    .venv/bin/python bench/offpolicy.py --suite bench/suites/drift_v1.yaml --stability --steps 1000 --seeds 0,1,2
-    .venv/bin/python bench/offpolicy.py --suite bench/suites/drift_v1.yaml --quick      # outputs only
+    .venv/bin/python -m experiments.offpolicy --suite experiments/suites/drift_v1.yaml --sweep --steps 200
+    .venv/bin/python -m experiments.offpolicy --suite experiments/suites/drift_v1.yaml --stability --steps 1000 \
+        --seeds 0,1,2
+    .venv/bin/python -m experiments.offpolicy --suite experiments/suites/drift_v1.yaml --quick      # outputs only
 """
 
 from __future__ import annotations
@@ -34,18 +35,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # `python bench/offpolicy.py`
+if __package__ in (None, ""):  # `python -m experiments.offpolicy`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from bench import stats  # noqa: E402
-from bench.arms import Arm, arms  # noqa: E402
 from bench.common import init_sha256, pyplot, reusable_run  # noqa: E402
-from bench.harness import SimConfig, phase_prefix, scenario_stream, simulate, summary  # noqa: E402
-from bench.parallel import run_parallel  # noqa: E402
-from bench.suite import STEP_KEYS, Plan, build_init, json_default, load_plan, split_threads  # noqa: E402
+from experiments import stats  # noqa: E402
+from experiments.arms import Arm, arms  # noqa: E402
+from experiments.harness import SimConfig, phase_prefix, scenario_stream, simulate, summary  # noqa: E402
+from experiments.parallel import run_parallel  # noqa: E402
+from experiments.suite import STEP_KEYS, Plan, build_init, json_default, load_plan, split_threads  # noqa: E402
 from simulator.scenario import Scenario, validate_scenario  # noqa: E402
 from streamer.runs.stability import collapsed, policy_events  # noqa: E402
 from streamer.wire.config import load_config  # noqa: E402
@@ -203,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--families", default="arith,string,format,tool")
     p.add_argument("--window", type=int, default=64)
-    p.add_argument("--plan", help="main_plan.json (bench/suite_plan.py): each arm's lr")
+    p.add_argument("--plan", help="main_plan.json (experiments/suite_plan.py): each arm's lr")
     p.add_argument("--lr", type=float, help="every arm at this lr instead")
     p.add_argument("--init", help="warm start (default: the suite's own, built and cached)")
     p.add_argument("--jobs", type=int, default=1, help="runs at once, in separate processes (threads shared out)")

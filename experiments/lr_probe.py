@@ -5,8 +5,8 @@ one agent with 8 tasks in flight running up to 4 versions ahead, batches of 16 t
 learner steps per rate. Writes <out>/lr_probe.json: per rate the windowed reward by 100 trajectories
 and the clipped fraction per step. This is how the default `optim.lr` was chosen.
 
-    .venv/bin/python bench/lr_probe.py                       # 3e-4 and 5e-5, 60 steps each (~4 min)
-    .venv/bin/python bench/lr_probe.py --lrs 1e-4 --steps 100
+    .venv/bin/python -m experiments.lr_probe                       # 3e-4 and 5e-5, 60 steps each (~4 min)
+    .venv/bin/python -m experiments.lr_probe --lrs 1e-4 --steps 100
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # `python bench/lr_probe.py`
+if __package__ in (None, ""):  # `python -m experiments.lr_probe`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common as c  # noqa: E402
-from bench.stability import algorithms, stationary  # noqa: E402
+from experiments.stability import algorithms, stationary  # noqa: E402
 
 
 def probe(lr: str, steps: int, out: Path, base_path: Path, scn: Path) -> dict:
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     base_path = c.snapshot_base()
     scn = c.write_scenario(stationary(c.base_scenario(base_path), 4000), out / "stationary.yaml")
     rows = [probe(lr, args.steps, out, base_path, scn) for lr in args.lrs.split(",")]
-    result = {"bench": "lr_probe", "command": " ".join(["bench/lr_probe.py", *(argv or sys.argv[1:])]),
+    result = {"bench": "lr_probe", "command": " ".join(["python -m experiments.lr_probe", *(argv or sys.argv[1:])]),
               "machine_before": machine, "machine_after": c.machine(), "wall_s": time.monotonic() - t0, "runs": rows}
     c.save_json(result, out / "lr_probe.json")
     for r in rows:

@@ -6,7 +6,7 @@ over seeds, and the pooled AUC difference to SAO with its 95% interval per arm) 
 per drift and arm: AUCs with their paired differences, final reward and the Kaplan-Meier medians of samples to 70%
 and 80% with their censoring counts; a censored median is "> N").
 
-    .venv/bin/python bench/suite_report.py runs/bench/suite/suite.json
+    .venv/bin/python -m experiments.suite_report runs/bench/suite/suite.json
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # `python bench/suite_report.py`
+if __package__ in (None, ""):  # `python -m experiments.suite_report`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from bench import stats  # noqa: E402
 from bench.common import pyplot  # noqa: E402
+from experiments import stats  # noqa: E402
 
 
 def interval(d: dict | None) -> str:

@@ -14,10 +14,10 @@ once its trajectories hold `--tokens` generated tokens (or the scenario ends, or
 every metric is computed on the prefix of trajectories (in finish order) within the smallest total
 any run reached, so all runs are compared at one token budget.
 
-    .venv/bin/python bench/drift_algorithms.py                 # full table: 9 configurations x 3 seeds
-    .venv/bin/python bench/drift_algorithms.py --quick         # CI (~2 min): outputs produced and well-formed
-    .venv/bin/python bench/drift_algorithms.py --algos sao,grpo --seeds 0,1 --resume
-    .venv/bin/python bench/drift_algorithms.py --quick --algos all --seeds 0,1,2   # every config, tiny stream
+    .venv/bin/python -m experiments.drift_algorithms                 # full table: 9 configurations x 3 seeds
+    .venv/bin/python -m experiments.drift_algorithms --quick         # CI (~2 min): outputs produced and well-formed
+    .venv/bin/python -m experiments.drift_algorithms --algos sao,grpo --seeds 0,1 --resume
+    .venv/bin/python -m experiments.drift_algorithms --quick --algos all --seeds 0,1,2   # every config, tiny stream
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-if __package__ in (None, ""):  # `python bench/drift_algorithms.py`
+if __package__ in (None, ""):  # `python -m experiments.drift_algorithms`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common as c  # noqa: E402
@@ -232,8 +232,10 @@ def main(argv: list[str] | None = None) -> int:
     png = c.plot_bands(series, out / "drift_algorithms.png",
                        f"Online reward under drift ({mode_name}; {len(mode.seeds)} seed(s); {budget} generated tokens)",
                        "trajectories (rollouts)", f"windowed reward (W={mode.window})", drift_marks(mode, base))
-    result = {"bench": "drift_algorithms", "mode": mode_name, "command": " ".join(["bench/drift_algorithms.py",
-              *(argv if argv is not None else sys.argv[1:])]), "machine_before": machine, "machine_after": c.machine(),
+    result = {"bench": "drift_algorithms", "mode": mode_name,
+              "command": " ".join(["python -m experiments.drift_algorithms",
+                                   *(argv if argv is not None else sys.argv[1:])]),
+              "machine_before": machine, "machine_after": c.machine(),
               "wall_s": time.monotonic() - t0, "runs_wall_s": sum(r.get("wall_s") or 0.0 for r in runs),
               "settings": asdict(mode), "token_budget": budget,
               "budget_note": "phases scaled by scale/group_size; runs stop at the token budget; metrics on the "

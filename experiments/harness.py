@@ -21,7 +21,7 @@ Everything is seeded: the same seed gives the same trajectories, rewards and lea
 the first admission of a task of their own, then one deep copy of it per stream: each branch's Result is the one
 `simulate` gives on that stream alone (tested), the shared part's cost split between them.
 
-    .venv/bin/python bench/harness.py --init runs/cache/warmstart-XXXX --scenario default --limit 2000
+    .venv/bin/python -m experiments.harness --init runs/cache/warmstart-XXXX --scenario default --limit 2000
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # `python bench/harness.py`
+if __package__ in (None, ""):  # `python -m experiments.harness`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import msgspec  # noqa: E402

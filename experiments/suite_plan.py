@@ -1,7 +1,7 @@
 """The main run's plan from a suite's pilot (issue 15, items 2-4): each `pilot:` placeholder's rule applied to the
 pilot's JSON alone, and what the 2-hour budget allows.
 
-Reads one pilot directory per point of the lr grid (`bench/suite.py --pilot --lr X --out DIR`; the run files in
+Reads one pilot directory per point of the lr grid (`experiments/suite.py --pilot --lr X --out DIR`; the run files in
 DIR/runs written with the pilot's settings, of the arms that ran every drift and pilot seed) and writes
 main_plan.json:
 - lr: per arm, the suite's lr rule (`suite.choose_lr`) over the grid points the arm ran;
@@ -11,14 +11,14 @@ main_plan.json:
   at its chosen lr; n = ceil((3 sd_d / delta)^2), at least `minimum`, delta = 10% of SAO's mean. `budget_seeds`
   is how many seeds fit the budget at the pilot's measured CPU per rollout; when n is larger, the plan takes the
   budget's seeds and states the difference it can detect at 3 standard errors, 3 sd_d / sqrt(n);
-and beside it pilot-lr-<lr>.json: each grid point's outcomes (`suite.combine`), which bench/suite_report.py draws.
+and beside it pilot-lr-<lr>.json: each grid point's outcomes (`suite.combine`), which experiments/suite_report.py draws.
 With --budget-only (a later version that keeps its lr, lengths and n, on other code or another machine): only the
 budget, the suite's own post-drift lengths priced at this pilot's CPU per rollout and its n capped by the seeds that
 fit (`seeds_in_budget`).
 
-    .venv/bin/python bench/suite_plan.py --suite bench/suites/drift_v1.yaml --init runs/cache/warmstart-XXXX \
-        --pilots 2e-4=runs/bench/suite-lr-2e-4 4e-4=runs/bench/suite-lr-4e-4 --frozen docs/bench/suite_pilot/v1.1 \
-        --out docs/bench/suite_pilot/main_plan.json
+    .venv/bin/python -m experiments.suite_plan --suite experiments/suites/drift_v1.yaml \
+        --init runs/cache/warmstart-XXXX --pilots 2e-4=runs/bench/suite-lr-2e-4 4e-4=runs/bench/suite-lr-4e-4 \
+        --frozen docs/bench/suite_pilot/v1.1 --out docs/bench/suite_pilot/main_plan.json
 """
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # `python bench/suite_plan.py`
+if __package__ in (None, ""):  # `python -m experiments.suite_plan`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pandas as pd  # noqa: E402
 
-from bench import stats  # noqa: E402
-from bench.arms import ARMS  # noqa: E402
-from bench.suite import (  # noqa: E402
+from experiments import stats  # noqa: E402
+from experiments.arms import ARMS  # noqa: E402
+from experiments.suite import (  # noqa: E402
     Plan,
     choose_lr,
     combine,
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--suite", required=True)
     p.add_argument("--pilots", nargs="+", required=True, metavar="LR=DIR",
-                   help="the pilot's directory at each lr grid point (bench/suite.py --pilot --lr LR --out DIR)")
+                   help="the pilot's directory at each lr grid point (experiments/suite.py --pilot --lr LR --out DIR)")
     p.add_argument("--init", required=True, help="the warm start the pilot ran from")
     p.add_argument("--jobs", type=int, default=2, help="the --jobs the pilot ran with (its runs' threads)")
     p.add_argument("--frozen", help="a directory with frozen-arm run files (e.g. the admissibility check's) to price "
@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
-    for pilot, item in zip(pilots, a.pilots):  # each grid point's outcomes, for bench/suite_report.py
+    for pilot, item in zip(pilots, a.pilots):  # each grid point's outcomes, for experiments/suite_report.py
         pilot_out = {**pilot, "pilot": True, "runs_dir": str(Path(item.split("=", 1)[1]) / "runs")}
         (out.parent / f"pilot-lr-{pilot['lr']:g}.json").write_text(json.dumps(pilot_out, indent=1, default=str))
     print(json.dumps({k: result[k] for k in ("arms_in_pilot", "main_seeds", "budget_seeds", "capped_by_budget",

@@ -7,8 +7,8 @@ learner idle fraction, staleness distribution against the configured bound, and 
 reward reached at each wall-clock minute. Goal: async >= 3x the trained trajectories/s of sync with
 every trained trajectory's staleness within `batch.max_staleness`.
 
-    .venv/bin/python bench/async_vs_sync.py            # < 30 min
-    .venv/bin/python bench/async_vs_sync.py --quick    # CI (~1 min): outputs produced and well-formed
+    .venv/bin/python -m experiments.async_vs_sync            # < 30 min
+    .venv/bin/python -m experiments.async_vs_sync --quick    # CI (~1 min): outputs produced and well-formed
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-if __package__ in (None, ""):  # `python bench/async_vs_sync.py`
+if __package__ in (None, ""):  # `python -m experiments.async_vs_sync`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common as c  # noqa: E402
@@ -207,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                f"{mode.concurrency} in flight; "
                f"{common} generated tokens; lognormal tool latency mean {mode.latency['mean_s']} s)")
     result = {"bench": "async_vs_sync", "mode": name,
-              "command": " ".join(["bench/async_vs_sync.py", *(argv if argv is not None else sys.argv[1:])]),
+              "command": " ".join(["python -m experiments.async_vs_sync",
+                                   *(argv if argv is not None else sys.argv[1:])]),
               "machine_before": machine, "machine_after": c.machine(), "wall_s": time.monotonic() - t0,
               "settings": asdict(mode), "base_scenario": str(base), "token_budget": common, "runs": rows,
               "speedup_trajectories_per_s": speedup, "speedup_trained_per_s": trained_speedup,

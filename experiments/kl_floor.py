@@ -1,6 +1,6 @@
 """Does the KL anchor's kind set how often the policy still calls the new tool first when the rename comes?
 
-One process (bench/online.py: the real engine, environments, verifiers and learner step; batch 64, lag 1), the
+One process (experiments/online.py: the real engine, environments, verifiers and learner step; batch 64, lag 1), the
 default scenario's phases 0-2 (11,800 tasks: start, rule-and-format, tool-rename), from a given warm start, one seed
 and one anchor per run. Per run: the share of tool tasks whose first call names the new tool (`find`) in the last 512
 tool tasks before the rename and in blocks of 128 after it, the rename's recovery, and each phase's mean reward.
@@ -13,9 +13,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[4]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.online import online_run  # noqa: E402
+from experiments.online import online_run  # noqa: E402
 from streamer.runs.adaptation import drift_recoveries  # noqa: E402
 
 FIRST_CALL = re.compile(r"<call>(\w+)\(")
