@@ -231,7 +231,7 @@ def run_figures(run_dir: Path, isolated_tps: float, fixed_batch_tps: float) -> d
                 "trajectories_trained": trained_count(learner),
                 "trained_rows_fraction": trained_rows / generated if generated else math.nan,
                 "trajectories_per_s": ad.rate(traj["finished_at"]) if generated else math.nan,
-                "generation_span_s": span, "learner_counts": c.ad.learner_counts(learner)}
+                "generation_span_s": span, "learner_counts": ad.learner_counts(learner)}
     return {"figures": figures, "pipeline": pipeline, "series": series(traj, learner)}
 
 

@@ -23,10 +23,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-if __package__ in (None, ""):  # `python -m experiments.async_vs_sync`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench import common as c  # noqa: E402
+from bench.common import machine, pyplot, save_figure, save_json
+from experiments import common as c
 
 GOAL_SPEEDUP = 3.0
 
@@ -149,7 +147,7 @@ def markdown(result: dict) -> str:
 
 
 def plot(rows: list[dict], path: Path, title: str) -> Path:
-    plt = c.pyplot()
+    plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.5))
     for r in rows:
         pts = r["reward_curve"]
@@ -164,7 +162,7 @@ def plot(rows: list[dict], path: Path, title: str) -> Path:
     b.set(xlabel="staleness (versions)", ylabel="share of trained trajectories", title="staleness")
     a.legend(fontsize=8)
     b.legend(fontsize=8)
-    return c.save_figure(fig, path, title)
+    return save_figure(fig, path, title)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     mode.max_seconds = args.max_seconds or mode.max_seconds
     mode.agents = args.agents or mode.agents
     mode.concurrency = args.concurrency or mode.concurrency
-    out, t0, machine = Path(args.out), time.monotonic(), c.machine()
+    out, t0, machine_before = Path(args.out), time.monotonic(), machine()
     base = c.snapshot_base()
     scn = scenario(mode, out, base)
     algo = c.Algo("sao", "sao", 1, ["advantage.estimator=gae", f"batch.max_staleness={mode.max_staleness}"])
@@ -209,13 +207,13 @@ def main(argv: list[str] | None = None) -> int:
     result = {"bench": "async_vs_sync", "mode": name,
               "command": " ".join(["python -m experiments.async_vs_sync",
                                    *(argv if argv is not None else sys.argv[1:])]),
-              "machine_before": machine, "machine_after": c.machine(), "wall_s": time.monotonic() - t0,
+              "machine_before": machine_before, "machine_after": machine(), "wall_s": time.monotonic() - t0,
               "settings": asdict(mode), "base_scenario": str(base), "token_budget": common, "runs": rows,
               "speedup_trajectories_per_s": speedup, "speedup_trained_per_s": trained_speedup,
               "goal_speedup": GOAL_SPEEDUP, "goal_met": bool(trained_speedup is not None and trained_speedup >=
                                                             GOAL_SPEEDUP and a["staleness_within_bound"]),
               "png": str(png)}
-    c.save_json(result, out / "async_vs_sync.json")
+    save_json(result, out / "async_vs_sync.json")
     (out / "async_vs_sync.md").write_text(markdown(result) + "\n")
     for r in rows:
         print(f"{r['mode']:>5}: {r['trained_per_s']} trained/s, {r['trajectories_per_s']} generated/s, "

@@ -19,14 +19,11 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # `python -m experiments.default_runs`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from bench.common import machine, pyplot, save_figure, save_json  # noqa: E402
-from streamer.runs.adaptation import in_stream_order  # noqa: E402
-from streamer.runs.artifacts import read_trajectories  # noqa: E402
+from bench.common import machine, pyplot, save_figure, save_json
+from streamer.runs.adaptation import in_stream_order
+from streamer.runs.artifacts import read_trajectories
 
 WINDOW = 64
 

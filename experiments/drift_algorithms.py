@@ -31,10 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-if __package__ in (None, ""):  # `python -m experiments.drift_algorithms`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench import common as c  # noqa: E402
+from bench.common import machine, save_json
+from experiments import common as c
 
 GROUP = 8
 VALUE = ["advantage.estimator=gae"]
@@ -116,7 +114,7 @@ def run_all(mode: Mode, out: Path, resume: bool, base: Path, log=print) -> list[
             r = c.launch(a, name, scn[a.group_size], runs_dir, budget, mode.pretrain, base, seed=seed,
                          extra_sets=mode.learner, realtime=True, evaluate=True, agent_sets=mode.agent)
             done.append({"algo": a.name, "seed": seed, **r})
-            c.save_json(done[-1], kept)
+            save_json(done[-1], kept)
     return done
 
 
@@ -223,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     mode.tokens = args.tokens or mode.tokens
     mode.max_seconds = args.max_seconds or mode.max_seconds
     out = Path(args.out)
-    t0, machine = time.monotonic(), c.machine()
+    t0, machine_before = time.monotonic(), machine()
     base = c.snapshot_base()
     runs = run_all(mode, out, args.resume, base)
     rows, budget, curves = measure(runs, mode)
@@ -235,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"bench": "drift_algorithms", "mode": mode_name,
               "command": " ".join(["python -m experiments.drift_algorithms",
                                    *(argv if argv is not None else sys.argv[1:])]),
-              "machine_before": machine, "machine_after": c.machine(),
+              "machine_before": machine_before, "machine_after": machine(),
               "wall_s": time.monotonic() - t0, "runs_wall_s": sum(r.get("wall_s") or 0.0 for r in runs),
               "settings": asdict(mode), "token_budget": budget,
               "budget_note": "phases scaled by scale/group_size; runs stop at the token budget; metrics on the "
@@ -247,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
               "curves": {"x": curves["x"], **{a: dict(zip(("mean", "lo", "hi"), (v.tolist() for v in s[1:])))
                                               for a, s in series.items()}},
               "png": str(png)}
-    c.save_json(result, out / "drift_algorithms.json")
+    save_json(result, out / "drift_algorithms.json")
     (out / "drift_algorithms.md").write_text(markdown(tab) + "\n")
     print(markdown(tab))
     print(f"wrote {out / 'drift_algorithms.json'} and {png} in {result['wall_s']:.0f} s")

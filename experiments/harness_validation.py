@@ -49,18 +49,15 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # `python -m experiments.harness_validation`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import pandas as pd
+import yaml
 
-import pandas as pd  # noqa: E402
-import yaml  # noqa: E402
-
-from experiments.harness import SimConfig, scenario_stream, simulate, summary  # noqa: E402
-from experiments.parallel import run_parallel  # noqa: E402
-from experiments.stats import t_interval  # noqa: E402
-from simulator.latency import LatencyConfig  # noqa: E402
-from simulator.scenario import Scenario, load_scenario  # noqa: E402
-from streamer.runs.readers import read_drift  # noqa: E402
+from experiments.harness import SimConfig, scenario_stream, simulate, summary
+from experiments.parallel import run_parallel
+from experiments.stats import t_interval
+from simulator.latency import LatencyConfig
+from simulator.scenario import Scenario, load_scenario
+from streamer.runs.readers import read_drift
 
 REWARD_TOL = 0.10
 STALENESS_TV_TOL = 0.25

@@ -5,18 +5,21 @@ default scenario's phases 0-2 (11,800 tasks: start, rule-and-format, tool-rename
 and one anchor per run. Per run: the share of tool tasks whose first call names the new tool (`find`) in the last 512
 tool tasks before the rename and in blocks of 128 after it, the rename's recovery, and each phase's mean reward.
 
-    .venv/bin/python docs/runs/default/2026-12-05-kl-floor/run.py OUT.json INIT SEED [--set KEY=VALUE ...]
+Its runs are in docs/runs/default/2026-12-05-kl-floor/.
+
+    .venv/bin/python -m experiments.kl_floor OUT.json INIT SEED [--set KEY=VALUE ...]
 """
+
+from __future__ import annotations
+
 import json
 import re
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from experiments.online import online_run  # noqa: E402
-from streamer.runs.adaptation import drift_recoveries  # noqa: E402
+from experiments.online import online_run
+from streamer.runs.adaptation import drift_recoveries
 
 FIRST_CALL = re.compile(r"<call>(\w+)\(")
 

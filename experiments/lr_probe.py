@@ -16,11 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-if __package__ in (None, ""):  # `python -m experiments.lr_probe`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench import common as c  # noqa: E402
-from experiments.stability import algorithms, stationary  # noqa: E402
+from bench.common import machine, save_json
+from experiments import common as c
+from experiments.stability import algorithms, stationary
 
 
 def probe(lr: str, steps: int, out: Path, base_path: Path, scn: Path) -> dict:
@@ -42,13 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--out", default="runs/bench/lr_probe")
     args = p.parse_args(argv)
-    out, t0, machine = Path(args.out), time.monotonic(), c.machine()
+    out, t0, machine_before = Path(args.out), time.monotonic(), machine()
     base_path = c.snapshot_base()
     scn = c.write_scenario(stationary(c.base_scenario(base_path), 4000), out / "stationary.yaml")
     rows = [probe(lr, args.steps, out, base_path, scn) for lr in args.lrs.split(",")]
     result = {"bench": "lr_probe", "command": " ".join(["python -m experiments.lr_probe", *(argv or sys.argv[1:])]),
-              "machine_before": machine, "machine_after": c.machine(), "wall_s": time.monotonic() - t0, "runs": rows}
-    c.save_json(result, out / "lr_probe.json")
+              "machine_before": machine_before, "machine_after": machine(), "wall_s": time.monotonic() - t0,
+              "runs": rows}
+    save_json(result, out / "lr_probe.json")
     for r in rows:
         print(f"lr {r['lr']:g}: {r['learner_steps']} steps, reward per 100 trajectories "
               f"{[round(x, 3) for x in r['reward_per_100']]}")

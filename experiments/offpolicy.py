@@ -35,21 +35,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # `python -m experiments.offpolicy`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import numpy as np
+import pandas as pd
 
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-
-from bench.common import init_sha256, pyplot, reusable_run  # noqa: E402
-from experiments import stats  # noqa: E402
-from experiments.arms import Arm, arms  # noqa: E402
-from experiments.harness import SimConfig, phase_prefix, scenario_stream, simulate, summary  # noqa: E402
-from experiments.parallel import run_parallel  # noqa: E402
-from experiments.suite import STEP_KEYS, Plan, build_init, json_default, load_plan, split_threads  # noqa: E402
-from simulator.scenario import Scenario, validate_scenario  # noqa: E402
-from streamer.runs.stability import collapsed, policy_events  # noqa: E402
-from streamer.wire.config import load_config  # noqa: E402
+from bench.common import pyplot
+from experiments import stats
+from experiments.arms import Arm, arms
+from experiments.common import init_sha256, reusable_run
+from experiments.harness import SimConfig, phase_prefix, scenario_stream, simulate, summary
+from experiments.parallel import run_parallel
+from experiments.suite_config import Plan, build_init, load_plan, split_threads
+from experiments.suite_runs import STEP_KEYS, json_default
+from simulator.scenario import Scenario, validate_scenario
+from streamer.runs.stability import collapsed, policy_events
+from streamer.wire.config import load_config
 
 ETAS = (0, 4, 16, 64)
 UPDATES = (1, 4)

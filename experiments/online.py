@@ -18,25 +18,22 @@ import time
 from collections import deque
 from pathlib import Path
 
-if __package__ in (None, ""):  # `python -m experiments.online`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import msgspec
+import pandas as pd
+import torch
 
-import msgspec  # noqa: E402
-import pandas as pd  # noqa: E402
-import torch  # noqa: E402
-
-from learner.config import LearnerConfig  # noqa: E402
-from learner.engines import make_engine  # noqa: E402
-from learner.models import CharTokenizer  # noqa: E402
-from learner.train import build_models  # noqa: E402
-from learner.trainer.loop import Trainer  # noqa: E402
-from simulator.generator import generate  # noqa: E402
-from simulator.scenario import load_scenario, resolve_path  # noqa: E402
-from streamer.agent.rollouts import run_tasks  # noqa: E402
-from streamer.runs.adaptation import drift_recoveries  # noqa: E402
-from streamer.wire.config import load_config  # noqa: E402
-from streamer.wire.schema import DriftEvent, Task  # noqa: E402
-from streamer.wire.settings import AgentSettings  # noqa: E402
+from learner.config import LearnerConfig
+from learner.engines import make_engine
+from learner.models import CharTokenizer
+from learner.train import build_models
+from learner.trainer.loop import Trainer
+from simulator.generator import generate
+from simulator.scenario import load_scenario, resolve_path
+from streamer.agent.rollouts import run_tasks
+from streamer.runs.adaptation import drift_recoveries
+from streamer.wire.config import load_config
+from streamer.wire.schema import DriftEvent, Task
+from streamer.wire.settings import AgentSettings
 
 
 def online_run(init: str, scenario: str, learner_sets: list[str], agent_sets: list[str], batch: int = 64,

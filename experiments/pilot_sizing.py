@@ -24,20 +24,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # `python -m experiments.pilot_sizing`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from experiments.arms import arms  # noqa: E402
-from experiments.suite import (  # noqa: E402
-    Plan,
-    build_init,
-    combine,
-    load_plan,
-    post_rollouts_rule,
-    run_all,
-    run_path,
-)
-from experiments.suite_plan import cpu_per_rollout, seed_cost  # noqa: E402
+from experiments.arms import arms
+from experiments.suite_analysis import combine, post_rollouts_rule
+from experiments.suite_config import Plan, build_init, load_plan
+from experiments.suite_plan import cpu_per_rollout, seed_cost
+from experiments.suite_runs import run_all, run_path
 
 TIMED = ("sao", "grpo")
 

@@ -27,10 +27,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-if __package__ in (None, ""):  # `python -m experiments.stability`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench import common as c  # noqa: E402
+from bench.common import machine, pyplot, save_figure, save_json
+from experiments import common as c
 
 STALENESS = 8
 GROUP = 8
@@ -136,7 +134,7 @@ def markdown(result: dict) -> str:
 
 
 def plot(rows: list[dict], path: Path, title: str) -> Path:
-    plt = c.pyplot()
+    plt = pyplot()
     panels = [("reward", "windowed reward"), ("clip_frac", "clipped fraction"), ("kl_k3", "KL (k3)"),
               ("entropy", "entropy")]
     fig, axes = plt.subplots(1, len(panels), figsize=(15, 4))
@@ -147,7 +145,7 @@ def plot(rows: list[dict], path: Path, title: str) -> Path:
                 ax.plot(s["step"], [np.nan if v is None else v for v in s[key]], label=r["algo"], lw=1.2)
         ax.set(xlabel="learner step", title=label)
     axes[0].legend(fontsize=8)
-    return c.save_figure(fig, path, title)
+    return save_figure(fig, path, title)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     mode.max_seconds = args.max_seconds or mode.max_seconds
     if args.algos:
         mode.algos = args.algos.split(",")
-    out, t0, machine = Path(args.out), time.monotonic(), c.machine()
+    out, t0, machine_before = Path(args.out), time.monotonic(), machine()
     base_path = c.snapshot_base()
     base = c.base_scenario(base_path)
     rows = []
@@ -180,11 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     png = plot(rows, out / "stability.png", f"stability ({name}): max staleness {STALENESS}, {mode.steps} steps")
     result = {"bench": "stability", "mode": name,
               "command": " ".join(["python -m experiments.stability", *(argv if argv is not None else sys.argv[1:])]),
-              "machine_before": machine, "machine_after": c.machine(), "wall_s": time.monotonic() - t0,
+              "machine_before": machine_before, "machine_after": machine(), "wall_s": time.monotonic() - t0,
               "settings": asdict(mode), "base_scenario": str(base_path), "max_staleness": STALENESS,
               "algos": c.asdicts(algorithms()),
               "runs": rows, "png": str(png)}
-    c.save_json(result, out / "stability.json")
+    save_json(result, out / "stability.json")
     (out / "stability.md").write_text(markdown(result) + "\n")
     for r in rows:
         print(f"{r['algo']:>5}: {r['learner_steps']} steps, staleness {r['staleness']}, collapsed {r['collapsed']}, "

@@ -31,27 +31,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # `python -m experiments.suite_plan`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import pandas as pd
 
-import pandas as pd  # noqa: E402
-
-from experiments import stats  # noqa: E402
-from experiments.arms import ARMS  # noqa: E402
-from experiments.suite import (  # noqa: E402
-    Plan,
-    choose_lr,
-    combine,
-    finished_run,
-    has_own_lr,
-    load_plan,
-    lr_of,
-    post_of,
-    post_rollouts_rule,
-    run_path,
-    seed_differences,
-    split_threads,
-)
+from experiments import stats
+from experiments.arms import ARMS
+from experiments.suite_analysis import choose_lr, combine, post_rollouts_rule, seed_differences
+from experiments.suite_config import Plan, has_own_lr, load_plan, lr_of, post_of, split_threads
+from experiments.suite_runs import finished_run, run_path
 
 
 def seeds_rule(runs: pd.DataFrame, ref: str, k_sigma: float = 3.0, rel: float = 0.10, minimum: int = 5

@@ -23,13 +23,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # `python -m experiments.suite_replicate`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from bench.common import differing  # noqa: E402
-from experiments.stats import sample_sd, verdict  # noqa: E402
+from experiments.common import differing
+from experiments.stats import sample_sd, verdict
 
 PLAN_KEYS = ("suite", "suite_version", "reference_arm", "window", "lr")
 

@@ -17,13 +17,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # `python -m experiments.suite_report`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from bench.common import pyplot  # noqa: E402
-from experiments import stats  # noqa: E402
+from bench.common import pyplot
+from experiments import stats
 
 
 def interval(d: dict | None) -> str:

@@ -25,11 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.common import json_equal  # noqa: E402
-from experiments.arms import arms  # noqa: E402
+from experiments.arms import arms
+from experiments.common import json_equal
 
 BUDGET_S = 7200  # issue 15: the full suite in <= 2 h on a 2-core machine
 RESULT_KEYS = ("steps", "post_drift", "by_phase", "recoveries")  # what a run file says about the run itself

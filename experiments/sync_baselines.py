@@ -27,26 +27,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # `python -m experiments.sync_baselines`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import numpy as np
+import pandas as pd
 
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-
-from bench.common import pyplot  # noqa: E402
-from experiments import stats  # noqa: E402
-from experiments.arms import arm as get_arm  # noqa: E402
-from experiments.harness import MODES, scenario_stream, simulate  # noqa: E402
-from experiments.parallel import run_parallel  # noqa: E402
-from experiments.suite import (  # noqa: E402
-    build_init,
-    drift_scenario,
-    json_default,
-    load_plan,
-    pick_drifts,
-    sim_config,
-    split_threads,
-)
+from bench.common import pyplot
+from experiments import stats
+from experiments.arms import arm as get_arm
+from experiments.harness import MODES, scenario_stream, simulate
+from experiments.parallel import run_parallel
+from experiments.suite_config import build_init, drift_scenario, load_plan, pick_drifts, sim_config, split_threads
+from experiments.suite_runs import json_default
 
 THRESHOLD = 0.7
 

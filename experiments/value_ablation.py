@@ -17,10 +17,7 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-if __package__ in (None, ""):  # `python -m experiments.value_ablation`
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from bench.common import machine, pyplot, save_figure, save_json  # noqa: E402
+from bench.common import machine, pyplot, save_figure, save_json
 
 CONFIGS = {
     "default (warm-up 5, λ 0.95)": [],

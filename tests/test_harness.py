@@ -14,9 +14,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from bench.common import init_sha256, mean_ci, reusable_run
 from experiments import stats
 from experiments.arms import ARMS, arms
+from experiments.common import init_sha256, mean_ci, reusable_run
 from experiments.harness import (
     Harness,
     SimConfig,
@@ -29,33 +29,26 @@ from experiments.harness import (
     simulate_branches,
 )
 from experiments.offpolicy import main as offpolicy_main
-from experiments.suite import (
-    choose_lr,
-    combine,
+from experiments.suite import main as suite_main
+from experiments.suite_analysis import choose_lr, combine, pool_results, pooled, post_rollouts_rule
+from experiments.suite_config import (
     drift_options,
     drift_scenario,
-    drift_stream,
-    finished_run,
     lay_over,
     load_plan,
     lr_of,
     main_seeds,
     pick_drifts,
-    pool_results,
-    pooled,
     post_of,
-    post_rollouts_rule,
     read_lr,
     resolve,
-    run_path,
-    run_settings,
     sim_config,
     split_threads,
     warm_start_note,
     warm_start_scenario,
 )
-from experiments.suite import main as suite_main
 from experiments.suite_report import report as suite_report
+from experiments.suite_runs import drift_stream, finished_run, run_path, run_settings
 from experiments.sync_baselines import main as sync_main
 from simulator.scenario import Scenario, load_scenario, validate_scenario
 from streamer.wire.config import load_config

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 
 from experiments.pilot_sizing import fit_arms, main, per_run_cost, predicted_wall_s
-from experiments.suite import load_plan
+from experiments.suite_config import load_plan
 
 SUITE = Path(__file__).resolve().parent.parent / "experiments" / "suites" / "drift_v1.yaml"
 

@@ -11,7 +11,8 @@ import pandas as pd
 import pytest
 
 from experiments.arms import arms
-from experiments.suite import load_plan, seed_differences
+from experiments.suite_analysis import seed_differences
+from experiments.suite_config import load_plan
 from experiments.suite_plan import (
     budget_seeds,
     complete,
