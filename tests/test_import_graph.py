@@ -2,6 +2,8 @@
 
 Every import counts, including those inside functions (they hide a circle, they do not remove it).
 A role package is a module path two levels deep (`streamer.agent`, `learner.trainer`, `simulator.env`).
+The product packages, bench/ (micro-benchmarks) and experiments/ (harness, suite, studies) are all checked; which
+package may not import which is the FORBIDDEN list.
 """
 
 from __future__ import annotations
@@ -11,13 +13,21 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("simulator", "streamer", "learner", "dashboard")
+PACKAGES = ("simulator", "streamer", "learner", "dashboard")  # the product
+TOOLS = ("bench", "experiments")  # run from the checkout, never installed
 MAX_LINES = 400
+
+# (importer, imported): no module under the first prefix imports one under the second. A prefix is a module path
+# (`learner`, `streamer.wire`): it covers that module and everything below it.
+FORBIDDEN = [
+    *((pkg, tool) for pkg in PACKAGES for tool in TOOLS),  # the product never needs the benchmarks or experiments
+    ("bench", "experiments"),  # experiments may use bench's helpers, not the other way round
+]
 
 
 def _modules() -> dict[str, Path]:
     out = {}
-    for pkg in PACKAGES:
+    for pkg in (*PACKAGES, *TOOLS):
         for path in (ROOT / pkg).rglob("*.py"):
             parts = path.relative_to(ROOT).with_suffix("").parts
             out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
@@ -44,6 +54,16 @@ def import_graph() -> dict[str, set[str]]:
 
 def _package_of(mod: str) -> str:
     return ".".join(mod.split(".")[:2])
+
+
+def _under(mod: str, prefix: str) -> bool:
+    return mod == prefix or mod.startswith(prefix + ".")
+
+
+def forbidden_imports(graph: dict[str, set[str]], rules=FORBIDDEN) -> list[tuple[str, str]]:
+    """Every (module, imported module) edge that one of the (importer, imported) prefix rules forbids."""
+    return sorted((mod, t) for mod, targets in graph.items() for t in targets
+                  for a, b in rules if _under(mod, a) and _under(t, b))
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -106,6 +126,15 @@ def test_cycles_finds_a_hand_made_circle():
     assert cycles({"a.x": {"a.y"}, "a.y": set()}) == []
 
 
+def test_forbidden_imports_finds_hand_made_edges():
+    graph = {"learner.trainer.loop": {"bench.common", "learner.config"}, "bench.common": {"experiments.stats"},
+             "experiments.suite": {"bench.common", "learner.config"}, "streamer.wire": {"benchmarks.x"},
+             "experiments": {"experiments.harness"}}
+    assert forbidden_imports(graph) == [("bench.common", "experiments.stats"), ("learner.trainer.loop", "bench.common")]
+    assert forbidden_imports(graph, [("streamer", "bench")]) == []  # `bench` is not a prefix of `benchmarks`
+    assert forbidden_imports(graph, [("experiments", "learner.config")]) == [("experiments.suite", "learner.config")]
+
+
 def test_no_import_circle_between_files():
     assert cycles(import_graph()) == []
 
@@ -119,6 +148,12 @@ def test_the_wire_contract_imports_nothing_else_of_the_project():
     outside = {m: {t for t in ts if not t.startswith("streamer.wire")} for m, ts in graph.items()
                if m.startswith("streamer.wire")}
     assert {m: ts for m, ts in outside.items() if ts} == {}
+
+
+def test_the_product_never_imports_bench_or_experiments_and_bench_never_imports_experiments():
+    graph = import_graph()
+    assert {"bench.common", "experiments.suite", "experiments.harness.loop", "learner.trainer.loop"} <= set(graph)
+    assert forbidden_imports(graph) == []
 
 
 def test_no_module_over_400_lines():
