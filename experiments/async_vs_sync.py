@@ -2,7 +2,7 @@
 
 The same scenario (benchmark.yaml, scaled, a tool-heavy mix every phase inherits, lognormal tool latency), the same
 warm start and the same generated-token budget, run twice through the real pipeline (`sao up` and
-`sao up --sync`, see bench/common.py). Writes <out>/async_vs_sync.json and .png: trajectories/s,
+`sao up --sync`, see experiments/common.py). Writes <out>/async_vs_sync.json and .png: trajectories/s,
 learner idle fraction, staleness distribution against the configured bound, and the windowed
 reward reached at each wall-clock minute. Goal: async >= 3x the trained trajectories/s of sync with
 every trained trajectory's staleness within `batch.max_staleness`.

@@ -1,6 +1,6 @@
 """Algorithms under drift: SAO against its ablations and the GRPO family on the benchmark scenario.
 
-Every configuration runs the real pipeline (`sao up`, see bench/common.py) from the same warm start
+Every configuration runs the real pipeline (`sao up`, see experiments/common.py) from the same warm start
 (learner.pretrain on simulator/scenarios/benchmark.yaml, cached) with the same budget of generated
 tokens, for several seeds, and the script writes <out>/drift_algorithms.json (every run, the table
 with mean and 95% interval over seeds, the curves) and <out>/drift_algorithms.png (windowed online

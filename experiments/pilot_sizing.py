@@ -4,7 +4,7 @@ A timing pilot first: SAO and GRPO on every drift of the suite, `--timing-rollou
 `--jobs` runs at once (one thread each); their CPU per rollout prices every arm's pilot (3 pilot seeds x every
 drift x the pilot's phase lengths; an arm not timed is priced as GRPO when it runs groups, else as SAO:
 `suite_plan.seed_cost`). Then the pilot itself with the arms that fit `--budget-s`, SAO and GRPO first (the
-post_rollouts rule needs both), the others in the suite's order. Its JSON is `experiments/suite.py --pilot`'s.
+post_rollouts rule needs both), the others in the suite's order. Its JSON is `python -m experiments.suite --pilot`'s.
 
 The harness runs the tiny model on CPU threads (the torch backend has no CUDA path): on a GPU machine the pilot runs
 on its CPU cores, many runs at once; the GPU itself is not used.

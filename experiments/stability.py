@@ -1,6 +1,6 @@
 """Stability at high asynchrony: SAO for 1,000 learner steps with max staleness 8, next to GRPO and PPO.
 
-Each configuration runs the real pipeline (see bench/common.py) on a stationary stream (the first
+Each configuration runs the real pipeline (see experiments/common.py) on a stationary stream (the first
 phase of the benchmark scenario, long enough to outlast the run; divided by the group size for GRPO,
 so a collapse cannot hide behind a drift) with small batches (8 trajectories, one policy version
 each), all tasks published up front, and an agent with 8 tasks in flight that runs up to 8 versions

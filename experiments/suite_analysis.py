@@ -88,7 +88,7 @@ def pool_results(results: list[dict], names: list[str]) -> dict[str, Any]:
     for name, r in zip(names, results):
         for k in POOL_SAME:
             if k not in r:
-                raise ValueError(f"--pool {name}: no '{k}' (a suite.json of an older experiments/suite.py?)")
+                raise ValueError(f"--pool {name}: no '{k}' (a suite.json of an older experiments.suite?)")
         if diff := differing(r, first, POOL_SAME):
             raise ValueError(f"--pool {name}: {diff[0]} {r[diff[0]]!r} differs from {names[0]}'s {first[diff[0]]!r}")
     cells = {(row["arm"], row["drift"]) for row in first["runs"]}

@@ -1,8 +1,8 @@
 """The main run's plan from a suite's pilot (issue 15, items 2-4): each `pilot:` placeholder's rule applied to the
 pilot's JSON alone, and what the 2-hour budget allows.
 
-Reads one pilot directory per point of the lr grid (`experiments/suite.py --pilot --lr X --out DIR`; the run files in
-DIR/runs written with the pilot's settings, of the arms that ran every drift and pilot seed) and writes
+Reads one pilot directory per point of the lr grid (`python -m experiments.suite --pilot --lr X --out DIR`; the run
+files in DIR/runs written with the pilot's settings, of the arms that ran every drift and pilot seed) and writes
 main_plan.json:
 - lr: per arm, the suite's lr rule (`suite.choose_lr`) over the grid points the arm ran;
 - post_rollouts: the suite's rule (`suite.post_rollouts_rule`) on SAO and GRPO, each at its chosen lr;
@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--suite", required=True)
     p.add_argument("--pilots", nargs="+", required=True, metavar="LR=DIR",
-                   help="the pilot's directory at each lr grid point (experiments/suite.py --pilot --lr LR --out DIR)")
+                   help="the pilot's directory at each lr grid point "
+                   "(python -m experiments.suite --pilot --lr LR --out DIR)")
     p.add_argument("--init", required=True, help="the warm start the pilot ran from")
     p.add_argument("--jobs", type=int, default=2, help="the --jobs the pilot ran with (its runs' threads)")
     p.add_argument("--frozen", help="a directory with frozen-arm run files (e.g. the admissibility check's) to price "

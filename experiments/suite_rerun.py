@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         result = {"runs": len(runs), **run_walls(list(runs.values()))}
     found = next((f for f in (a.new / "suite.json", a.new / "pilot.json") if f.exists()), None)
     if found is None:
-        raise SystemExit(f"{a.new}: no suite.json or pilot.json (not the --out of a experiments/suite.py invocation)")
+        raise SystemExit(f"{a.new}: no suite.json or pilot.json (not the --out of a `python -m experiments.suite` run)")
     suite = json.loads(found.read_text())
     result.update(wall_s=suite["wall_s"], git_commit=suite["git_commit"], ref=[str(d) for d in a.ref])
     if a.pooled:
