@@ -29,7 +29,8 @@ def bench_model(kind: str = "tiny"):
     if kind == "tiny":
         model, tok = build_policy(seed=0), CharTokenizer()
     else:
-        from learner.models.toy import build_toy_model, scenario_texts
+        from learner.models.toy import build_toy_model
+        from simulator.warmstart import scenario_texts
 
         path = build_toy_model(kind, scenario_texts(1000), tempfile.mkdtemp(prefix=f"sao-bench-{kind}-"))
         model, tok = load_policy(path), load_tokenizer(path)

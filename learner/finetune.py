@@ -56,7 +56,7 @@ def read_demonstrations(stream: str | Path, rows: int, model_dir: str | Path | N
     from simulator.records import RowError, message_from_row, prompt_rule
     from simulator.replay import read_rows, row_dict
 
-    rule, out, bad = prompt_rule(model_dir), [], []
+    rule, out, bad = prompt_rule(model_dir, load_tokenizer), [], []
     for n, raw, fmt in read_rows(Path(stream)):
         if n > rows:
             break

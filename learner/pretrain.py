@@ -36,7 +36,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -48,10 +48,14 @@ from simulator.latency import LatencyConfig
 from simulator.scenario import Scenario, load_scenario, resolve_path
 from simulator.warmstart import demos, held_out_tasks, segments
 from streamer.wire.config import ConfigError, add_config_args, load_config, to_dict
+from streamer.wire.schema import Trajectory
 from streamer.wire.settings import AgentSettings
 
 NO_LATENCY = LatencyConfig(mean_s=0.0, sleep=False)  # the held-out evaluation's tool calls answer at once
 EVAL_NEW_TOKENS, EVAL_TURNS = 24, 5  # per turn, and turns per episode, of the held-out evaluation
+# the agents' episode loop, `streamer.agent.rollouts.run_tasks(engine, tok, tasks, settings, label, latency)`:
+# one list of trajectories per task (the learner does not import the agent: its caller passes it)
+RunTasks = Callable[..., list[list[Trajectory]]]
 
 
 @dataclass
@@ -142,12 +146,12 @@ def cosine_lr(step: int, cfg: PretrainConfig) -> float:
 
 
 def evaluate(model, scn: Scenario, concepts: dict[str, str], n: int, temperature: float = 0.0,
-             seed: int = 0) -> dict[str, float]:
+             seed: int = 0, *, run_tasks: RunTasks) -> dict[str, float]:
     """Mean reward, success and full-reward share on `n` held-out tasks (`simulator.warmstart.held_out_tasks`),
-    one episode each through the agents' own env loop (`streamer.agent.rollouts.run_tasks`), all in flight
-    together, tool calls answered without latency; and the reward per family."""
+    one episode each through the agents' own env loop (`run_tasks`: the caller passes
+    `streamer.agent.rollouts.run_tasks`; the learner does not import the agent), all in flight together, tool
+    calls answered without latency; and the reward per family."""
     from learner.engines import make_engine
-    from streamer.agent.rollouts import run_tasks
 
     tok = CharTokenizer()
     tasks = held_out_tasks(scn, concepts, n, seed)
@@ -160,6 +164,12 @@ def evaluate(model, scn: Scenario, concepts: dict[str, str], n: int, temperature
         idx = [i for i, t in enumerate(tasks) if t.family == fam]
         out[f"reward/{fam}"] = sum(trajs[i].reward for i in idx) / len(idx)
     return out
+
+
+def _needs_run_tasks(cfg: PretrainConfig, run_tasks: RunTasks | None) -> None:
+    if cfg.eval_tasks > 0 and run_tasks is None:
+        raise ValueError("the held-out evaluation (eval_tasks > 0) runs the agents' episode loop: pass run_tasks "
+                         "(streamer.agent.rollouts.run_tasks; sao pretrain and sao up do), or set eval_tasks=0")
 
 
 def fmt_duration(seconds: float) -> str:
@@ -290,7 +300,9 @@ class Threads:
 
 
 def train(cfg: PretrainConfig, scn: Scenario, log=print, progress: Progress | None = None,
-          threads: Threads | None = None) -> tuple[torch.nn.Module, list[dict]]:
+          threads: Threads | None = None, run_tasks: RunTasks | None = None) -> tuple[torch.nn.Module, list[dict]]:
+    """`run_tasks`: the agents' episode loop the held-out evaluation runs (`evaluate`); needed when eval_tasks > 0."""
+    _needs_run_tasks(cfg, run_tasks)
     torch.manual_seed(cfg.seed)
     tok = CharTokenizer()
     model = build_policy(cfg.model, tok.vocab_size, seed=cfg.seed).train()
@@ -311,7 +323,7 @@ def train(cfg: PretrainConfig, scn: Scenario, log=print, progress: Progress | No
         if cfg.eval_tasks > 0 and (last or (cfg.eval_every > 0 and (step + 1) % cfg.eval_every == 0)):
             model.eval()
             te = time.perf_counter()
-            ev = evaluate(model, scn, phase0, cfg.eval_tasks)
+            ev = evaluate(model, scn, phase0, cfg.eval_tasks, run_tasks=run_tasks)
             model.train()
             history.append({"step": step + 1, "seconds": round(time.perf_counter() - t0, 1),
                             "cpu_seconds": round(time.process_time() - c0, 1), "loss": round(loss, 4),
@@ -326,8 +338,8 @@ def train(cfg: PretrainConfig, scn: Scenario, log=print, progress: Progress | No
 
 
 def pretrain(cfg: PretrainConfig, out: str | Path | None = None, force: bool = False, log=print,
-             progress: Progress | None = None) -> Path:
-    """Train (or reuse the cached result) and return the policy directory."""
+             progress: Progress | None = None, run_tasks: RunTasks | None = None) -> Path:
+    """Train (or reuse the cached result) and return the policy directory. `run_tasks`: as for `train`."""
     path_scn = resolve_path(cfg.scenario)
     scn = load_scenario(path_scn)
     digest = config_hash(cfg, path_scn.read_text())
@@ -336,13 +348,14 @@ def pretrain(cfg: PretrainConfig, out: str | Path | None = None, force: bool = F
     if not force and meta.is_file() and json.loads(meta.read_text()).get("hash") == digest:
         log(f"pretrain: reusing {out}")
         return out
+    _needs_run_tasks(cfg, run_tasks)
     before = torch.get_num_threads()
     try:
         threads = Threads(cfg.threads)
         log(f"warm start: {cfg.steps} steps of {cfg.batch_size} demonstrations, {threads.max} threads"
             f"{' (auto; 1 while other work holds the cores)' if threads.auto and threads.max > 1 else ''}")
         t = time.perf_counter()
-        model, history = train(cfg, scn, log, progress, threads)
+        model, history = train(cfg, scn, log, progress, threads, run_tasks)
     finally:
         torch.set_num_threads(before)
     save_policy(model, out, CharTokenizer())
@@ -352,7 +365,8 @@ def pretrain(cfg: PretrainConfig, out: str | Path | None = None, force: bool = F
     return out
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], run_tasks: RunTasks | None = None) -> int:
+    """`run_tasks`: the agents' episode loop, for the held-out evaluation (`sao pretrain` passes it)."""
     p = argparse.ArgumentParser(prog="sao pretrain", description=__doc__.splitlines()[0])
     p.add_argument("--scenario", help="scenario file or name (default: default)")
     p.add_argument("--out", help="policy directory (default: <cache_dir>/warmstart-<hash>)")
@@ -362,7 +376,7 @@ def main(argv: list[str]) -> int:
     overrides = list(args.overrides) + ([f"scenario={args.scenario}"] if args.scenario else [])
     try:
         cfg = load_config(PretrainConfig, args.config, overrides, section="pretrain")
-        out = pretrain(cfg, args.out, args.force)
+        out = pretrain(cfg, args.out, args.force, run_tasks=run_tasks)
     except (ConfigError, ValueError) as e:
         print(f"sao pretrain: {e}", file=sys.stderr)
         return 2

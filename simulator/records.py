@@ -19,6 +19,7 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,8 +44,9 @@ PRODUCTION_FIELDS = ("task_id", "prompt", "messages", "reference", "verifier", "
 @dataclass(frozen=True)
 class PromptRule:
     """Which prompts the served model can take. Without a tokenizer: the embedded character model's (its alphabet,
-    at most MAX_PROMPT_CHARS characters); with one (`prompt_rule(model_dir)`): any text whose prompt, chat template
-    applied, leaves at least `reserve` tokens of the model's context `context` for the answer."""
+    at most MAX_PROMPT_CHARS characters); with one (`prompt_rule(model_dir, load_tokenizer)`): any text whose
+    prompt, chat template applied, leaves at least `reserve` tokens of the model's context `context` for the
+    answer."""
 
     tokenizer: Any = None
     context: int = 0
@@ -68,13 +70,16 @@ class PromptRule:
 EMBEDDED = PromptRule()
 
 
-def prompt_rule(model_dir: str | Path | None) -> PromptRule:
-    """The rule for the model in `model_dir` (the embedded model's when it holds the character tokenizer)."""
+def prompt_rule(model_dir: str | Path | None,
+                load_tokenizer: Callable[[str | Path], Any] | None = None) -> PromptRule:
+    """The rule for the model in `model_dir` (the embedded model's when it holds the character tokenizer).
+    `load_tokenizer(model_dir)` reads its own tokenizer (the caller's: `learner.models.tokenizer.load_tokenizer`;
+    the simulator does not import the learner)."""
     if not model_dir or (Path(model_dir) / "sao_tokenizer.json").is_file():
         return EMBEDDED
+    if load_tokenizer is None:
+        raise ValueError(f"{model_dir}: checking prompts against a model's own tokenizer needs load_tokenizer")
     from transformers import AutoConfig
-
-    from learner.models.tokenizer import load_tokenizer
 
     context = getattr(AutoConfig.from_pretrained(str(model_dir)), "max_position_embeddings", None) or 1 << 30
     return PromptRule(load_tokenizer(model_dir), int(context))

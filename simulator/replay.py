@@ -19,7 +19,7 @@ import json
 import resource
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -260,14 +260,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], load_tokenizer: Callable[[str | Path], Any] | None = None) -> int:
+    """`load_tokenizer(model_dir)`: reads the `--model` directory's tokenizer (`sao replay` passes
+    `learner.models.tokenizer.load_tokenizer`; the simulator does not import the learner)."""
     args = parse_args(argv)
     if not Path(args.file).is_file():
         print(f"sao replay: {args.file}: no such file", file=sys.stderr)
         return 2
     try:
         enable_plugins(args.verifier, args.tool_env)
-        rule = prompt_rule(args.model)
+        rule = prompt_rule(args.model, load_tokenizer)
     except (OSError, ValueError) as e:  # a PluginError is a ValueError
         print(f"sao replay: {e}", file=sys.stderr)
         return 2

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from simulator.families import FAMILIES
 from simulator.families.tools import TOOLS, parse_concept
-from simulator.scenario import Scenario
+from simulator.scenario import Scenario, load_scenario, resolve_path
 from streamer.wire.schema import Task
 
 _OBS = re.compile(r"(<obs>.*?</obs>)", re.S)
@@ -80,3 +80,10 @@ def held_out_tasks(scn: Scenario, concepts: dict[str, str], n: int, seed: int) -
     `seed`: the warm start trains on small seeds): the warm start's evaluation and the evaluator's held-out set."""
     stream = demos(scn, seed=10_000 + seed, tagged=False, concepts=concepts)
     return [next(stream).task for _ in range(n)]
+
+
+def scenario_texts(n: int = 4000) -> list[str]:
+    """Prompts and demonstrations of the default scenario's warm-start mixture (`n` demonstrations): texts to train
+    a toy model's tokenizer on (`sao toy-model`, `learner.models.toy`)."""
+    stream = demos(load_scenario(resolve_path("default")), seed=0)
+    return [s for d in (next(stream) for _ in range(n)) for s in (d.task.prompt, d.text)]

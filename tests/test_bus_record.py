@@ -11,6 +11,7 @@ from simulator.generator import generate
 from simulator.replay import decode_row, read_rows
 from simulator.run import main as simulate
 from simulator.scenario import load_scenario
+from simulator.sinks import file_sink
 from streamer.runs.record import main as record
 
 pytestmark = pytest.mark.kafka
@@ -22,7 +23,7 @@ def test_record_taps_the_stream_in_order_with_drift_events(kafka_run, bootstrap,
     assert simulate(["--bootstrap", bootstrap, "--run", kafka_run, "--limit", "1510", "--seed", "2"]) == 0
     out = tmp_path / f"tap{suffix}"
     assert record(["--bootstrap", bootstrap, "--run", kafka_run, "--out", str(out), "--limit", "1510",
-                   "--idle-exit", "5"]) == 0
+                   "--idle-exit", "5"], file_sink=file_sink) == 0
     got = [decode_row(raw, fmt) for _, raw, fmt in read_rows(Path(out))]
     want = list(generate(load_scenario("default"), seed=2, limit=1510))
     got_ids = [getattr(m, "task_id", f"drift{getattr(m, 'phase', '')}") for m in got]

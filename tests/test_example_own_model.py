@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 from learner.finetune import read_demonstrations
+from learner.models.tokenizer import load_tokenizer
 from learner.models.toy import build_toy_model, stream_texts
 from simulator.records import prompt_rule
 from simulator.replay import replay
@@ -29,7 +30,7 @@ def test_rows_validate_for_a_model_of_your_own_and_drift_at_row_600(tmp_path):
     stream = EXAMPLE / "stream.jsonl"
     model = build_toy_model("qwen3", stream_texts(stream), tmp_path / "m", vocab_size=300)
     sink = QueueSink()
-    stats = replay(stream, sink, speed=0, rule=prompt_rule(model))
+    stats = replay(stream, sink, speed=0, rule=prompt_rule(model, load_tokenizer))
     assert (stats.tasks, stats.bad, stats.drift_events) == (3000, 0, 1)
     [drift] = [m for m in sink.drain() if isinstance(m, DriftEvent)]
     assert (drift.at_seq, drift.prev_concepts["factures"], drift.concepts["factures"]) == (600, "crochets",

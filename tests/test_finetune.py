@@ -65,7 +65,7 @@ def held_out_accuracy(model_dir, rows: list[dict]) -> float:
     from streamer.agent.rollouts import run_tasks
     from streamer.wire.settings import AgentSettings
 
-    tok, rule = load_tokenizer(model_dir), prompt_rule(model_dir)
+    tok, rule = load_tokenizer(model_dir), prompt_rule(model_dir, load_tokenizer)
     tasks = [message_from_row(r, rule=rule) for r in rows]
     s = AgentSettings(temperature=0.0, concurrency=len(tasks), max_new_tokens=8)
     return sum(t[0].reward for t in run_tasks(make_engine("torch", model_dir, tok), tok, tasks, s)) / len(tasks)

@@ -9,9 +9,10 @@ import torch
 
 from learner.engines import make_engine
 from learner.models import HFTokenizer, ValueModel, load_policy, load_tokenizer, token_logprobs
-from learner.models.toy import ARCHS, IM_END, build_toy_model, scenario_texts
+from learner.models.toy import ARCHS, IM_END, build_toy_model
 from learner.trainer.publish import DirectoryPublisher
 from simulator.records import EMBEDDED, RowError, message_from_row, prompt_rule
+from simulator.warmstart import scenario_texts
 from streamer.agent.rollouts import run_tasks
 from streamer.wire.schema import Task
 from streamer.wire.settings import AgentSettings
@@ -96,9 +97,11 @@ def test_prompts_are_checked_against_the_served_model(model_dir):
     with pytest.raises(RowError, match="alphabet") as e:  # the embedded character model cannot read it
         message_from_row(row, rule=EMBEDDED)
     assert e.value.field == "prompt"
-    rule = prompt_rule(model_dir)
+    rule = prompt_rule(model_dir, load_tokenizer)
     assert message_from_row(row, rule=rule).prompt == row["prompt"]  # 304 characters, not ASCII: fine
     with pytest.raises(RowError, match="over the model's context of 1024") as e:
         message_from_row({**row, "prompt": "réponse " * 1200}, rule=rule)
     assert e.value.field == "prompt"
     assert prompt_rule(None) is EMBEDDED
+    with pytest.raises(ValueError, match="load_tokenizer"):  # the simulator reads no tokenizer by itself
+        prompt_rule(model_dir)

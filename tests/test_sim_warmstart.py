@@ -27,6 +27,7 @@ from learner.pretrain import PretrainConfig, Progress, Threads, config_hash, cos
 from simulator.env import make_env
 from simulator.scenario import load_scenario
 from simulator.warmstart import demos, held_out_tasks, segments
+from streamer.agent.rollouts import run_tasks
 
 TINY = {"model": {"num_layers": 1, "hidden_size": 32, "num_heads": 2, "num_kv_heads": 1, "num_experts": 2,
                   "experts_per_token": 1, "expert_width": 32}}
@@ -88,18 +89,15 @@ def test_held_out_tasks_are_untagged_pinned_and_apart_from_the_training_seeds():
     assert all(t.concept == phase0[t.family] and not t.prompt.startswith(t.concept + ":") for t in tasks)
 
 
-def test_held_out_evaluation_runs_the_agents_episode_loop_with_an_untrained_policy(monkeypatch):
-    import streamer.agent.rollouts as ro
-
+def test_held_out_evaluation_runs_the_agents_episode_loop_with_an_untrained_policy():
     torch.manual_seed(0)
     tok = CharTokenizer()
     model = build_policy(ModelConfig(**TINY["model"]), tok.vocab_size, seed=0)
     scn = load_scenario("default")
     phase0 = {f: c for f, c in scn.phases[0].concepts.items() if isinstance(c, str)}
     seen = []
-    real = ro.run_tasks
-    monkeypatch.setattr(ro, "run_tasks", lambda *a, **k: seen.append(a) or real(*a, **k))
-    ev = lp.evaluate(model, scn, phase0, 24, temperature=1.0, seed=0)
+    ev = lp.evaluate(model, scn, phase0, 24, temperature=1.0, seed=0,
+                     run_tasks=lambda *a, **k: seen.append(a) or run_tasks(*a, **k))
     (engine, _, tasks, s, _, latency), = seen  # one call: every task in flight, tool calls without latency
     assert (len(tasks), s.concurrency, s.max_new_tokens, s.max_turns, latency.sleep) == (24, 24, 24, 5, False)
     assert all(0.0 <= ev[k] <= 1.0 for k in ("reward", "success", "full_reward"))
@@ -114,7 +112,10 @@ def test_pretrain_trains_saves_and_reuses_the_cache(tmp_path):
 
     cfg = load_config(PretrainConfig, None, overrides, base=TINY)
     logs: list[str] = []
-    path = pretrain(cfg, log=logs.append)
+    with pytest.raises(ValueError, match="run_tasks"):  # the held-out evaluation needs the agents' episode loop
+        pretrain(cfg, log=logs.append)
+    assert logs == []  # refused before training
+    path = pretrain(cfg, log=logs.append, run_tasks=run_tasks)
     assert path.name == f"warmstart-{config_hash(cfg, load_scenario_text())}"
     assert (path / "model.safetensors").is_file() and (path / "sao_tokenizer.json").is_file()
     meta = json.loads((path / "pretrain.json").read_text())
@@ -123,7 +124,7 @@ def test_pretrain_trains_saves_and_reuses_the_cache(tmp_path):
     assert meta["kernels"]["torch"] == torch.__version__
     assert meta["kernels"]["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     stamp = (path / "model.safetensors").stat().st_mtime_ns
-    assert pretrain(cfg, log=logs.append) == path and logs[-1].startswith("pretrain: reusing")
+    assert pretrain(cfg, log=logs.append) == path and logs[-1].startswith("pretrain: reusing")  # nothing to evaluate
     assert (path / "model.safetensors").stat().st_mtime_ns == stamp
 
 
@@ -285,7 +286,7 @@ def test_pretrain_shows_progress_and_evaluates_once_at_the_end(tmp_path, capsys)
                                              "eval_tasks=16"], base=TINY)
     assert PretrainConfig().eval_every == 0 and PretrainConfig().threads == 0  # defaults: end-only eval, auto threads
     logs: list[str] = []
-    path = pretrain(cfg, log=logs.append)
+    path = pretrain(cfg, log=logs.append, run_tasks=run_tasks)
     out = capsys.readouterr().out  # not a terminal under pytest: plain lines
     bar = [line for line in out.splitlines() if line.startswith("warm start ")]
     assert bar[0].startswith("warm start  1/4 [") and bar[-1].startswith("warm start  4/4 [####################] 100%")
@@ -303,8 +304,9 @@ def test_pretrain_shows_progress_and_evaluates_once_at_the_end(tmp_path, capsys)
     text = load_scenario_text()
     assert config_hash(dataclasses.replace(again, threads=0), text) == config_hash(cfg, text)  # evaluation: not keyed
     assert config_hash(again, text) != config_hash(cfg, text)  # a pinned thread count is a build of its own
-    meta = json.loads((pretrain(again, out=tmp_path / "b", log=logs.append) / "pretrain.json").read_text())
+    built = pretrain(again, out=tmp_path / "b", log=logs.append, run_tasks=run_tasks)
+    meta = json.loads((built / "pretrain.json").read_text())
     assert [row["step"] for row in meta["history"]] == [2, 4]
-    rebuilt = pretrain(again, out=tmp_path / "c", log=logs.append)  # pinned: the same bits again
+    rebuilt = pretrain(again, out=tmp_path / "c", log=logs.append, run_tasks=run_tasks)  # pinned: the same bits again
     assert (rebuilt / "model.safetensors").read_bytes() == (tmp_path / "b" / "model.safetensors").read_bytes()
     assert meta["threads"] == [[0, 1]]

@@ -17,7 +17,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -92,16 +92,9 @@ def stream_texts(path: str | Path) -> list[str]:
     return [t for t in texts if t]
 
 
-def scenario_texts(n: int = 4000) -> list[str]:
-    """Prompts and demonstrations of the default scenario's warm-start mixture."""
-    from simulator.scenario import load_scenario, resolve_path
-    from simulator.warmstart import demos
-
-    stream = demos(load_scenario(resolve_path("default")), seed=0)
-    return [s for d in (next(stream) for _ in range(n)) for s in (d.task.prompt, d.text)]
-
-
-def main(argv: list[str]) -> int:
+def main(argv: list[str], default_texts: Callable[[], list[str]] | None = None) -> int:
+    """`default_texts()`: the texts to train the tokenizer on without --stream (`sao toy-model` passes the
+    simulator's `simulator.warmstart.scenario_texts`; learner.models does not import the simulator)."""
     p = argparse.ArgumentParser(prog="sao toy-model", description=__doc__.splitlines()[0])
     p.add_argument("--arch", choices=ARCHS, default="qwen3")
     p.add_argument("--out", required=True, help="the model directory to write")
@@ -111,7 +104,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    texts = stream_texts(a.stream) if a.stream else scenario_texts()
+    if not a.stream and default_texts is None:
+        p.error("--stream FILE is needed when no default texts are handed in (`sao toy-model` hands the simulator's)")
+    texts = stream_texts(a.stream) if a.stream else default_texts()
     out = build_toy_model(a.arch, texts, a.out, a.vocab, a.hidden, a.layers, a.seed)
     print(out)
     return 0

@@ -247,6 +247,7 @@ def build_agent(s: AgentSettings, bus: KafkaBus | MemoryBus, engine: Any, tokeni
 
 def run_offline(s: AgentSettings, engine: Any, tokenizer: Any, tasks_file: str, out: str) -> AgentStats:
     """Answer a task file (JSONL, Parquet, CSV) with no broker and no learner: an in-memory bus in between."""
+    from learner.models.tokenizer import load_tokenizer
     from simulator.records import prompt_rule
     from simulator.replay import replay
     from streamer.transport.sinks import KafkaTaskSink
@@ -254,7 +255,8 @@ def run_offline(s: AgentSettings, engine: Any, tokenizer: Any, tasks_file: str, 
 
     bus = MemoryBus(s.client)
     bus.create_topics(partitions_by_topic(s.run, s.topics))
-    replay(tasks_file, KafkaTaskSink(None, s.run, producer=bus.producer()), speed=0, rule=prompt_rule(s.model))
+    replay(tasks_file, KafkaTaskSink(None, s.run, producer=bus.producer()), speed=0,
+           rule=prompt_rule(s.model, load_tokenizer))
     s.idle_exit_s = s.idle_exit_s or 0.01
     agent = build_agent(s, bus, engine, tokenizer)
     stats = agent.run()

@@ -26,6 +26,28 @@ COMMANDS = {
 }
 
 
+def pieces(name: str) -> dict[str, object]:
+    """What a command needs from a package its own module may not import (docs/architecture.md, the package map:
+    imports point one way), handed to its `main` as keyword arguments."""
+    if name == "replay":  # the served model's tokenizer, to check prompts against (--model)
+        from learner.models.tokenizer import load_tokenizer
+
+        return {"load_tokenizer": load_tokenizer}
+    if name == "record":  # the file formats `sao replay` reads
+        from simulator.sinks import file_sink
+
+        return {"file_sink": file_sink}
+    if name == "toy-model":  # the texts to train the tokenizer on without --stream
+        from simulator.warmstart import scenario_texts
+
+        return {"default_texts": scenario_texts}
+    if name == "pretrain":  # the agents' episode loop, for the held-out evaluation
+        from streamer.agent.rollouts import run_tasks
+
+        return {"run_tasks": run_tasks}
+    return {}
+
+
 def usage() -> str:
     lines = ["usage: sao <command> [options]", "", "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
@@ -42,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sao: unknown command '{name}'\n\n{usage()}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    return int(module.main(rest, **pieces(name)) or 0)
 
 
 if __name__ == "__main__":

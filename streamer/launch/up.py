@@ -99,8 +99,9 @@ def parse_command(argv: list[str]) -> tuple[RunConfig, bool]:
 
 def warm_start(cfg: RunConfig) -> Path:
     from learner.pretrain import pretrain
+    from streamer.agent.rollouts import run_tasks
 
-    return pretrain(cfg.pretrain, log=lambda line: print(line, flush=True))
+    return pretrain(cfg.pretrain, log=lambda line: print(line, flush=True), run_tasks=run_tasks)
 
 
 def initial_model(cfg: RunConfig) -> Path:

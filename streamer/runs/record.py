@@ -2,9 +2,9 @@
 
     sao record --bootstrap 127.0.0.1:9092 --run exp1 --out runs/exp1/tasks.jsonl [--limit N] [--idle-exit 5]
 
-The file format follows the extension (.jsonl, .parquet, .csv; simulator.sinks); rows are the Task
-fields (created_at is the timestamp replay paces by) plus drift-event rows. Partitions interleave,
-so rows pass through a reorder buffer sorted by (created_at, seq) before they are written.
+The file format follows the extension (.jsonl, .parquet, .csv; the simulator's `simulator.sinks.file_sink`, which
+the caller passes); rows are the Task fields (created_at is the timestamp replay paces by) plus drift-event rows.
+Partitions interleave, so rows pass through a reorder buffer sorted by (created_at, seq) before they are written.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from streamer.transport.bus import Consumer
@@ -110,9 +111,9 @@ class Recorder:
             self.close()
 
 
-def main(argv: list[str]) -> int:
-    from simulator.sinks import file_sink
-
+def main(argv: list[str], file_sink: Callable[[str], Any] | None = None) -> int:
+    """`file_sink(path)`: the task sink that writes the file's format (`sao record` passes the simulator's
+    `simulator.sinks.file_sink`, the format `sao replay` reads; streamer.runs does not import the simulator)."""
     p = argparse.ArgumentParser(prog="sao record", description=__doc__.splitlines()[0])
     p.add_argument("--bootstrap", default=None, help="Kafka bootstrap servers (default: $SAO_BOOTSTRAP)")
     p.add_argument("--run", required=True, help="run name (topic prefix)")
@@ -122,6 +123,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--no-drift", action="store_true", help="tasks only (no drift-event rows)")
     p.add_argument("--window", type=int, default=100_000, help="reorder buffer size in rows")
     a = p.parse_args(argv)
+    if file_sink is None:
+        raise TypeError("sao record: main() needs file_sink (simulator.sinks.file_sink)")
     t = Topics(a.run)
     bus = KafkaBus(a.bootstrap, ClientSettings(client_id="sao-record"))
     types: dict[str, type] = {t.tasks: Task} if a.no_drift else {t.tasks: Task, t.drift: DriftEvent}
