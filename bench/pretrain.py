@@ -18,6 +18,7 @@ from learner.models import load_policy
 from learner.pretrain import PretrainConfig, Threads, evaluate, pretrain
 from simulator.generator import generate
 from simulator.scenario import load_scenario
+from streamer.agent.rollouts import run_tasks
 from streamer.wire.config import load_config
 from streamer.wire.schema import DriftEvent
 
@@ -42,9 +43,9 @@ def drift_rows(model, scenario: str, n: int) -> list[dict]:
         for fam, (old, new) in sorted(changed.items()):
             only = {fam: 1.0}
             scn.warm_start.families = only  # evaluate this family alone
-            pre = evaluate(model, scn, {fam: old}, n, temperature=0.0, seed=i)
-            post = evaluate(model, scn, {fam: new}, n, temperature=0.0, seed=i)
-            sampled = evaluate(model, scn, {fam: new}, n, temperature=1.0, seed=i)
+            pre = evaluate(model, scn, {fam: old}, n, temperature=0.0, seed=i, run_tasks=run_tasks)
+            post = evaluate(model, scn, {fam: new}, n, temperature=0.0, seed=i, run_tasks=run_tasks)
+            sampled = evaluate(model, scn, {fam: new}, n, temperature=1.0, seed=i, run_tasks=run_tasks)
             rows.append({"event": ev.name, "schedule": ev.schedule, "family": fam, "from": old, "to": new,
                          "greedy_reward_before": pre["reward"], "greedy_reward_after": post["reward"],
                          "sampled_success_after": sampled["success"], "sampled_reward_after": sampled["reward"],
@@ -66,11 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(PretrainConfig, None, args.overrides, base={"eval_every": 100})  # the curve: time to 90%
     Threads(cfg.threads).check(0)
     t = time.perf_counter()
-    path = Path(args.policy) if args.policy else pretrain(cfg, force=args.force, log=lambda s: print(s, flush=True))
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    path = Path(args.policy) if args.policy else pretrain(cfg, force=args.force, log=log, run_tasks=run_tasks)
     meta = json.loads((path / "pretrain.json").read_text())
     model = load_policy(path)
     scn = load_scenario(cfg.scenario)
-    initial = evaluate(model, scn, scn.phases[0].concepts, args.n, temperature=0.0, seed=99)
+    initial = evaluate(model, scn, scn.phases[0].concepts, args.n, temperature=0.0, seed=99, run_tasks=run_tasks)
     rows = drift_rows(model, cfg.scenario, args.n)
     result = {
         "policy": str(path), "train_seconds": meta["seconds"], "train_config": meta["config"],

@@ -16,6 +16,7 @@ from experiments.common import init_sha256
 from experiments.harness import SimConfig
 from learner.pretrain import PretrainConfig, pretrain
 from simulator.scenario import Scenario, validate_scenario
+from streamer.agent.rollouts import run_tasks
 from streamer.wire.config import load_config
 
 
@@ -162,7 +163,7 @@ def build_init(plan: Plan, cache_dir: str | Path = "runs/cache", log=print) -> P
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(plan.warm_start, sort_keys=False))
     cfg = load_config(PretrainConfig, None, [*plan.pretrain_sets, f"scenario={path}", f"cache_dir={cache_dir}"])
-    return pretrain(cfg, log=log)
+    return pretrain(cfg, log=log, run_tasks=run_tasks)
 
 
 def drift_options(scenario_options: dict, drift: dict) -> dict:
