@@ -22,6 +22,11 @@ MAX_LINES = 400
 FORBIDDEN = [
     *((pkg, tool) for pkg in PACKAGES for tool in TOOLS),  # the product never needs the benchmarks or experiments
     ("bench", "experiments"),  # experiments may use bench's helpers, not the other way round
+    # the directions of docs/architecture.md: the caller passes what the callee needs
+    ("simulator", "learner"),  # the simulator checks prompts with a tokenizer loader it is handed
+    ("streamer.runs", "simulator"),  # the run analysis reads topics and files, not the task generator
+    ("learner", "streamer.agent"),  # the warm start's evaluation is handed the agents' episode loop
+    *((f"learner.{pkg}", "simulator") for pkg in ("models", "engines", "algorithms", "trainer", "backends")),
 ]
 
 
