@@ -1,0 +1,61 @@
+"""How docs/results.md writes its numbers and reads its JSON (experiments.results_page): 3 decimals for rewards,
+AUC and fractions, thousands separators for counts, seconds with 1 decimal, a learning rate as 4e-4, Markdown tables,
+a drift's recovery as its trajectories (learner steps), and a reader that keeps the paths a section read."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+YES = {True: "yes", False: "no"}
+FAMILIES = ("format", "string", "tool", "arith")  # the default scenario's drifted families, in drift order
+
+
+class Reader:
+    """Loads JSON below a repository root and keeps the paths it read (a section's data line)."""
+
+    def __init__(self, root: Path):
+        self.root, self.read = root, []
+
+    def __call__(self, path: Path) -> dict:
+        self.read.append(path)
+        return json.loads((self.root / path).read_text())
+
+    def glob(self, folder: Path, pattern: str) -> dict[str, dict]:
+        return {p.name: self(p.relative_to(self.root)) for p in sorted((self.root / folder).glob(pattern))}
+
+
+def f3(x: float | None) -> str:
+    return "—" if x is None else f"{x:.3f}"
+
+
+def cnt(x: float) -> str:
+    return f"{round(x):,}"
+
+
+def sec(x: float) -> str:
+    return f"{x:,.1f}"
+
+
+def lr(x: float) -> str:
+    return f"{x:.0e}".replace("e-0", "e-")
+
+
+def table(head: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
+
+
+def rec(status: str, trajectories: int | None = None, learner_steps: int | None = None, **_) -> str:
+    if status != "recovered":  # its status, with the trajectories it lasted when censored
+        return status if trajectories is None else f"{status} ({cnt(trajectories)})"
+    return cnt(trajectories) + ("" if learner_steps is None else f" ({learner_steps})")
+
+
+def drift_cells(recs: list[dict] | dict) -> list[str]:
+    """Each drifted family's recovery, from a summary.json's list or {"event/family": [status, n, (steps)]}."""
+    if isinstance(recs, dict):
+        recs = [dict(zip(("status", "trajectories", "learner_steps"), v), family=k.rsplit("/", 1)[-1])
+                for k, v in recs.items()]
+    by = {r["family"]: r for r in recs if r["status"] != "unaffected"}
+    return [rec(**by[f]) if f in by else "—" for f in FAMILIES]
