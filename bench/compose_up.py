@@ -6,7 +6,7 @@ override on the default scenario, as a user would; reads the run from the `runs`
 learner has trained every full batch of the scenario (or after --max-minutes), then keeps the figures and the run's
 summary.json (recoveries) in one JSON.
 
-    .venv/bin/python bench/compose_up.py --out docs/bench/compose.json
+    .venv/bin/python bench/compose_up.py --out docs/results/compose.json
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ the same seed train side by side on the same batches, each step timed for both i
 2 dropped): per step, CPU time on 1 thread (the figure to compare on a shared machine: other work on the cores
 inflates wall time, much less CPU time) and wall time on 2 threads; the ratio is the median of the per-step
 ratios. Op counts from the profiler.
-Prints and saves docs/bench/warmstart_step.json.
+Prints and saves docs/results/warmstart_step.json.
 
     .venv/bin/python bench/warmstart_step.py [--before REV] [--steps 40] [--out FILE]
 """
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--before", default=BASE, help=f"git revision of the 'before' packed.py (default {BASE})")
     p.add_argument("--steps", type=int, default=40, help="paired steps per thread count (the first 2 dropped)")
-    p.add_argument("--out", default="docs/bench/warmstart_step.json")
+    p.add_argument("--out", default="docs/results/warmstart_step.json")
     args = p.parse_args(argv)
     before, threads = packed_at(args.before), torch.get_num_threads()
     t, load = time.perf_counter(), os.getloadavg()

@@ -6,7 +6,7 @@ concept by phase (windowed over each family's trajectories in stream order, drif
 verdict per drift event and family is `streamer.runs.adaptation.drift_recoveries`' status, the one definition of the
 project.
 
-    .venv/bin/python -m experiments.default_runs --seeds 0,1,2 --out docs/runs/default
+    .venv/bin/python -m experiments.default_runs --seeds 0,1,2 --out docs/results/runs/default
 """
 
 from __future__ import annotations

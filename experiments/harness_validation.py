@@ -29,14 +29,14 @@ not added to the third's). Beside it, `--from` pools the per-run results of both
 cell's difference over the six seeds and its t interval.
 
     .venv/bin/python -m experiments.harness_validation runs/default-seed0 \
-        --others runs/default-seed1 runs/default-seed2 runs/default-seed-1 --out docs/bench/harness_validation.json
+        --others runs/default-seed1 runs/default-seed2 runs/default-seed-1 --out docs/results/harness_validation.json
     .venv/bin/python -m experiments.harness_validation runs/default-seed0 runs/default-seed1 runs/default-seed2 \
-        --pooled --scenario docs/runs/default/2026-12-02-19400-tasks/scenario.yaml --jobs 2 \
-        --out docs/bench/harness_validation_pooled.json
+        --pooled --scenario docs/results/runs/default/2026-12-02-19400-tasks/scenario.yaml --jobs 2 \
+        --out docs/results/harness_validation_pooled.json
     .venv/bin/python -m experiments.harness_validation runs/v2/default-seed3 runs/v2/default-seed4 \
-        runs/v2/default-seed5 --pooled --jobs 2 --out docs/bench/harness_validation_replication.json
-    .venv/bin/python -m experiments.harness_validation --from docs/bench/harness_validation_pooled_24800.json \
-        docs/bench/harness_validation_replication.json --out docs/bench/harness_validation_six_seeds.json
+        runs/v2/default-seed5 --pooled --jobs 2 --out docs/results/harness_validation_replication.json
+    .venv/bin/python -m experiments.harness_validation --from docs/results/harness_validation_pooled_24800.json \
+        docs/results/harness_validation_replication.json --out docs/results/harness_validation_six_seeds.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Per sao up run directory: AUC, recoveries, the rename's first blocks, reward after each phase's first 192 -> JSON.
 
-Its figures are in docs/runs/default/2026-12-04-kl-anchor/.
+Its figures are in docs/results/runs/default/2026-12-04-kl-anchor/.
 
     .venv/bin/python -m experiments.kl_anchor_compare OUT.json RUN_DIR...
 """

@@ -5,7 +5,7 @@ default scenario's phases 0-2 (11,800 tasks: start, rule-and-format, tool-rename
 and one anchor per run. Per run: the share of tool tasks whose first call names the new tool (`find`) in the last 512
 tool tasks before the rename and in blocks of 128 after it, the rename's recovery, and each phase's mean reward.
 
-Its runs are in docs/runs/default/2026-12-05-kl-floor/.
+Its runs are in docs/results/runs/default/2026-12-05-kl-floor/.
 
     .venv/bin/python -m experiments.kl_floor OUT.json INIT SEED [--set KEY=VALUE ...]
 """

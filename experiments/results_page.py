@@ -18,7 +18,7 @@ from experiments.results_format import FAMILIES, YES, Reader, cnt, drift_cells, 
 from experiments.suite_report import interval
 
 RESULTS = Path("docs/results")  # benchmarks and experiments
-RUNS = Path("docs/runs")  # runs of `sao up`
+RUNS = Path("docs/results/runs")  # runs of `sao up`
 EXAMPLES = Path("examples")
 PAGE = Path("docs/results.md")
 OLD = "4d013d6"  # the commit that still holds every older version

@@ -1,6 +1,6 @@
-"""Figures of a `sao up` run directory, as JSON (quoted in docs/runs/<name>/; never typed by hand).
+"""Figures of a `sao up` run directory, as JSON (quoted in docs/results/runs/<name>/; never typed by hand).
 
-    .venv/bin/python -m experiments.run_digest runs/<run> > docs/runs/<name>/digest.json
+    .venv/bin/python -m experiments.run_digest runs/<run> > docs/results/runs/<name>/digest.json
 
 Learner: steps, skipped steps, steps with a non-finite loss/metric, clip fractions (low/high/all:
 the masked fraction of the sao loss) over policy steps, entropy first/last tenth. Trajectories: mean

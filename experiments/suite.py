@@ -15,7 +15,7 @@ overrides and shared pre-drift phases (`run_branches`).
 
     .venv/bin/python -m experiments.suite --suite experiments/suites/drift_v1.yaml --quick
     .venv/bin/python -m experiments.suite --suite experiments/suites/drift_v1.yaml --admissibility \
-        --out docs/bench/suite_pilot
+        --out docs/results/suite_pilot
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ fit (`seeds_in_budget`).
 
     .venv/bin/python -m experiments.suite_plan --suite experiments/suites/drift_v1.yaml \
         --init runs/cache/warmstart-XXXX --pilots 2e-4=runs/bench/suite-lr-2e-4 4e-4=runs/bench/suite-lr-4e-4 \
-        --frozen docs/bench/suite_pilot/v1.1 --out docs/bench/suite_pilot/main_plan.json
+        --frozen docs/results/suite_pilot/v1.1 --out docs/results/suite_pilot/main_plan.json
 """
 
 from __future__ import annotations

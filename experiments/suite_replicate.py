@@ -1,7 +1,7 @@
 """A suite's result replicated from another warm start: do its conclusions hold, and how far do single runs move?
 
 Compares two suite.json files of one plan (suite version, arms, drifts, seeds) whose runs started from different
-warm-start weights (another build: another CPU builds other bits, docs/bench/suite_main/v1.4/warm_start_builds.json).
+warm-start weights (another build: another CPU builds other bits, docs/results/suite_main/v1.4/warm_start_builds.json).
 Per arm: the pooled difference to the reference arm in each, with both intervals (bootstrap and t), and whether the
 replicate reaches the same verdict (the sign of the mean, and whether the interval excludes 0). Per run (drift, arm,
 seed): the replicate's outcome minus the original's, against the original's spread over seeds of one drift and arm.
@@ -9,10 +9,10 @@ With --new-version the replicate may be a later version of the suite (drift_v1 1
 conclusions survive its changes. With --common-seeds the two may hold different seeds (a version whose budget took 5
 of the other's 7, say): the verdicts are each file's own pooled intervals, the run shifts over the seeds both hold.
 
-    .venv/bin/python -m experiments.suite_replicate docs/bench/suite_main/v1.4/seeds-0-6.json \
-        runs/bench/suite-v1.4-b/suite.json --out docs/bench/suite_main/v1.4/replicate-b.json
-    .venv/bin/python -m experiments.suite_replicate docs/bench/suite_main/v1.4/replicate-85e9cc/seeds-0-6.json \
-        docs/bench/suite_main/v1.5/seeds-0-6.json --new-version --out docs/bench/suite_main/v1.5/against-1.4.json
+    .venv/bin/python -m experiments.suite_replicate docs/results/suite_main/v1.4/seeds-0-6.json \
+        runs/bench/suite-v1.4-b/suite.json --out docs/results/suite_main/v1.4/replicate-b.json
+    .venv/bin/python -m experiments.suite_replicate docs/results/suite_main/v1.4/replicate-85e9cc/seeds-0-6.json \
+        docs/results/suite_main/v1.5/seeds-0-6.json --new-version --out docs/results/suite_main/v1.5/against-1.4.json
 """
 
 from __future__ import annotations

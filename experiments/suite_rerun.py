@@ -10,11 +10,11 @@ summed into the whole run's: its wall, its run walls by seed and kind of arm, ag
 
     .venv/bin/python -m experiments.suite_rerun runs/bench/suite-v1.4-full7 --ref runs/bench/suite-v1.4-cr \\
         runs/bench/suite-v1.4-s4 runs/bench/suite-v1.4-s5 runs/bench/suite-v1.4-s6 \\
-        --pooled docs/bench/suite_main/v1.4/seeds-0-6.json --out docs/bench/suite_main/v1.4/seeds-0-6-one-run.json
+        --pooled docs/results/suite_main/v1.4/seeds-0-6.json --out docs/results/suite_main/v1.4/seeds-0-6-one-run.json
     .venv/bin/python -m experiments.suite_rerun runs/bench/replicate-456 --out runs/bench/replicate-456/walls.json
-    .venv/bin/python -m experiments.suite_rerun --combine docs/bench/suite_main/v1.5/walls-seed-0.json \\
-        docs/bench/suite_main/v1.5/walls-seed-1.json docs/bench/suite_main/v1.5/walls-seeds-2-6.json \\
-        --against docs/bench/suite_main/v1.4/replicate-85e9cc/walls.json --out docs/bench/suite_main/v1.5/walls.json
+    .venv/bin/python -m experiments.suite_rerun --combine docs/results/suite_main/v1.5/walls-seed-0.json \\
+        docs/results/suite_main/v1.5/walls-seed-1.json docs/results/suite_main/v1.5/walls-seeds-2-6.json \\
+        --against docs/results/suite_main/v1.4/replicate-85e9cc/walls.json --out docs/results/suite_main/v1.5/walls.json
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ class LossConfig:
     # exact KL(ref || pi) over the vocabulary (learner.algorithms.kl)
     # 0.1 by default: RL on a stationary stream sharpens the policy onto the concepts it is rewarded for, until a
     # drifted concept can no longer be sampled (no signal) and negative advantages push mass into garbage (the
-    # lr-2e-4 collapse); the anchor keeps the warm start's alternatives alive (experiments/online.py, docs/bench/)
+    # lr-2e-4 collapse); the anchor keeps the warm start's alternatives alive (experiments/online.py, docs/results/)
     kl_coef: float = 0.1
     kl_type: KLType = "k3"
 
@@ -80,7 +80,7 @@ class AdvantageConfig:
 class OptimConfig:
     # policy AdamW. 2e-4 with the KL anchor (loss.kl_coef): recovers 3 of the default scenario's 4 drifts within their
     # phase in experiments/online.py where 5e-5 recovered none; without the anchor 2e-4 sharpened the policy onto the
-    # old concepts (parens 0.05 after the drift) and, with 2 updates per batch at staleness 2, collapsed (docs/bench/)
+    # old concepts (parens 0.05 after the drift) and, with 2 updates per batch at staleness 2, collapsed (docs/results/)
     lr: float = 2e-4
     value_lr: float = 1e-3  # value-model AdamW
     weight_decay: float = 0.0

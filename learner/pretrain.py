@@ -14,7 +14,7 @@ min(cores, 4) unless a short probe, repeated every 30 s, finds several threads s
 reduction order follows the thread count, so only a pinned `threads=N` rebuilds the same bits (a
 benchmark's warm start pins it; it is then part of the cache key), and only on the same kind of CPU: the
 kernels torch and MKL pick for the CPU (`kernels()`, recorded in pretrain.json) change the bits too. Measured
-(docs/bench/suite_main/v1.4/warm_start_builds.json): drift_v1's warm start, threads=1, built with one digest
+(4d013d6:docs/bench/suite_main/v1.4/warm_start_builds.json): drift_v1's warm start, threads=1, built with one digest
 on the earlier sessions' machines and with another on an AMD EPYC (AVX512); MKL_CBWR or ATEN_CPU_CAPABILITY
 settings there gave three more, none the earlier one.
 The held-out evaluation (greedy, the agents' env loop) runs once at the end (`eval_every=N` adds one

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 W = 64  # the recovery window of streamer.runs.adaptation (DEFAULT_WINDOW), also used for the online reward
 TIMEOUT_S = 600  # generous: the machine is shared; a normal run takes a few minutes
 
-# Tuned on a loaded 2-core machine (docs/runs/smoke/tuning.json):
+# Tuned on a loaded 2-core machine (4d013d6:docs/runs/smoke/tuning.json):
 # - --realtime keeps the stream order (published at the scenario's 20 tasks/s), so the drift
 #   reaches the agents as one event instead of being interleaved across partitions;
 # - value.warmup_steps=2: the first ~2 batches (~phase 0) train only the critic. A policy update
