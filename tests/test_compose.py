@@ -154,9 +154,13 @@ def test_kafka_is_single_node_kraft_and_no_check_uses_its_scripts(compose):
 
 
 def test_topics_service_is_the_projects_own_command(compose):
-    """Partition counts have one source: `sao topics` creates partitions_by_topic(run)."""
-    assert command(compose, "topics", {"SAO_RUN": "exp1"}) == ["topics", "--bootstrap", "kafka:9092", "--run", "exp1",
-                                                              "--wait", "180"]
+    """Partition counts have one source: `sao topics` creates partitions_by_topic(run, agents=SAO_AGENTS), with the
+    run YAML's topic settings (the file `prepare` reads too)."""
+    assert command(compose, "topics", {"SAO_RUN": "exp1", "SAO_AGENTS": "6"}) == [
+        "topics", "--bootstrap", "kafka:9092", "--run", "exp1", "--agents", "6", "--config", "/app/run.yaml",
+        "--wait", "180"]
+    prepare = command(compose, "prepare", {"SAO_AGENTS": "6"})
+    assert prepare[prepare.index("--agents") + 1] == "6"  # the agent count the admission is derived from
     assert set(partitions_by_topic("x")) == {f"x.{k}" for k in KINDS}
 
 

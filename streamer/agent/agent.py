@@ -28,7 +28,7 @@ from typing import Any
 from kafka.errors import KafkaError
 
 from streamer.agent.rollouts import ROLLOUT_ERRORS, EngineError, Finished, Rollouts
-from streamer.transport.bus import Consumer, Producer, SendError
+from streamer.transport.bus import DLQ_MAX_VALUE_BYTES, Consumer, Producer, SendError
 from streamer.transport.kafka_bus import KafkaBus
 from streamer.transport.memory_bus import MemoryBus
 from streamer.transport.weights import CheckpointError, PolicyFollower, WeightStore
@@ -48,6 +48,7 @@ class AgentStats:
     trajectories: int = 0
     commit_failures: int = 0
     failed: int = 0  # tasks whose rollout raised (sent to the DLQ)
+    oversized: int = 0  # trajectories over client.max_message_bytes (sent to the DLQ, their tasks committed)
     busy_seconds: float = 0.0
     started: float = field(default_factory=time.time)
 
@@ -74,13 +75,28 @@ class Agent:
 
     def _give_up(self, task: Task, tp: Any, offset: int, err: Exception) -> None:
         """A task the environment or engine cannot run goes to the DLQ (else it would kill every agent in turn)."""
-        reason = f"rollout failed: {type(err).__name__}: {err}"
-        log.error("agent %s: task %s %s -> DLQ", self.agent_id, task.task_id, reason)
-        raw = encode(task)
-        self.producer.send(self.topics.dlq, DeadLetter(
-            topic=tp.topic, partition=tp.partition, offset=offset, key=task.task_id.encode(), value=raw,
-            value_len=len(raw), reason=reason, expected="Task", consumer=self.agent_id, time=time.time()))
+        self._letter(task, tp, offset, encode(task), "Task", f"rollout failed: {type(err).__name__}: {err}")
         self.stats.failed += 1
+
+    def _letter(self, task: Task, tp: Any, offset: int, raw: bytes, expected: str, reason: str) -> None:
+        log.error("agent %s: task %s %s -> DLQ", self.agent_id, task.task_id, reason)
+        self.producer.send(self.topics.dlq, DeadLetter(
+            topic=tp.topic, partition=tp.partition, offset=offset, key=task.task_id.encode(),
+            value=raw[:DLQ_MAX_VALUE_BYTES], value_len=len(raw), reason=reason, expected=expected,
+            consumer=self.agent_id, time=time.time()))
+
+    def _produce(self, done: Finished, tp: Any, offset: int) -> None:
+        """The task's trajectories, or, where one is over the topic's limit (the broker would refuse it and every
+        agent in turn would fail the task), each oversized one to the DLQ and none of its group: the task handled."""
+        raws, limit = [encode(t) for t in done.trajectories], self.s.client.max_message_bytes
+        over = [r for r in raws if len(r) > limit]
+        for raw in raws if not over else ():
+            self.producer.send_raw(self.topics.trajectories, raw, done.task.task_id.encode())
+        for raw in over:
+            self._letter(done.task, tp, offset, raw, "Trajectory", f"trajectory of {len(raw)} bytes over the topic's "
+                         f"{limit}-byte limit (task {done.task.task_id}; {len(raws)} in its group, none sent)")
+        self.stats.oversized += len(over)
+        self.stats.trajectories += 0 if over else len(raws)
 
     def resume_admission(self) -> None:
         """A restarted agent continues its predecessor's admission (from the status file it left): starting from
@@ -144,10 +160,8 @@ class Agent:
         for done in finished:
             tp, offset = done.key
             if done.error is None:
-                for t in done.trajectories:
-                    self.producer.send(self.topics.trajectories, t, key=done.task.task_id)
+                self._produce(done, tp, offset)
                 self.stats.tasks += 1
-                self.stats.trajectories += len(done.trajectories)
             elif isinstance(done.error, (ConnectionError, KafkaError)) or not isinstance(done.error, ROLLOUT_ERRORS):
                 raise done.error  # the transport failed, or a bug: do not commit, the task is redelivered
             else:
@@ -193,6 +207,7 @@ class Agent:
         f = self.follower
         return {"agent_id": self.agent_id, "pid": os.getpid(), "version": int(self.engine.version),
                 "tasks": self.stats.tasks, "trajectories": self.stats.trajectories, "failed": self.stats.failed,
+                "oversized": self.stats.oversized,
                 "assignment": sorted(f"{tp.topic}:{tp.partition}" for tp in self.tasks.assignment()),
                 "dead_letters": self.tasks.dead_letters + (f.consumer.dead_letters if f else 0),
                 "refused": {str(k): v for k, v in (f.refused if f else {}).items()},
@@ -234,7 +249,7 @@ def load_engine(s: AgentSettings, store: WeightStore) -> tuple[Any, Any]:
 def build_agent(s: AgentSettings, bus: KafkaBus | MemoryBus, engine: Any, tokenizer: Any,
                 status_path: str = "") -> Agent:
     t = Topics(s.run)
-    bus.create_topics(partitions_by_topic(s.run, s.topics))
+    bus.create_topics(partitions_by_topic(s.run, s.topics), s.topics.replication_factor)
     producer = bus.producer()
     tasks = bus.consumer({t.tasks: Task}, group_id=s.group_id or f"{s.run}.agents", dlq=t.dlq, producer=producer)
     policy = bus.consumer({t.policy: PolicyVersion}, group_id=None, dlq=t.dlq, producer=producer,

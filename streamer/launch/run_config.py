@@ -33,6 +33,7 @@ from streamer.launch.resources import (
 from streamer.metrics.app import MetricsSettings
 from streamer.wire.config import ConfigError, load_config, read_yaml, to_dict
 from streamer.wire.settings import AgentSettings
+from streamer.wire.topics import tasks_partitions
 
 # a batch must close at --batch trajectories, not at a token budget: agents generate exactly one batch per version
 TOKENS_PER_TRAJECTORY = 1024
@@ -179,6 +180,7 @@ def derive(cfg: RunConfig, given: set[str] = frozenset()) -> None:
     a.tasks_per_version, a.versions_ahead = adm.tasks_per_version, adm.versions_ahead
     a.concurrency = a.concurrency if "agent.concurrency" in given else adm.concurrency
     a.threads, a.group_size, a.seed = plan.agent_threads, up.group_size, seed_of(up, 1, a.seed)
+    a.topics.tasks_partitions = tasks_partitions(a.topics, plan.agents)  # one per agent at least, for every role
     cfg.pretrain.scenario, cfg.pretrain.cache_dir = up.scenario, f"{up.runs_dir}/cache"
     cfg.finetune.cache_dir = cfg.pretrain.cache_dir
     if cfg.finetune.rows and not up.stream:

@@ -290,7 +290,8 @@ def run(cfg: RunConfig, stop: Stop | None = None) -> int:
     signal.signal(signal.SIGINT, _interrupt)  # an ignored SIGINT would be inherited by later child processes
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        KafkaBus(bootstrap).create_topics(partitions_by_topic(up.run))
+        KafkaBus(bootstrap, cfg.agent.client).create_topics(partitions_by_topic(up.run, cfg.agent.topics),
+                                                             cfg.agent.topics.replication_factor)
         print("[3/4] starting the roles: metrics app, learner, agents" + (", evaluator" if up.plan().eval else "")
               + (", dashboard" if up.dashboard else "") + ", simulator", flush=True)
         tap = open_tap(bootstrap, up.run, str(run_dir), config={"up": asdict(up), "init": str(init),

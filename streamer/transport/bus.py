@@ -25,6 +25,7 @@ from streamer.wire.schema import DeadLetter, Message, SchemaError, decode, encod
 log = logging.getLogger(__name__)
 
 DLQ_MAX_VALUE_BYTES = 8 * 1024 * 1024  # original bytes above this are cut (value_len keeps the size)
+ENVELOPE_BYTES = 64 * 1024  # a record's key, headers and batch framing, and a dead letter's fields, above a value
 
 
 class Polled(NamedTuple):

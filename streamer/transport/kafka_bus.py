@@ -9,7 +9,7 @@ from typing import Any
 
 from kafka.structs import TopicPartition
 
-from streamer.transport.bus import DLQ_MAX_VALUE_BYTES, Consumer, Producer, RawRecord, SendError
+from streamer.transport.bus import DLQ_MAX_VALUE_BYTES, ENVELOPE_BYTES, Consumer, Producer, RawRecord, SendError
 from streamer.wire.schema import DeadLetter, SchemaError, decode
 from streamer.wire.settings import ClientSettings
 
@@ -37,10 +37,12 @@ class KafkaProducerClient(Producer):
         cfg = dict(bootstrap_servers=bootstrap.split(","), client_id=settings.client_id, acks="all",
                    enable_idempotence=settings.idempotence, retries=float("inf"),  # bounded by delivery_timeout_ms
                    compression_type=compression_type(settings.compression), linger_ms=settings.linger_ms,
-                   batch_size=settings.batch_size, request_timeout_ms=settings.request_timeout_ms,
+                   # a batch of several records stays under every topic's max.message.bytes (topic_configs)
+                   batch_size=min(settings.batch_size, settings.max_message_bytes + ENVELOPE_BYTES),
+                   request_timeout_ms=settings.request_timeout_ms,
                    delivery_timeout_ms=max(settings.delivery_timeout_ms,
                                            settings.request_timeout_ms + settings.linger_ms),
-                   max_request_size=max(DLQ_MAX_VALUE_BYTES, settings.max_message_bytes) + 64 * 1024,
+                   max_request_size=max(DLQ_MAX_VALUE_BYTES, settings.max_message_bytes) + ENVELOPE_BYTES,
                    **settings.security.kafka_python())
         cfg.update(overrides)
         self._p = KafkaProducer(**cfg)
@@ -243,22 +245,55 @@ class KafkaBus:
             producer = self.producer()
         return KafkaConsumerClient(self.bootstrap, self.settings, types, group_id, dlq, producer, **overrides)
 
-    def create_topics(self, partitions: dict[str, int]) -> list[str]:
-        """Create the missing topics; returns those created."""
+    def create_topics(self, partitions: dict[str, int], replication_factor: int = 1) -> list[str]:
+        """Create the missing topics with `topic_configs`; returns those created. An existing topic with fewer
+        partitions than asked gets more where the broker can add them (Apache Kafka; Tansu cannot), else a
+        warning: its partition count caps the consumers of a group that get records."""
         from kafka import KafkaAdminClient
-        from kafka.admin import NewTopic
         from kafka.errors import TopicAlreadyExistsError
 
         admin = KafkaAdminClient(bootstrap_servers=self.bootstrap.split(","), client_id=self.settings.client_id,
                                  **self.settings.security.kafka_python())
         try:
             existing = set(admin.list_topics())
-            new = [NewTopic(t, n, 1) for t, n in partitions.items() if t not in existing]
+            new = {t: {"num_partitions": n, "replication_factor": replication_factor,
+                       "configs": topic_configs(t, self.settings)} for t, n in partitions.items() if t not in existing}
             if new:
                 try:
                     admin.create_topics(new)
                 except TopicAlreadyExistsError:
                     pass  # another process created it first
-            return [t.name for t in new]
+            _grow(admin, {t: n for t, n in partitions.items() if t in existing})
+            return list(new)
         finally:
             admin.close()
+
+
+def topic_configs(topic: str, settings: ClientSettings) -> dict[str, str]:
+    """A topic's configuration at creation: its largest record batch, a value of `max_message_bytes` with its
+    framing (the DLQ: a dead letter of up to DLQ_MAX_VALUE_BYTES). Apache Kafka enforces it per topic whatever the
+    broker's own default (1 MiB); Tansu stores it (DescribeConfigs returns it) and does not enforce it."""
+    value = settings.max_message_bytes
+    if topic.rpartition(".")[2] == "dlq":
+        value = max(value, DLQ_MAX_VALUE_BYTES)
+    return {"max.message.bytes": str(value + ENVELOPE_BYTES)}
+
+
+def _grow(admin: Any, wanted: dict[str, int]) -> dict[str, int]:
+    """Add partitions to existing topics that have fewer than `wanted`; returns those still short (count had)."""
+    from kafka.errors import KafkaError
+
+    if not wanted:
+        return {}
+    have = {t["name"]: len(t["partitions"]) for t in admin.describe_topics(list(wanted))}
+    short = {t: have[t] for t, n in wanted.items() if t in have and have[t] < n}
+    for t, had in list(short.items()):
+        try:
+            admin.create_partitions({t: wanted[t]})
+            log.warning("%s: had %d partitions, %d wanted: partitions added", t, had, wanted[t])
+            del short[t]
+        except KafkaError as e:
+            log.warning("%s: %d partitions, fewer than the %d wanted (one per agent): only %d consumers of a group "
+                        "get records, the others sit idle; the broker did not add partitions (%s: %s). Delete the "
+                        "topic or use a new run name.", t, had, wanted[t], had, type(e).__name__, e)
+    return short

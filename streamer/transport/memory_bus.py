@@ -23,7 +23,7 @@ class MemoryBus:
         self.members: dict[str, list["MemoryConsumer"]] = {}
         self._rr = 0
 
-    def create_topics(self, partitions: dict[str, int]) -> list[str]:
+    def create_topics(self, partitions: dict[str, int], replication_factor: int = 1) -> list[str]:
         new = [t for t in partitions if t not in self.logs]
         for t in new:
             self.logs[t] = [[] for _ in range(partitions[t])]

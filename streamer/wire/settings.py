@@ -119,7 +119,10 @@ class ClientSettings:
     compression: Literal["none", "gzip", "lz4", "snappy", "zstd", "auto"] = "auto"  # auto: lz4 if installed, else none
     linger_ms: int = 5
     batch_size: int = 256 * 1024
-    max_message_bytes: int = 4 * 1024 * 1024  # bigger messages go to the DLQ on the consumer side
+    # largest message value on the run's topics: topics are created with max.message.bytes = this + 64 KiB
+    # (framing; the DLQ at least 8 MiB + 64 KiB), producers are sized to it and agents dead-letter a bigger
+    # trajectory instead of sending it; consumers dead-letter bigger records
+    max_message_bytes: int = 4 * 1024 * 1024
     request_timeout_ms: int = 30_000
     idempotence: bool = True  # idempotent producers: a retried send is written once (Apache Kafka and Tansu)
     delivery_timeout_ms: int = 120_000  # a record unconfirmed after this long (retries included) fails its flush()
@@ -138,11 +141,22 @@ class ClientSettings:
 
 @dataclass
 class TopicSettings:
-    tasks_partitions: int = 4  # upper bound on agents that share the task stream
+    """How a run's topics are created (`streamer.wire.topics.partitions_by_topic`; an existing topic is kept)."""
+
+    # at least this many; raised to the agent count (`sao up` derives it, `sao topics --agents N`): agents of one
+    # group share the task stream by partition, so an agent beyond the partition count would sit idle
+    tasks_partitions: int = 4
     # One: the learner (a single reader) gets them in the order they were produced, also when it reads a backlog
     # after a restart; with two, it read one partition's backlog first and the other's older records went stale.
     trajectories_partitions: int = 1
     other_partitions: int = 1  # policy, learner, metrics, drift, dlq: ordered, low rate
+    replication_factor: int = 1  # copies of each partition: 1 for one broker (embedded, compose); 3 on a cluster
+
+    def validate(self) -> None:
+        if min(self.tasks_partitions, self.trajectories_partitions, self.other_partitions) < 1:
+            raise ConfigError("TopicSettings: partition counts must be >= 1")
+        if self.replication_factor < 1:
+            raise ConfigError("TopicSettings.replication_factor: must be >= 1")
 
 
 @dataclass
@@ -196,3 +210,4 @@ class AgentSettings:
         if self.max_new_tokens < 1 or self.max_turns < 1:
             raise ConfigError("AgentSettings.max_new_tokens / max_turns: must be >= 1")
         self.client.validate()
+        self.topics.validate()

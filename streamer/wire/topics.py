@@ -63,8 +63,14 @@ class Topics:
         return [topic(self.run, k) for k in KINDS]
 
 
-def partitions_by_topic(run: str, settings: TopicSettings | None = None) -> dict[str, int]:
-    """Every topic of a run with its partition count."""
+def tasks_partitions(settings: TopicSettings, agents: int = 0) -> int:
+    """Partitions of `<run>.tasks`: never fewer than the agents of the group that shares them (a consumer beyond the
+    partition count gets none), at least `settings.tasks_partitions`."""
+    return max(settings.tasks_partitions, agents)
+
+
+def partitions_by_topic(run: str, settings: TopicSettings | None = None, agents: int = 0) -> dict[str, int]:
+    """Every topic of a run with its partition count (`agents`: the run's agent count, 0 when unknown)."""
     s = settings or TopicSettings()
-    counts = {"tasks": s.tasks_partitions, "trajectories": s.trajectories_partitions}
+    counts = {"tasks": tasks_partitions(s, agents), "trajectories": s.trajectories_partitions}
     return {topic(run, k): counts.get(k, s.other_partitions) for k in KINDS}
