@@ -19,6 +19,7 @@ from typing import Literal, get_args
 from learner.algorithms import AGGS, KL_TYPES, POLICY_LOSSES
 from learner.models.config import ModelConfig
 from streamer.wire.config import ConfigError
+from streamer.wire.settings import WeightsTransport, parse_hostport
 
 # Choice fields are Literal types (load_config refuses anything else and lists the choices); each equals the keys
 # of the registry it selects from (tests/test_config.py checks it)
@@ -137,9 +138,22 @@ class IOConfig:
     init: str = ""  # policy directory to start from (e.g. the warm start); "" -> a fresh `model`
     value_init: str = ""  # value-model directory; "" -> policy backbone + a fresh head
     weights_dir: str = ""  # policy-version store; "" -> no publication
-    keep_versions: int = 32  # newest versions kept in the store (a version is ~13 MB for the tiny model; 0: all)
+    # newest versions kept in the store (a version is ~13 MB for the tiny model; 0: all); None: 32 with the
+    # directory transport, 4 with http (enough for a slow agent to fetch the version just announced)
+    keep_versions: int | None = None
+    # "http": a weight server beside the learner (rank 0, a daemon thread) serves the store to agents on other
+    # hosts (streamer.transport.weight_server); "directory": agents read the store's path themselves
+    weights_transport: WeightsTransport = "directory"
+    weights_bind: str = "127.0.0.1:8765"  # http: HOST:PORT the weight server listens on (0.0.0.0: every interface)
+    weights_advertised: str = ""  # http: HOST:PORT in announced uris ("" -> the bound address); informative only
+    weights_chunk_bytes: int = 4 * 1024 * 1024  # the manifest's chunk size (each chunk has its own sha256)
     run_dir: str = ""  # run directory: learner events table (streamer.runs.artifacts); "" -> none
     events: str = ""  # LearnerEvent JSONL file; "" -> <checkpoint.dir>/events.jsonl
+
+    def versions_kept(self) -> int:
+        if self.keep_versions is not None:
+            return self.keep_versions
+        return 4 if self.weights_transport == "http" else 32
 
 
 BACKENDS, BACKEND_DTYPES = get_args(BackendName), get_args(BackendDtype)
@@ -212,6 +226,22 @@ def _validate(c: LearnerConfig) -> None:
         _fail("advantage.group_size", f"{a.group_size}: a group estimator needs groups of >= 2")
     _validate_numbers(c)
     _validate_backend(c.backend, c.model, bool(c.io.init))
+    _validate_weights(c.io)
+
+
+def _validate_weights(io: IOConfig) -> None:
+    if io.weights_transport not in ("directory", "http"):
+        _fail("io.weights_transport", f"'{io.weights_transport}' unknown; choose directory or http")
+    if io.keep_versions is not None and io.keep_versions < 0:
+        _fail("io.keep_versions", f"{io.keep_versions} must be >= 0 (0: all; null: 32, or 4 over http)")
+    if not 0 < io.weights_chunk_bytes <= 1 << 30:
+        _fail("io.weights_chunk_bytes", f"{io.weights_chunk_bytes} must be in (0, 1 GiB]")
+    if io.weights_transport == "http":
+        parse_hostport(io.weights_bind, "LearnerConfig.io.weights_bind")
+        if io.weights_advertised:
+            parse_hostport(io.weights_advertised, "LearnerConfig.io.weights_advertised")
+        if not io.weights_dir:
+            _fail("io.weights_transport", "http serves the weight store: set io.weights_dir too")
 
 
 def _validate_backend(b: BackendConfig, model: ModelConfig, from_init: bool) -> None:

@@ -119,7 +119,8 @@ class JsonlSink:
 
 
 def build_outputs(cfg: LearnerConfig):
-    """(publisher or None, event sinks, closers)."""
+    """(publisher or None, event sinks, closers). With `io.weights_transport` http, the weight server too (a daemon
+    thread of this process, rank 0; `streamer.transport.weight_server`), closed by its closer."""
     from learner.models.tokenizer import load_tokenizer
     from learner.trainer.publish import DirectoryPublisher
 
@@ -141,8 +142,15 @@ def build_outputs(cfg: LearnerConfig):
         announcer = Announcer(producer, cfg.io.run)
         closers.append(producer.close)
     tokenizer = load_tokenizer(cfg.io.init) if cfg.io.init else None
-    publisher = DirectoryPublisher(cfg.io.weights_dir, announcer, cfg.io.keep_versions,
-                                   tokenizer) if cfg.io.weights_dir else None
+    base_uri = ""
+    if cfg.io.weights_dir and cfg.io.weights_transport == "http":  # before version 0 is published (Trainer.start)
+        from streamer.transport.weight_server import WeightServer
+
+        server = WeightServer(cfg.io.weights_dir, cfg.io.weights_bind, "LearnerConfig.io.weights_bind").start()
+        closers.append(server.close)
+        base_uri = f"http://{cfg.io.weights_advertised or server.address}"
+    publisher = DirectoryPublisher(cfg.io.weights_dir, announcer, cfg.io.versions_kept(), tokenizer,
+                                   cfg.io.weights_chunk_bytes, base_uri) if cfg.io.weights_dir else None
     return publisher, sinks, closers
 
 

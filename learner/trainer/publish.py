@@ -5,7 +5,10 @@ The learner only needs `publish(model, version, step) -> PolicyVersion` and `lat
 model.safetensors, policy.json, config.json and the tokenizer; written under a temporary name and
 renamed, so an agent never loads half a checkpoint), prunes old versions, then announces the new one itself
 through its `announcer` (`streamer.transport.weights.Announcer`: to `<run>.policy`), if it has one (a replay
-with no agents listening has none). Non-finite weights are refused, never published.
+with no agents listening has none). Non-finite weights are refused, never published. Each version's manifest
+lists its files in chunks of `chunk_bytes`; with a weight server beside the learner (`io.weights_transport` http),
+`base_uri` is that server's advertised address and announcements read `http://HOST:PORT/v000123` (agents take only
+the last part and fetch from the server they are configured with).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Callable, Protocol
 import torch
 
 from learner.models.tokenizer import CharTokenizer, Tokenizer
-from streamer.transport.weights import WeightStore
+from streamer.transport.weights import CHUNK_BYTES, WeightStore
 from streamer.wire.schema import PolicyVersion
 
 
@@ -35,10 +38,11 @@ def assert_finite(model: torch.nn.Module) -> None:
 
 class DirectoryPublisher:
     def __init__(self, store: str | Path, announcer: Callable[[PolicyVersion], None] | None = None,
-                 keep: int = 0, tokenizer: Tokenizer | None = None) -> None:
+                 keep: int = 0, tokenizer: Tokenizer | None = None, chunk_bytes: int = CHUNK_BYTES,
+                 base_uri: str = "") -> None:
         """`announcer`: an `Announcer` (or any callable taking the PolicyVersion); None announces nothing.
         `tokenizer`: the policy's, saved with every version (default: the embedded character tokenizer)."""
-        self.store = WeightStore(store)
+        self.store = WeightStore(store, chunk_bytes, base_uri)
         self.tokenizer = tokenizer or CharTokenizer()
         self.announcer = announcer
         self.keep = keep  # versions kept on disk (0: all)

@@ -9,6 +9,10 @@ policy versions are loaded between turns.
 
     sao agent --bootstrap 127.0.0.1:9092 --run exp1 --model runs/warm [--group-size 8] [--set max_new_tokens=24]
     sao agent --tasks tasks.jsonl --out trajectories.jsonl --model runs/warm     # no broker, no learner
+    sao agent --run exp1 --model http://learner:8765/latest    # another host: versions pulled from the weight server
+
+Versions come from the store at `weights_dir` or, with `weights_transport` http, the learner's weight server at
+`weights_url` (`streamer.transport.weight_client`; `--model http://HOST:PORT/latest` sets both).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from streamer.agent.rollouts import ROLLOUT_ERRORS, EngineError, Finished, Rollo
 from streamer.transport.bus import DLQ_MAX_VALUE_BYTES, Consumer, Producer, SendError
 from streamer.transport.kafka_bus import KafkaBus
 from streamer.transport.memory_bus import MemoryBus
+from streamer.transport.weight_client import fetch_initial, source_for
 from streamer.transport.weights import CheckpointError, PolicyFollower, WeightStore
 from streamer.wire.config import ConfigError, add_config_args, load_config
 from streamer.wire.schema import DeadLetter, PolicyVersion, Task, Trajectory, encode
@@ -227,13 +232,14 @@ class Agent:
 
 # ----------------------------------------------------------------------------------------- wiring
 
-def load_engine(s: AgentSettings, store: WeightStore) -> tuple[Any, Any]:
-    """The engine and tokenizer: from `s.model`, else the newest verified version in the weight store."""
+def load_engine(s: AgentSettings, store: WeightStore | None = None) -> tuple[Any, Any]:
+    """The engine and tokenizer: from `s.model`, else the newest verified version in the weight store (http: the
+    server's, fetched into `model_cache` once the learner has published one)."""
     from learner.engines import make_engine
     from learner.models.tokenizer import load_tokenizer
 
-    pv: PolicyVersion | None = None
-    model_dir = s.model
+    store, initial = store or WeightStore(s.weights_dir), fetch_initial(s)
+    model_dir, pv, state = initial or (s.model, None, None)
     if not model_dir:
         pv = store.latest()
         if pv is None:
@@ -241,8 +247,8 @@ def load_engine(s: AgentSettings, store: WeightStore) -> tuple[Any, Any]:
         model_dir = str(store.resolve(pv))
     tokenizer = load_tokenizer(model_dir, s.chat_template)
     engine = make_engine(s.engine, model_dir, tokenizer)
-    if pv is not None:
-        engine.load_state_dict(store.load(pv), pv.version)  # raises CheckpointError on a bad hash
+    if pv is not None:  # raises CheckpointError on a bad hash
+        engine.load_state_dict(state if state is not None else store.load(pv), pv.version)
     return engine, tokenizer
 
 
@@ -254,7 +260,7 @@ def build_agent(s: AgentSettings, bus: KafkaBus | MemoryBus, engine: Any, tokeni
     tasks = bus.consumer({t.tasks: Task}, group_id=s.group_id or f"{s.run}.agents", dlq=t.dlq, producer=producer)
     policy = bus.consumer({t.policy: PolicyVersion}, group_id=None, dlq=t.dlq, producer=producer,
                           **({"fetch_max_wait_ms": 50} if isinstance(bus, KafkaBus) else {}))
-    follower = PolicyFollower(policy, WeightStore(s.weights_dir), version=int(engine.version))
+    follower = PolicyFollower(policy, source_for(s), version=int(engine.version))
     agent = Agent(s, engine, tokenizer, tasks, producer, follower, status_path)
     agent.resume_admission()
     return agent
@@ -288,6 +294,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--run", default=None, help="run name (topic prefix)")
     p.add_argument("--model", default=None, help="policy directory (default: newest in the weight store)")
     p.add_argument("--weights-dir", default=None, help="weight store the learner publishes into")
+    p.add_argument("--weights-url", default=None, help="pull versions from this weight server (http://HOST:PORT)")
     p.add_argument("--group-size", type=int, default=None, help="rollouts per task (1: single rollout)")
     p.add_argument("--max-tasks", type=int, default=None)
     add_config_args(p, "AgentSettings", "concurrency=8")
@@ -308,6 +315,8 @@ def settings_from_args(a: argparse.Namespace) -> AgentSettings:
             setattr(s, name, value)
     if a.bootstrap:
         s.client.bootstrap = a.bootstrap
+    if a.weights_url or (s.model_is_url() and not s.weights_url):  # --model http://HOST:PORT/latest names the server
+        s.weights_transport, s.weights_url = "http", a.weights_url or s.model.rstrip("/").rpartition("/")[0]
     s.validate()
     Topics(s.run)  # checks the run name
     return s
@@ -330,7 +339,7 @@ def main(argv: list[str]) -> int:
 
     torch.set_num_threads(s.threads)
     try:
-        engine, tokenizer = load_engine(s, WeightStore(s.weights_dir))
+        engine, tokenizer = load_engine(s)
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
         print(f"sao agent: {e}", file=sys.stderr)
         return 2

@@ -9,6 +9,10 @@ per `--min-interval` seconds: versions announced meanwhile are skipped. Each eva
 per (family, concept): the dashboard's eval reward per concept.
 
     sao eval --bootstrap 127.0.0.1:9092 --run exp1 --scenario default --model runs/warm --weights-dir runs/weights
+    sao eval --run exp1 --weights-url http://learner:8765      # versions (and, without --model, v0) over HTTP
+
+Versions are read as the agents read them (`streamer.agent.agent.load_engine`, a `PolicyFollower` over
+`streamer.transport.weight_client.source_for`): the store at `--weights-dir`, or the weight server at `--weights-url`.
 """
 
 from __future__ import annotations
@@ -150,6 +154,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--scenario", default="default", help="scenario YAML (or a name under simulator/scenarios/)")
     p.add_argument("--model", default="", help="version-0 policy directory (default: newest in the weight store)")
     p.add_argument("--weights-dir", default="runs/weights", help="weight store the learner publishes into")
+    p.add_argument("--weights-url", default="", help="pull versions from this weight server (http://HOST:PORT)")
     p.add_argument("--tasks-per-concept", type=int, default=32, help="held-out tasks per (family, concept)")
     p.add_argument("--min-interval", type=float, default=10.0, help="seconds between evaluation starts")
     p.add_argument("--seed", type=int, default=EVAL_SEED, help="held-out set seed")
@@ -162,7 +167,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def settings_from_args(a: argparse.Namespace) -> AgentSettings:
     s = AgentSettings(run=a.run, model=a.model, weights_dir=a.weights_dir, temperature=0.0, group_size=1,
-                      max_new_tokens=a.max_new_tokens, threads=a.threads, client=ClientSettings(client_id="sao-eval"))
+                      max_new_tokens=a.max_new_tokens, threads=a.threads, client=ClientSettings(client_id="sao-eval"),
+                      weights_transport="http" if a.weights_url else "directory", weights_url=a.weights_url)
     if a.bootstrap:
         s.client.bootstrap = a.bootstrap
     if a.min_interval < 0:
@@ -172,8 +178,10 @@ def settings_from_args(a: argparse.Namespace) -> AgentSettings:
     return s
 
 
-def _step_of(store: Any, version: int) -> int:
-    return next((pv.step for pv in store.versions() if pv.version == version), 0)
+def _step_of(source: Any, version: int) -> int:
+    """The learner step of the source's newest version, if the engine runs it (else 0)."""
+    pv = source.latest()
+    return pv.step if pv is not None and pv.version == version else 0
 
 
 def main(argv: list[str]) -> int:
@@ -182,7 +190,8 @@ def main(argv: list[str]) -> int:
     from simulator.scenario import load_scenario
     from streamer.agent.agent import load_engine
     from streamer.transport.kafka_bus import KafkaBus
-    from streamer.transport.weights import CheckpointError, PolicyFollower, WeightStore
+    from streamer.transport.weight_client import source_for
+    from streamer.transport.weights import CheckpointError, PolicyFollower
     from streamer.wire.topics import partitions_by_topic
 
     a = parse_args(argv)
@@ -196,9 +205,10 @@ def main(argv: list[str]) -> int:
     import torch
 
     torch.set_num_threads(s.threads)
-    store = WeightStore(s.weights_dir)
+    source = source_for(s)
     try:
-        engine, tokenizer = load_engine(s, store)
+        engine, tokenizer = load_engine(s)
+        step = 0 if s.model else _step_of(source, int(engine.version))  # --model is version 0, before any step
     except (ConfigError, CheckpointError, FileNotFoundError, ValueError) as e:
         print(f"sao eval: {e}", file=sys.stderr)
         return 2
@@ -212,8 +222,7 @@ def main(argv: list[str]) -> int:
         print(f"sao eval: Kafka at {bus.bootstrap}: {type(e).__name__}: {e} "
               f"(start one with `sao broker`, or set --bootstrap / $SAO_BOOTSTRAP)", file=sys.stderr)
         return 1
-    follower = PolicyFollower(policy, store, version=int(engine.version))
-    step = 0 if s.model else _step_of(store, int(engine.version))  # --model is version 0, before any step
+    follower = PolicyFollower(policy, source, version=int(engine.version))
     ev = Evaluator(engine, tokenizer, tasks, s, follower, producer, step=step, min_interval_s=a.min_interval)
 
     def _stop(*_: Any) -> None:

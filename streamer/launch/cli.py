@@ -18,6 +18,7 @@ COMMANDS = {
     "toy-model": ("learner.models.toy", "build a small HF model (Qwen3 dense or GLM-4-MoE) and BPE tokenizer locally"),
     "agent": ("streamer.agent.agent", "single-rollout agent: tasks -> trajectories"),
     "learn": ("learner.train", "continuous SAO learner: trajectories -> policy versions"),
+    "weights-serve": ("streamer.transport.weight_server", "serve a weight store over HTTP (agents on other hosts)"),
     "eval": ("streamer.agent.evaluator",
              "held-out greedy eval of each policy version -> eval/reward per (family, concept)"),
     "tap": ("streamer.runs.tap", "record a run's topics into its run directory (trajectories, drift, metrics)"),

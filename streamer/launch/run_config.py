@@ -4,9 +4,10 @@ Sections: `launch` (this command's own options: scenario, agents, batch, stalene
 `learner`, `agent`, `metrics`, `ray`. Values come from the defaults, then `--config FILE`, then
 `--set section.key=value`, then the launch flags (`--batch 32`). `derive` then fills what one launch setting drives
 in several roles: the staleness bound and the batch set the learner's batching and the agents' admission, the
-resource plan sets the threads, the run's name and paths reach every role. Setting a derived key by hand is refused
-(it would desynchronise learner and agents): the cross-role validation lives here, in one place. Each role is
-started with `--config runs/<run>/config.yaml` and reads its own section
+resource plan sets the threads, the run's name and paths reach every role, `weights_transport` picks how versions
+reach the agents (the directory store, or the learner's weight server over HTTP) for both sides. Setting a derived
+key by hand is refused (it would desynchronise learner and agents): the cross-role validation lives here, in one
+place. Each role is started with `--config runs/<run>/config.yaml` and reads its own section
 (`streamer.wire.config.load_config(..., section=)`).
 """
 
@@ -18,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from learner.config import LearnerConfig
+from learner.config import IOConfig, LearnerConfig
 from learner.finetune import FinetuneConfig
 from learner.pretrain import PretrainConfig
 from streamer.launch.ray_launch import RayConfig
@@ -32,7 +33,7 @@ from streamer.launch.resources import (
 )
 from streamer.metrics.app import MetricsSettings
 from streamer.wire.config import ConfigError, load_config, read_yaml, to_dict
-from streamer.wire.settings import AgentSettings
+from streamer.wire.settings import AgentSettings, WeightsTransport, parse_hostport
 from streamer.wire.topics import tasks_partitions
 
 # a batch must close at --batch trajectories, not at a token budget: agents generate exactly one batch per version
@@ -40,8 +41,9 @@ TOKENS_PER_TRAJECTORY = 1024
 DERIVED = {  # section -> keys `derive` sets from the launch section and the resource plan
     "learner": ("batch.max_staleness", "batch.max_trajectories", "batch.tokens", "batch.sync", "batch.sync_batch",
                 "threads", "loss.name", "io.run", "io.init", "io.weights_dir", "io.run_dir",
-                "checkpoint.dir"),
-    "agent": ("tasks_per_version", "versions_ahead", "threads", "group_size", "run", "model", "weights_dir"),
+                "checkpoint.dir", "io.weights_transport", "io.weights_bind", "io.weights_advertised"),
+    "agent": ("tasks_per_version", "versions_ahead", "threads", "group_size", "run", "model", "weights_dir",
+              "weights_transport", "weights_url"),
     "metrics": ("run",),
     "pretrain": ("scenario", "cache_dir"),
     "finetune": ("cache_dir",),
@@ -80,6 +82,11 @@ class UpConfig:
     restarts: int = 3  # times each crashed role (learner, agent, metrics app, dashboard) is started again
     ray: bool = False  # agents and learner as Ray actors (streamer.launch.ray_launch)
     ray_address: str = ""  # join this Ray cluster ("auto", "ray://head:10001"); implies --ray
+    # how policy versions reach the agents: "directory" (the run's weight store, a path every agent's host shares)
+    # or "http" (the learner serves the store, agents pull each version into memory: no shared filesystem)
+    weights_transport: WeightsTransport = "directory"
+    weights_bind: str = "127.0.0.1:0"  # http: the learner's weight server HOST:PORT (port 0: a free one, picked now)
+    weights_advertised: str = ""  # http: HOST:PORT agents reach it at ("" -> weights_bind; 0.0.0.0 -> this host's name)
 
     def plan(self) -> ResourcePlan:
         return plan_resources(self.cores or available_cores(), self.agents, self.eval)
@@ -154,8 +161,8 @@ def _refuse_derived(given: set[str]) -> None:
         for key in keys:
             if f"{section}.{key}" in given:
                 raise ConfigError(f"{section}.{key}: sao up derives it from the launch section (--batch, --staleness, "
-                                  f"--sync-batch, --loss, --seed, --group-size, --cores, --agents, --run); set those "
-                                  f"instead so learner and agents stay consistent")
+                                  f"--sync-batch, --loss, --seed, --group-size, --cores, --agents, --run, "
+                                  f"launch.weights_*); set those instead so learner and agents stay consistent")
 
 
 def seed_of(launch: UpConfig, offset: int, default: int) -> int:
@@ -188,7 +195,25 @@ def derive(cfg: RunConfig, given: set[str] = frozenset()) -> None:
     cfg.learner.io.run = a.run = cfg.metrics.run = up.run
     cfg.learner.io.weights_dir = a.weights_dir = str(run_dir / "weights")
     cfg.learner.io.run_dir, cfg.learner.checkpoint.dir = str(run_dir), str(run_dir / "checkpoints")
+    derive_weights(up, cfg.learner.io, a)
     cfg.learner.validate()
+
+
+def derive_weights(up: UpConfig, io: IOConfig, agent: AgentSettings) -> None:
+    """One transport for learner and agents; over http, the server's address (a free port if none is given)."""
+    if up.weights_transport not in ("directory", "http"):
+        raise ConfigError(f"launch.weights_transport: {up.weights_transport!r} not in ['directory', 'http']")
+    io.weights_transport = agent.weights_transport = up.weights_transport
+    if up.weights_transport != "http":
+        return
+    from streamer.transport.weight_server import advertised_host, free_port
+
+    host, port = parse_hostport(up.weights_bind, "launch.weights_bind")
+    port = port or free_port(host)
+    io.weights_bind = f"{host}:{port}"
+    io.weights_advertised = up.weights_advertised or f"{advertised_host(host)}:{port}"
+    parse_hostport(io.weights_advertised, "launch.weights_advertised")
+    agent.weights_url = f"http://{io.weights_advertised}"
 
 
 def is_derived(key: str) -> bool:

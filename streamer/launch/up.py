@@ -59,6 +59,8 @@ FLAGS = {  # flag -> (type, help); each sets the launch field of the same name (
     "drain_seconds": (float, "after the last trajectory, let the learner finish its batch"),
     "restarts": (int, "restarts of each crashed role (it resumes from its checkpoint or committed offsets)"),
     "ray_address": (str, "join this Ray cluster: auto, ray://head:10001 (implies --ray)"),
+    "weights_transport": (str, "how versions reach the agents: directory (a shared path) or http (pulled from a "
+                               "weight server beside the learner)"),
 }
 SWITCHES = {  # flag -> (field, value, help)
     "sync": ("sync", True, "synchronous baseline: agents wait for each version"),
@@ -163,8 +165,9 @@ def roles(cfg: RunConfig, config_file: Path, run_dir: Path, bootstrap: str) -> l
         out.append(Role(f"agent-{i}", agent, env=thread_env(plan.agent_threads), nice=AGENT_NICE))
     run = ["--run", up.run, "--bootstrap", bootstrap]
     if plan.eval:
+        weights = ["--weights-url", cfg.agent.weights_url] if cfg.agent.weights_transport == "http" else []
         out.append(Role("eval", ["eval", *run, "--scenario", up.scenario, "--model", cfg.agent.model,
-                                 "--weights-dir", cfg.agent.weights_dir, "--threads", "1", "--min-interval",
+                                 "--weights-dir", cfg.agent.weights_dir, *weights, "--threads", "1", "--min-interval",
                                  str(up.eval_interval)], required=False, **side))
     if up.dashboard:
         out.append(Role("dashboard", ["dashboard", "--runs", up.runs_dir, "--port", str(up.dashboard_port), *run],

@@ -1,12 +1,17 @@
 """Policy propagation: a weight store of versioned safetensors checkpoints, and its announcements.
 
-Layout: `<root>/v000003/{model.safetensors, policy.json, config.json, sao_tokenizer.json}`. The learner
-calls `WeightStore.publish(...)`, then its `Announcer` sends the version to `<run>.policy`; each agent's
-`PolicyFollower` reads `<run>.policy` (every agent reads every announcement: no consumer group) and, between
-rollouts, loads the newest version after checking its sha256. A corrupt checkpoint is refused with a log
-line naming it, and the agent keeps its weights; an unreadable one (a transient file-system error) is retried
-with a backoff, `READ_RETRIES` times, before it is refused. Announced URIs are confined to the agent's own
-store: a checkpoint is read only from `<root>/<the uri's last part>` whatever directory the message names.
+Layout: `<root>/v000003/{model.safetensors, policy.json, manifest.json, config.json, sao_tokenizer.json}`. The
+learner calls `WeightStore.publish(...)` (written under a temporary name, then renamed), then its `Announcer`
+sends the version to `<run>.policy`; each agent's `PolicyFollower` reads `<run>.policy` (every agent reads every
+announcement: no consumer group) and, between rollouts, loads the newest version from its `WeightSource` after
+checking its sha256. Two sources, one setting (`weights_transport`): the store itself (`WeightStore`, "directory":
+a path this host shares with the learner) or the learner's weight server (`streamer.transport.weight_client.
+HttpWeightSource`, "http": pulled in verified chunks into memory, no file written; `weight_server.py` serves the
+store). `manifest.json` lists a version's files with their sizes, sha256 and the sha256 of each `chunk_bytes`
+chunk (`Manifest`), for the pull. A corrupt checkpoint is refused with a log line naming it, and the agent keeps
+its weights; an unreadable one (a transient file-system or network error) is retried with a backoff,
+`READ_RETRIES` times, before it is refused. Announced URIs are confined to the agent's own source: a checkpoint is
+read only from `<root or server>/<the uri's last part>` whatever directory or host the message names.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -28,6 +33,8 @@ from streamer.wire.topics import Topics
 log = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.safetensors"
+MANIFEST_FILE = "manifest.json"
+CHUNK_BYTES = 4 * 1024 * 1024  # the manifest's default chunk size (the learner's io.weights_chunk_bytes)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")  # never copied as side files: the version has its own
 
 
@@ -35,7 +42,8 @@ def side_files(directory: str | Path) -> list[Path]:
     """A model directory's configuration and tokenizer files (config.json, tokenizer.json, sao_tokenizer.json, chat
     template, ...): every plain file but weights and policy.json."""
     return sorted(f for f in Path(directory).iterdir()
-                  if f.is_file() and f.suffix not in WEIGHT_SUFFIXES and f.name not in ("policy.json", WEIGHTS_FILE)
+                  if f.is_file() and f.suffix not in WEIGHT_SUFFIXES
+                  and f.name not in ("policy.json", MANIFEST_FILE, WEIGHTS_FILE)
                   and not f.name.endswith(".index.json"))
 
 
@@ -59,6 +67,36 @@ def version_dir_name(version: int) -> str:
     return f"v{version:06d}"
 
 
+class ManifestFile(msgspec.Struct, frozen=True):
+    name: str  # a plain file name inside the version directory
+    size: int  # bytes
+    sha256: str  # of the whole file
+    chunks: list[str]  # sha256 of each chunk: bytes [i * chunk_bytes, (i + 1) * chunk_bytes)
+
+
+class Manifest(msgspec.Struct, frozen=True):
+    """A version's files, for a pull in verified chunks (`<version dir>/manifest.json`)."""
+
+    version: int
+    step: int
+    sha256: str  # the weights file's, as announced
+    chunk_bytes: int
+    files: list[ManifestFile]  # the weights file first, then config and tokenizer files
+
+    def file(self, name: str) -> ManifestFile | None:
+        return next((f for f in self.files if f.name == name), None)
+
+
+def chunk_count(size: int, chunk_bytes: int) -> int:
+    return -(-size // chunk_bytes)
+
+
+def manifest_entry(name: str, data: bytes, chunk_bytes: int) -> ManifestFile:
+    view = memoryview(data)
+    chunks = [sha256_bytes(view[i:i + chunk_bytes]) for i in range(0, len(data), chunk_bytes)]
+    return ManifestFile(name=name, size=len(data), sha256=sha256_bytes(data), chunks=chunks)
+
+
 def _unshared(state_dict: dict[str, Any]) -> dict[str, Any]:
     """Drop tensors that share storage with an earlier one (tied lm_head): safetensors refuses shared memory."""
     seen: set[tuple[int, int]] = set()
@@ -73,10 +111,12 @@ def _unshared(state_dict: dict[str, Any]) -> dict[str, Any]:
 
 
 class WeightStore:
-    """A directory of versioned checkpoints (any shared path works for several machines)."""
+    """A directory of versioned checkpoints (any shared path works for several machines). `chunk_bytes`: the
+    manifest's chunk size; `base_uri`: announce `<base_uri>/v000123` (a weight server) instead of the path."""
 
-    def __init__(self, root: str | Path) -> None:
+    def __init__(self, root: str | Path, chunk_bytes: int = CHUNK_BYTES, base_uri: str = "") -> None:
         self.root = Path(root)
+        self.chunk_bytes, self.base_uri = chunk_bytes, base_uri.rstrip("/")
 
     def path_of(self, version: int) -> Path:
         return self.root / version_dir_name(version)
@@ -98,10 +138,14 @@ class WeightStore:
         else:
             data = save(_unshared(source))
         (tmp / WEIGHTS_FILE).write_bytes(data)
+        entries = [manifest_entry(WEIGHTS_FILE, data, self.chunk_bytes)]
         for src in side_files(side_files_from) if side_files_from else ():
             shutil.copyfile(src, tmp / src.name)
-        pv = PolicyVersion(version=version, uri=str(final.resolve()), sha256=sha256_bytes(data), step=step,
-                           created_at=time.time())
+            entries.append(manifest_entry(src.name, (tmp / src.name).read_bytes(), self.chunk_bytes))
+        uri = f"{self.base_uri}/{final.name}" if self.base_uri else str(final.resolve())
+        pv = PolicyVersion(version=version, uri=uri, sha256=entries[0].sha256, step=step, created_at=time.time())
+        manifest = Manifest(version=version, step=step, sha256=pv.sha256, chunk_bytes=self.chunk_bytes, files=entries)
+        (tmp / MANIFEST_FILE).write_bytes(msgspec.json.encode(manifest))
         (tmp / "policy.json").write_bytes(encode_json(pv))
         if final.exists():
             shutil.rmtree(final)
@@ -175,11 +219,22 @@ class Announcer:
         announce(self.producer, self.run, pv)
 
 
-class PolicyFollower:
-    """Agent side: tracks announcements and swaps an engine's weights to the newest verified version."""
+class WeightSource(Protocol):
+    """Where a follower reads announced versions: `WeightStore` (directory) or `HttpWeightSource` (http)."""
 
-    def __init__(self, consumer: Consumer, store: WeightStore, version: int = 0) -> None:
-        self.consumer, self.store = consumer, store
+    def load(self, pv: PolicyVersion) -> dict[str, Any]:
+        """The verified state dict of `pv`; CheckpointError (`transient` if worth another try) otherwise."""
+        ...
+
+    def latest(self) -> PolicyVersion | None: ...
+
+
+class PolicyFollower:
+    """Agent side: tracks announcements and swaps an engine's weights to the newest verified version, read from
+    its `source` (the same logic for both transports)."""
+
+    def __init__(self, consumer: Consumer, source: WeightSource, version: int = 0) -> None:
+        self.consumer, self.source = consumer, source
         self.version = version  # the version the engine runs
         self.newest: PolicyVersion | None = None  # the newest announcement seen
         self.refused: dict[int, str] = {}  # version -> why (for good)
@@ -210,7 +265,7 @@ class PolicyFollower:
         if pv is None:
             return False
         try:
-            state = self.store.load(pv)
+            state = self.source.load(pv)
             engine.load_state_dict(state, pv.version)
         except (CheckpointError, ValueError) as e:
             attempts = self.failed.get(pv.version, (0, 0.0, ""))[0] + 1

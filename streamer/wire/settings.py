@@ -21,6 +21,24 @@ def default_bootstrap() -> str:
     return os.environ.get(BOOTSTRAP_ENV, "") or DEFAULT_BOOTSTRAP
 
 
+WeightsTransport = Literal["directory", "http"]  # how policy versions reach the agents (streamer.transport.weights)
+
+
+def parse_hostport(text: str, where: str) -> tuple[str, int]:
+    """`HOST:PORT` (port 0: a free one) as (host, port); a ConfigError naming `where` otherwise."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"{where}: {text!r} is not HOST:PORT (e.g. 127.0.0.1:8765, 0.0.0.0:8765)")
+    return host.strip("[]"), int(port)
+
+
+def check_weights_url(url: str, where: str) -> None:
+    """A weight server's base URL: http(s)://HOST:PORT, nothing after it."""
+    scheme, sep, rest = url.partition("://")
+    if scheme not in ("http", "https") or not sep or not rest.rstrip("/") or "/" in rest.rstrip("/"):
+        raise ConfigError(f"{where}: {url!r} is not a weight server's address, http://HOST:PORT")
+
+
 @dataclass
 class BrokerSettings:
     host: str = "127.0.0.1"  # loopback only: the embedded broker has no authentication
@@ -170,7 +188,14 @@ class AgentSettings:
     stop: list[str] = field(default_factory=list)  # strings that also end a turn (e.g. a chat format's end of turn)
     tool_call: list[str] = field(default_factory=lambda: ["<call>", "</call>"])  # how the agent's text calls a tool
     observation: list[str] = field(default_factory=lambda: ["<obs>", "</obs>"])  # how the tool's answer comes back
-    weights_dir: str = "runs/weights"  # weight store that <run>.policy announcements point into
+    weights_dir: str = "runs/weights"  # weight store that <run>.policy announcements point into (directory)
+    # how announced versions are read: "directory" (weights_dir, a path this host shares with the learner) or "http"
+    # (pulled from the learner's weight server at weights_url, into memory; `sao up` derives both)
+    weights_transport: WeightsTransport = "directory"
+    weights_url: str = ""  # http: the weight server, http://HOST:PORT; versions are fetched from it alone
+    model_cache: str = "runs/agent-cache"  # http: where an initial model fetched from the server is kept
+    weights_timeout_s: float = 30.0  # http: one request's timeout (a timeout is transient: retried with a backoff)
+    weights_wait_s: float = 300.0  # http, no local model: how long to wait at start for the server's first version
     group_size: int = 1  # 1: single rollout (SAO); n>1: GRPO-family group sharing one policy version
     concurrency: int = 1  # tasks in flight: their turns share engine batches, their tool calls overlap
     max_new_tokens: int = 32  # per turn
@@ -195,6 +220,26 @@ class AgentSettings:
     client: ClientSettings = field(default_factory=ClientSettings)
     topics: TopicSettings = field(default_factory=TopicSettings)
 
+    def model_is_url(self) -> bool:
+        """`model` names a weight server's version (http://HOST:PORT/latest or /v000123), not a directory."""
+        return self.model.startswith(("http://", "https://"))
+
+    def _validate_weights(self) -> None:
+        if self.weights_transport not in ("directory", "http"):
+            raise ConfigError(f"AgentSettings.weights_transport: {self.weights_transport!r} not in ['directory', "
+                              f"'http']")
+        if self.weights_transport == "http":
+            check_weights_url(self.weights_url, "AgentSettings.weights_url (weights_transport http)")
+        if self.model_is_url():
+            base, _, which = self.model.rstrip("/").rpartition("/")
+            if self.weights_transport != "http" or base.rstrip("/") != self.weights_url.rstrip("/"):
+                raise ConfigError(f"AgentSettings.model: {self.model} is fetched from the weight server, which must "
+                                  f"be weights_url ({self.weights_url or 'unset'}) with weights_transport http")
+            if which != "latest" and not (which[:1] == "v" and which[1:].isdigit()):
+                raise ConfigError(f"AgentSettings.model: {self.model}: end it with /latest or a version, /v000123")
+        if self.weights_timeout_s <= 0 or self.weights_wait_s < 0:
+            raise ConfigError("AgentSettings.weights_timeout_s / weights_wait_s: must be > 0 / >= 0")
+
     def validate(self) -> None:
         if self.group_size < 1:
             raise ConfigError("AgentSettings.group_size: must be >= 1 (1 = single rollout)")
@@ -209,5 +254,6 @@ class AgentSettings:
                 raise ConfigError(f"AgentSettings.{name}: expected [open, close], two non-empty strings; got {pair!r}")
         if self.max_new_tokens < 1 or self.max_turns < 1:
             raise ConfigError("AgentSettings.max_new_tokens / max_turns: must be >= 1")
+        self._validate_weights()
         self.client.validate()
         self.topics.validate()
