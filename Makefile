@@ -1,5 +1,5 @@
-# Quick start: `make up` runs the main job, `make test` runs the test suite.
-# Both create .venv and install on first use (CPU torch 2.13.0 first, then the project).
+# Quick start: `make up` runs the main job, `make test` runs the test suite, `make check` its fast tier.
+# All three create .venv and install on first use (CPU torch 2.13.0 first, then the project).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -19,4 +19,9 @@ up: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest $(ARGS)
 
-.PHONY: install up test
+# Fast tier (< 3 min on 2 cores): ruff, then every test not marked slow, kafka, docker, browser or gpu.
+check: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -m "not slow and not kafka and not docker and not browser and not gpu" $(ARGS)
+
+.PHONY: install up test check

@@ -22,7 +22,7 @@ from streamer.wire.schema import Task, Trajectory
 from streamer.wire.settings import ClientSettings
 from streamer.wire.topics import Topics, partitions_by_topic
 
-pytestmark = pytest.mark.kafka
+pytestmark = [pytest.mark.kafka, pytest.mark.slow]  # slow: the module's `pair` fixture 9-13 s, the kill test 12-14 s
 
 
 class AgentProc:

@@ -105,6 +105,7 @@ def test_sao_topics_creates_the_runs_topics_with_the_project_counts(kafka_bus, k
     assert described == partitions_by_topic(kafka_run)
 
 
+@pytest.mark.slow  # 30 s every time although it passes --wait 1: each connect attempt blocks ~30 s
 def test_sao_topics_gives_up_with_the_address_when_no_broker_answers(capsys):
     from streamer.launch.topics import main
 

@@ -555,6 +555,7 @@ def test_an_extending_suite_sets_part_of_a_section_and_keeps_the_rest(tmp_path):
     assert child.harness["latency"] == base.harness["latency"] and child.version == "x"
 
 
+@pytest.mark.slow  # 23-25 s on 2 cores (60 s when the machine is busy): several simulated runs
 def test_drifts_from_one_concept_share_their_pre_drift_runs(tiny_policy_dir, tmp_path):
     plan = load_plan(SUITE_1_5, quick=True)
     streams = {d["name"]: drift_stream(plan, d, 0, 1)[0] for d in plan.drifts}

@@ -199,6 +199,7 @@ def parity(request, tmp_path_factory) -> dict:
     return {**json.loads(out.read_text()), "arch": request.param}
 
 
+@pytest.mark.slow  # the module's `parity` fixture: one 2-rank torchrun per arch, 12-14 s each on 2 cores
 def test_ep2_and_ep1_logits_equal_hf(parity):
     assert parity["world_size"] == 2 and parity["ep"] == 2
     # fp32: the same math in a different order (fused qkv, probs applied before fc2, ...), the same
@@ -211,6 +212,7 @@ def test_ep2_and_ep1_logits_equal_hf(parity):
     assert parity["values_ep2_vs_hf"] <= 1e-5 and parity["values_ep1_vs_hf"] <= 1e-5
 
 
+@pytest.mark.slow  # the `parity` fixture (torchrun)
 def test_gradients_match_hf(parity):
     # grads of the mean over the 2 ranks' SAO losses, experts gathered from both EP ranks;
     # every HF parameter compared (GRAD_TENSORS), zero grads must stay zero
@@ -220,6 +222,7 @@ def test_gradients_match_hf(parity):
         assert parity[f"grad_zero_mismatch_ep{ep}"] == 0
 
 
+@pytest.mark.slow  # the `parity` fixture (torchrun)
 def test_one_sao_step_matches_the_torch_step(parity):
     # SGD (lr 0.5, global-norm clip 1.0): the update is linear in the grad -> fp32 rounding.
     assert parity["step_sgd_ep2_max_abs"] <= 1e-6
@@ -233,12 +236,14 @@ def test_one_sao_step_matches_the_torch_step(parity):
     assert 0.0 < parity["step_adamw_ep2_clip_frac"] < 1.0  # the SAO band masked some tokens
 
 
+@pytest.mark.slow  # the `parity` fixture (torchrun)
 def test_conversion_roundtrip_through_ep_ranks(parity):
     for ep in (1, 2):
         assert parity[f"roundtrip_exact_ep{ep}"] is True
         assert parity[f"value_roundtrip_exact_ep{ep}"] is True
 
 
+@pytest.mark.slow  # the `parity` fixture (torchrun)
 def test_critic_step_and_trainer_factory_match_torch(parity):
     # make_megatron_learner(LearnerConfig()): value AdamW lr 1e-3, clip 1.0, clipped value loss
     assert parity["value_step_ep2_max_abs"] <= 1e-3 * 0.1  # 0.1 * lr, as for the policy AdamW step
@@ -250,6 +255,7 @@ def test_critic_step_and_trainer_factory_match_torch(parity):
     assert 0.5 * lr <= step["max_update"] <= 1.5 * lr
 
 
+@pytest.mark.slow  # the `parity` fixture (torchrun)
 def test_torch_trainer_step_code_drives_megatron(parity):
     # learner.trainer.step (prepare, value_backward, policy_backward) on the MegatronBackend's models,
     # grads reduced and clipped by its clip_grads, vs trainer.step.update() on the HF models

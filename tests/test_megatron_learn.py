@@ -135,6 +135,7 @@ def _max_abs(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+@pytest.mark.slow  # 16-25 s on 2 busy cores: its `megatron_run` fixture is a 2-rank torchrun
 def test_megatron_learner_steps_publishes_and_matches_torch(megatron_run, torch_run):
     events = [json.loads(line) for line in (megatron_run / "ck" / "events.jsonl").read_text().splitlines()]
     assert [(e["step"], e["version"], e["n_trajectories"], e["skipped"]) for e in events] == [(1, 1, 7, False)]

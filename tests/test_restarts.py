@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from learner.config import LearnerConfig
 from learner.models.policy import build_policy
 from learner.train import build_models
@@ -97,6 +99,7 @@ def test_redone_steps_replace_their_events_in_the_run_tables(tmp_path):
     assert learner["step"].tolist() == [1, 2, 3, 4, 5] and int(learner["n_trajectories"].sum()) == 10
 
 
+@pytest.mark.slow  # 13-19 s on 2 busy cores: a role crashes and restarts
 def test_the_supervisor_restarts_a_crashed_role_a_bounded_number_of_times(tmp_path):
     """`sao up` failed the whole run when a role crashed; now it starts the role again (`--restarts`), and a role
     that cannot be restarted (the simulator would publish its stream twice) fails the run as before."""

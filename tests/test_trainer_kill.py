@@ -62,6 +62,7 @@ def n_lines(path: Path) -> int:
     return path.read_bytes().count(b"\n") if path.exists() else 0
 
 
+@pytest.mark.slow  # 17-22 s on 2 busy cores: a learner subprocess killed and restarted
 def test_sigkill_then_restart_trains_every_trajectory_exactly_once(tmp_path):
     trajs = synthetic_trajectories(build_policy(tiny_model_config(), seed=0), 180, seed=11)
     traj_file = write_trajectories(tmp_path / "trajs.jsonl", trajs, append=False)
