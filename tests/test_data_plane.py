@@ -35,6 +35,32 @@ def test_sao_up_derives_the_task_partitions_every_role_reads():
     cfg = load_run_config(overrides=["agent.topics.tasks_partitions=16", "agent.topics.replication_factor=3"],
                           launch={"agents": 8, "cores": 16})
     assert (cfg.agent.topics.tasks_partitions, cfg.agent.topics.replication_factor) == (16, 3)  # more: kept
+    assert load_run_config(overrides=["agent.client.max_message_bytes=1048576"]).agent.client.max_message_bytes == MIB
+    with pytest.raises(ConfigError, match="learner dead-letters"):  # its reader keeps the default 4 MiB
+        load_run_config(overrides=["agent.client.max_message_bytes=8388608"])
+
+
+def test_back_pressure_sums_the_lag_over_every_task_partition():
+    """With one partition per agent (8), the simulator's bound still counts every unanswered task once."""
+    from streamer.transport.backpressure import LagGate
+
+    class Acked:  # a sent record whose metadata is in: partition p, offset o
+        def __init__(self, p: int, o: int) -> None:
+            self.topic, self.partition, self.offset = "r.tasks", p, o
+
+        def add_callback(self, fn) -> None:
+            fn(self)
+
+        def add_errback(self, fn) -> None:
+            pass
+
+    committed = {TopicPartition("r.tasks", p): p % 4 for p in range(8)}  # 0,1,2,3,0,1,2,3 answered
+    gate = LagGate(40, lambda tps: {tp: committed[tp] for tp in tps}, flush=lambda: None, topic="r.tasks")
+    for p in range(8):
+        for o in range(5):
+            gate.track(Acked(p, o))
+    assert gate.lag() == 40  # nothing read as committed yet
+    assert gate.refresh() == 40 - (0 + 1 + 2 + 3) * 2 == 28
 
 
 def test_topic_settings_are_checked():

@@ -33,7 +33,7 @@ from streamer.launch.resources import (
 )
 from streamer.metrics.app import MetricsSettings
 from streamer.wire.config import ConfigError, load_config, read_yaml, to_dict
-from streamer.wire.settings import AgentSettings, WeightsTransport, parse_hostport
+from streamer.wire.settings import AgentSettings, ClientSettings, WeightsTransport, parse_hostport
 from streamer.wire.topics import tasks_partitions
 
 # a batch must close at --batch trajectories, not at a token budget: agents generate exactly one batch per version
@@ -188,6 +188,9 @@ def derive(cfg: RunConfig, given: set[str] = frozenset()) -> None:
     a.concurrency = a.concurrency if "agent.concurrency" in given else adm.concurrency
     a.threads, a.group_size, a.seed = plan.agent_threads, up.group_size, seed_of(up, 1, a.seed)
     a.topics.tasks_partitions = tasks_partitions(a.topics, plan.agents)  # one per agent at least, for every role
+    if a.client.max_message_bytes > ClientSettings.max_message_bytes:  # the learner's reader has the default limit
+        raise ConfigError(f"agent.client.max_message_bytes: {a.client.max_message_bytes} is above "
+                          f"{ClientSettings.max_message_bytes}, the limit above which the learner dead-letters")
     cfg.pretrain.scenario, cfg.pretrain.cache_dir = up.scenario, f"{up.runs_dir}/cache"
     cfg.finetune.cache_dir = cfg.pretrain.cache_dir
     if cfg.finetune.rows and not up.stream:
