@@ -318,3 +318,31 @@ def test_the_evaluator_follows_the_same_server(tmp_path):
     cfg = load_run_config(None, ["launch.weights_transport=http", "launch.eval=true", "launch.cores=4"])
     [ev] = [r for r in roles(cfg, tmp_path / "config.yaml", tmp_path, "127.0.0.1:9092") if r.name == "eval"]
     assert ev.argv[ev.argv.index("--weights-url") + 1] == cfg.agent.weights_url
+
+
+@pytest.mark.slow
+@pytest.mark.kafka
+def test_up_runs_the_pipeline_with_agents_pulling_over_http(tmp_path):
+    """`sao up --weights-transport http` on the smoke scenario, shortened (one agent, 192 tasks, a 30-step warm start):
+    every task answered, the agent loaded versions from the learner's weight server and refused none."""
+    import subprocess
+
+    import yaml
+
+    cmd = [sys.executable, "-m", "streamer.launch.cli", "up", "--run", "h", "--runs-dir", str(tmp_path), "--scenario",
+           "smoke", "--no-dashboard", "--no-eval", "--agents", "1", "--cores", "2", "--batch", "32", "--limit", "192",
+           "--set", "pretrain.steps=30", "--set", "pretrain.eval_every=0", "--weights-transport", "http",
+           "--max-seconds", "300"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    run_dir = tmp_path / "h"
+    assert json.loads((run_dir / "summary.json").read_text())["stopped"] == "scenario finished: every task answered"
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    url = cfg["agent"]["weights_url"]
+    assert cfg["agent"]["weights_transport"] == cfg["learner"]["io"]["weights_transport"] == "http"
+    assert f"weight server: {run_dir / 'weights'} on {url}" in (run_dir / "logs" / "learner.log").read_text()
+    status = json.loads((run_dir / "agent-0.json").read_text())
+    assert status["version"] >= 2 and status["refused"] == {} and status["tasks"] == 192
+    pulled = (run_dir / "logs" / "agent-0.log").read_text().count(f"loaded from {url} ")
+    assert pulled >= 2  # versions came over HTTP (the agent skips a version when a newer one is out)
+    assert len(list((run_dir / "weights").glob("v*"))) <= 4  # older versions pruned (keep 4 over http)

@@ -112,7 +112,7 @@ def fetch_file(conn: _Connection, name: str, manifest: Manifest, entry: Manifest
     if len(entry.chunks) != n or manifest.chunk_bytes <= 0:
         raise CheckpointError(f"{what}: manifest lists {len(entry.chunks)} chunks for {entry.name} of {entry.size} "
                               f"bytes, expected {n}: refused")
-    out, whole = bytearray(), hashlib.sha256()
+    parts, whole = [], hashlib.sha256()
     for i, expected in enumerate(entry.chunks):
         chunk = _fetch(conn, f"/{name}/{entry.name}?chunk={i}", what)
         size = min(manifest.chunk_bytes, entry.size - i * manifest.chunk_bytes)
@@ -124,11 +124,11 @@ def fetch_file(conn: _Connection, name: str, manifest: Manifest, entry: Manifest
             raise CheckpointError(f"{what}: chunk {i} of {entry.name} from {conn.url} has sha256 {digest[:12]}..., "
                                   f"its manifest {expected[:12]}...: refused")
         whole.update(chunk)
-        out += chunk
+        parts.append(chunk)
     if whole.hexdigest() != entry.sha256:
         raise CheckpointError(f"{what}: {entry.name} from {conn.url} has sha256 {whole.hexdigest()[:12]}..., "
                               f"its manifest {entry.sha256[:12]}...: refused")
-    return bytes(out)
+    return b"".join(parts)
 
 
 def _weights_entry(manifest: Manifest, pv: PolicyVersion, what: str) -> ManifestFile:
