@@ -2,6 +2,8 @@
 
     sao learn --trajectories runs/x/trajectories.jsonl --checkpoint-dir runs/x/ckpt   # replay a recording
     sao learn --run exp1 --bootstrap 127.0.0.1:9092 --weights-dir runs/exp1/weights     # live, from Kafka
+    sao learn ... --set io.weights_transport=http --set io.weights_bind=0.0.0.0:8765    # a weight server: agents
+                                           # elsewhere run sao agent --model http://LEARNER-HOST:8765/latest
     sao learn --config learner.yaml --set loss.name=ppo --set batch.tokens=2048 --sync   # overrides
     sao learn --config runs/x/config.yaml                                                # a run's learner section
     sao learn --backend megatron --nproc 2 --set backend.expert_parallel=2 --trajectories ...  # megatron, 2 ranks
