@@ -320,6 +320,24 @@ def test_the_evaluator_follows_the_same_server(tmp_path):
     assert ev.argv[ev.argv.index("--weights-url") + 1] == cfg.agent.weights_url
 
 
+def test_sao_weights_serve_serves_a_store_on_its_own(tmp_path, tiny_policy_dir):
+    import signal
+    import subprocess
+
+    from streamer.transport.weight_server import free_port
+
+    pv = DirectoryPublisher(tmp_path / "store").publish(load_policy(tiny_policy_dir), 5, 50)
+    address = f"127.0.0.1:{free_port()}"
+    proc = subprocess.Popen([sys.executable, "-m", "streamer.launch.cli", "weights-serve", "--dir",
+                             str(tmp_path / "store"), "--bind", address], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().startswith("sao weights-serve:")  # listening
+        assert HttpWeightSource(f"http://{address}").latest() == pv
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+
+
 @pytest.mark.slow
 @pytest.mark.kafka
 def test_up_runs_the_pipeline_with_agents_pulling_over_http(tmp_path):

@@ -123,19 +123,25 @@ class _Handler(BaseHTTPRequestHandler):
                 reply, f = _text(404, f"{path.parent.name}/{path.name} is gone (pruned)"), None
             if f is not None:
                 with f:
-                    self._head(200, reply.content_type, length)
-                    f.seek(offset)
-                    left = length
-                    while left > 0:
-                        piece = f.read(min(COPY_BYTES, left))
-                        if not piece:  # truncated under us: the client sees a short body and retries
-                            self.close_connection = True
-                            return
-                        self.wfile.write(piece)
-                        left -= len(piece)
+                    self._send_file(f, offset, length, reply.content_type)
                 return
         self._head(reply.status, reply.content_type, len(reply.body))
         self.wfile.write(reply.body)
+
+    def _send_file(self, f, offset: int, length: int, content_type: str) -> None:
+        self._head(200, content_type, length)
+        f.seek(offset)
+        left = length
+        try:
+            while left > 0:
+                piece = f.read(min(COPY_BYTES, left))
+                if not piece:  # truncated under us: the client sees a short body and retries
+                    break
+                self.wfile.write(piece)
+                left -= len(piece)
+        except (BrokenPipeError, ConnectionResetError):  # the agent went away mid-transfer
+            pass
+        self.close_connection = self.close_connection or left > 0
 
     def _head(self, status: int, content_type: str, length: int) -> None:
         self.send_response(status)
