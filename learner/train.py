@@ -13,12 +13,18 @@ Restarting with the same checkpoint directory resumes where the last checkpoint 
 The megatron backend runs one process per rank: `--nproc N` re-executes `sao learn` under
 `python -m torch.distributed.run --nproc_per_node N` on this machine; any launcher that sets
 torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...: torchrun itself, the Ray gang) works too.
+Several nodes: the same command on each, with `--nnodes M` and either `--node-rank i --master-addr HOST
+--master-port PORT` (HOST: node 0, reachable from every node) or `--rdzv-endpoint HOST:PORT` (torchrun's c10d
+rendezvous; it numbers the nodes). Rank 0 alone reads trajectories, publishes and writes the checkpoint's models;
+every rank writes its optimizer shard into checkpoint.dir, which must be one directory all nodes share: checked at
+start.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import json
 import logging
 import os
@@ -33,6 +39,7 @@ from learner.config import LearnerConfig
 from streamer.wire.config import ConfigError, add_config_args, load_config
 
 log = logging.getLogger("learner.train")
+SHARED_FIX = "put it on a filesystem every node mounts at the same path"
 
 FLAGS = {  # command-line flag -> config key
     "trajectories": "io.trajectories", "run": "io.run", "bootstrap": "io.bootstrap", "init": "io.init",
@@ -50,6 +57,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--follow", action="store_true", help="keep reading the trajectory file as it grows")
     p.add_argument("--nproc", type=int, default=0,
                    help="megatron: run N ranks on this machine (re-executes under torchrun)")
+    p.add_argument("--nnodes", type=int, default=1, help="with --nproc: nodes of the job, each running this command")
+    p.add_argument("--node-rank", type=int, default=0, help="with --nnodes: this node's index, 0 .. nnodes-1")
+    p.add_argument("--master-addr", default="", help="with --nnodes: node 0's address, reachable from every node "
+                   "(one node: 127.0.0.1)")
+    p.add_argument("--master-port", type=int, default=0, help="with --nnodes: a free port on node 0 (one node: any)")
+    p.add_argument("--rdzv-endpoint", default="", help="HOST:PORT of torchrun's c10d rendezvous, instead of "
+                   "--node-rank/--master-addr/--master-port (the rendezvous numbers the nodes)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
     return p.parse_args(argv)
 
@@ -156,21 +170,65 @@ def build_outputs(cfg: LearnerConfig):
     return publisher, sinks, closers
 
 
-def torchrun_argv(argv: list[str], nproc: int) -> list[str]:
-    """`sao learn argv` (less --nproc) as `nproc` local ranks under torchrun."""
+LAUNCH_FLAGS = ("--nproc", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--rdzv-endpoint")
+
+
+def check_nodes(args: argparse.Namespace) -> None:
+    """ConfigError for a node layout torchrun could not join; a warning for loopback across nodes."""
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        raise ConfigError(f"--nnodes {args.nnodes} --node-rank {args.node_rank}: need nnodes >= 1 and 0 <= "
+                          "node-rank < nnodes")
+    if args.nnodes > 1 and not args.nproc:
+        raise ConfigError(f"--nnodes {args.nnodes}: give --nproc too (the ranks of this node)")
+    if args.rdzv_endpoint:
+        if args.master_addr or args.master_port or args.node_rank:
+            raise ConfigError("--rdzv-endpoint: the rendezvous numbers the nodes and hosts the store; leave out "
+                              "--node-rank, --master-addr and --master-port")
+        if not args.rdzv_endpoint.rpartition(":")[2].isdigit():
+            raise ConfigError(f"--rdzv-endpoint {args.rdzv_endpoint}: give HOST:PORT")
+    elif args.nnodes > 1 and not (args.master_addr and args.master_port):
+        raise ConfigError(f"--nnodes {args.nnodes}: every node needs --master-addr (node 0's address, reachable "
+                          "from the others) and --master-port, or use --rdzv-endpoint HOST:PORT")
+    host = args.master_addr or args.rdzv_endpoint.rpartition(":")[0]
+    if args.nnodes > 1 and _loopback(host):
+        print(f"sao learn: warning: {host} is a loopback address: only nodes on this machine can reach it",
+              file=sys.stderr)
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def torchrun_argv(argv: list[str], nproc: int, args: argparse.Namespace | None = None,
+                  run_id: str = "sao") -> list[str]:
+    """`sao learn argv` (less the launcher's flags) as `nproc` ranks of this node under torchrun: one node
+    (127.0.0.1 and a free port unless given), several by --node-rank/--master-addr/--master-port, or by a
+    c10d --rdzv-endpoint (`run_id`: the rendezvous id, the same on every node)."""
     rest, skip = [], False
     for a in argv:
         if skip:
             skip = False
-        elif a == "--nproc":
+        elif a in LAUNCH_FLAGS:
             skip = True
-        elif not a.startswith("--nproc="):
+        elif not a.startswith(tuple(f"{f}=" for f in LAUNCH_FLAGS)):
             rest.append(a)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--nnodes", "1",
-            "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "streamer.launch.cli", "learn", *rest]
+    args = args or parse_args([])
+    nodes = ["--nnodes", str(args.nnodes)]
+    if args.rdzv_endpoint:
+        nodes += ["--rdzv_backend", "c10d", "--rdzv_endpoint", args.rdzv_endpoint, "--rdzv_id", run_id]
+    else:
+        port = args.master_port
+        if not port:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        nodes += ["--node_rank", str(args.node_rank), "--master_addr", args.master_addr or "127.0.0.1",
+                  "--master_port", str(port)]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), *nodes,
+            "-m", "streamer.launch.cli", "learn", *rest]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--nproc: only the megatron backend runs as several ranks; add --backend megatron")
         if args.nproc < 0:
             raise ConfigError(f"--nproc {args.nproc}: must be >= 1")
+        check_nodes(args)
     except ConfigError as e:
         print(f"sao learn: {e}", file=sys.stderr)
         return 2
@@ -189,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(dataclasses.asdict(cfg), indent=1))
         return 0
     if args.nproc and "RANK" not in os.environ:  # not yet a rank: become N of them
-        return subprocess.call(torchrun_argv(argv, args.nproc))
+        return subprocess.call(torchrun_argv(argv, args.nproc, args, cfg.io.run or "sao-learn"))
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"%(asctime)s %(name)s{f' rank {rank}' if rank else ''} %(levelname)s %(message)s")
@@ -205,9 +264,18 @@ def main(argv: list[str] | None = None) -> int:
 def train(cfg: LearnerConfig) -> int:
     from learner.trainer.loop import Trainer
 
+    if cfg.io.init and not Path(cfg.io.init).exists():
+        raise ConfigError(f"io.init={cfg.io.init}: not found on {socket.gethostname()} (rank "
+                          f"{os.environ.get('RANK', '0')}); every rank loads it: {SHARED_FIX}, or copy it there")
     models = build_models(cfg)
     group = models.backend.group
     leader = group is None or group.leader
+    if group is not None:  # every rank writes its optimizer shard into the leader's checkpoint directory
+        error = group.check_shared("learner.checkpoint.dir", cfg.checkpoint.dir, f"every rank writes its "
+                                   f"optimizer state into it: {SHARED_FIX} (sao learn --checkpoint-dir)")
+        if error:
+            models.backend.shutdown()
+            raise ConfigError(error)
     source = build_source(cfg) if leader else None
     publisher, sinks, closers = build_outputs(cfg) if leader else (None, [], [])
     trainer = Trainer(cfg, models, source, publisher, sinks)

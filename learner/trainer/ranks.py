@@ -17,11 +17,13 @@ by W (learner.backends.megatron.grads).
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from streamer.transport import shared
 from streamer.wire.reductions import reduction
 from streamer.wire.schema import Trajectory, decode_json, encode_json
 
@@ -103,3 +105,26 @@ class RankGroup:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             out.update(zip(mx, t.tolist()))
         return out
+
+    def check_shared(self, setting: str, path: str, fix: str) -> str:
+        """"" when every rank sees one directory at `path` (each writes a marker file and looks for the others'),
+        else the error; every rank gets the same answer (call it on every rank)."""
+        token = f"{self.share_int(random.getrandbits(48)):012x}"
+        names = [shared.marker(token, f"rank{r}") for r in range(self.world)]
+        failed = shared.mark(path, names[self.rank])
+        self.barrier()
+        seen = torch.zeros(self.world, self.world + 1, dtype=torch.int64)  # row r: what rank r saw; last: no write
+        missing = set(shared.unseen(path, names))
+        seen[self.rank, :self.world] = torch.tensor([n not in missing for n in names])
+        seen[self.rank, self.world] = int(bool(failed))
+        seen = seen.to(self.device)
+        dist.all_reduce(seen)
+        self.barrier()
+        shared.unmark(path, names[self.rank])
+        problems = {}
+        for r, row in enumerate(seen.cpu().tolist()):
+            gone = [str(c) for c in range(self.world) if not row[c] and c != r]
+            if row[self.world] or gone:
+                problems[f"rank {r}"] = "cannot write into it" if row[self.world] else \
+                    "does not see the files of rank " + ", ".join(gone)
+        return shared.not_shared(setting, path, problems, fix) if problems else ""

@@ -44,11 +44,15 @@ class RoleActor:
     """
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: str, cwd: str,
-                 min_uptime_s: float = 10.0, autostart: bool = True, entry: list[str] | None = None) -> None:
+                 min_uptime_s: float = 10.0, autostart: bool = True, entry: list[str] | None = None,
+                 driver_node: str = "") -> None:
         self.name, self.argv, self.env = name, list(argv), dict(env)
         self.entry = list(SAO if entry is None else entry)
-        self.log_path = Path(log_dir) / f"{name}.log"
-        self.cwd = cwd if Path(cwd).is_dir() else None
+        # on another node than the driver's: its own directory, `<log_dir>/<hostname>/` (a local disk, or a shared
+        # one where every host keeps to its own directory)
+        away = driver_node and driver_node != self.where()["node_id"]
+        self.log_path = Path(log_dir, *([socket.gethostname()] if away else []), f"{name}.log")
+        self.cwd = cwd if cwd and Path(cwd).is_dir() else None  # "" or not on this host: the actor's own cwd
         self.min_uptime_s, self.autostart = min_uptime_s, autostart
         self.proc: subprocess.Popen | None = None
         self.stopping = False
@@ -92,6 +96,22 @@ class RoleActor:
                 "actor_pid": os.getpid(), "node": ray.util.get_node_ip_address(), "started": self.started,
                 "failed_fast": self.failed_fast,
                 "reconstructed": ray.get_runtime_context().was_current_actor_reconstructed}
+
+    def where(self) -> dict[str, Any]:
+        """This actor's node (id, IP, hostname) and the GPUs Ray gave it (ids as in CUDA_VISIBLE_DEVICES)."""
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(), "host": socket.gethostname(),
+                "gpus": [str(g) for g in ctx.get_accelerator_ids().get("GPU", [])]}
+
+    def probe(self, op: str, path: str, *args: Any) -> Any:
+        """`streamer.transport.shared.<op>(path, *args)` on this host, a relative path taken from the role's cwd."""
+        from streamer.transport import shared
+
+        if op not in ("mark", "unseen", "unmark", "present"):
+            raise ValueError(f"probe: unknown operation {op!r}")
+        return getattr(shared, op)(Path(self.cwd or os.getcwd(), path), *args)
 
     def rendezvous(self) -> tuple[str, int]:
         """(this node's address, a free port on it): MASTER_ADDR/PORT when this actor is rank 0."""

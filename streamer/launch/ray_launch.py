@@ -10,8 +10,10 @@ actor's node), and dies with it. Actors are created with `max_restarts`, so when
 process or node is lost, or its role is killed) Ray starts it again and the role's main runs again:
 an agent re-joins the task consumer group (its uncommitted tasks are redelivered; the learner
 de-duplicates by task id), the learner resumes from its latest checkpoint (weights, buffer, offsets).
-With `learner_workers > 1` the learner ranks form a torchrun-style gang (RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR, MASTER_PORT set per actor, one placement group); a dead rank restarts the whole gang.
+With `learner_workers > 1` the learner ranks form a torchrun-style gang (one placement group; RANK, WORLD_SIZE,
+LOCAL_RANK and LOCAL_WORLD_SIZE by node, MASTER_ADDR/PORT on rank 0's node: `streamer.launch.ray_nodes`); a dead
+rank restarts the whole gang. An actor on another node than the driver's logs to `<run>/logs/<hostname>/`.
+`check_shared` fails a run whose hosts do not share a path they must (`ray_nodes.run_needs`).
 The broker, simulator, metrics app and dashboard stay local child processes (streamer.launch.processes).
 """
 
@@ -27,6 +29,7 @@ from typing import Any, Literal, get_args
 
 from streamer.launch.processes import Role, Supervisor
 from streamer.launch.ray_actor import SAO, RoleActor
+from streamer.launch.ray_nodes import Need, check_paths, gang_env
 from streamer.wire.config import ConfigError, load_config
 
 Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
@@ -59,6 +62,8 @@ class RayConfig:
     learner: LearnerResources = field(default_factory=LearnerResources)
     learner_workers: int = 1  # learner ranks (torchrun-style, for the megatron backend); 1: one actor
     learner_strategy: Strategy = "PACK"  # placement of the learner ranks (a Ray placement-group strategy)
+    agent_strategy: Literal["DEFAULT", "SPREAD"] = "DEFAULT"  # agents' actors: Ray's default packing, or SPREAD
+    runtime_env: dict[str, Any] = field(default_factory=dict)  # ray.init's, e.g. {working_dir: .} to ship the code
     max_restarts: int = -1  # Ray restarts of a dead actor (-1: always)
     min_uptime_s: float = 10.0  # a role that fails sooner than this (or with status 2: bad config) fails the run
     stop_timeout_s: float = 30.0  # SIGINT, then SIGKILL after this long
@@ -71,6 +76,11 @@ class RayConfig:
         if self.learner_strategy not in get_args(Strategy):
             raise ConfigError(f"ray.learner_strategy={self.learner_strategy!r}: use PACK, SPREAD, STRICT_PACK "
                               "or STRICT_SPREAD")
+        if self.agent_strategy not in ("DEFAULT", "SPREAD"):
+            raise ConfigError(f"ray.agent_strategy={self.agent_strategy!r}: use DEFAULT or SPREAD")
+        if self.learner_workers > 1 and self.learner.num_gpus % 1:
+            raise ConfigError(f"ray.learner.num_gpus={self.learner.num_gpus:g} with learner_workers > 1: each rank "
+                              "needs whole GPUs (NCCL ranks cannot share one)")
         if self.max_restarts < -1:
             raise ConfigError(f"ray.max_restarts={self.max_restarts}: use -1 (always) or a count >= 0")
 
@@ -119,6 +129,7 @@ class ActorRole:
         self.statuses: list[dict[str, Any]] = []
         self._incarnation: dict[int, int] = {}  # rank -> actor pid last seen
         self._checked = 0.0
+        self.places: list[dict[str, Any]] = []  # where each actor landed (RoleActor.where), for a gang
         if gang:
             self.start_gang()
 
@@ -129,11 +140,9 @@ class ActorRole:
     def start_gang(self) -> None:
         import ray
 
+        self.places = ray.get([a.where.remote() for a in self.actors])
         addr, port = ray.get(self.actors[0].rendezvous.remote())
-        world = len(self.actors)
-        ray.get([a.start.remote({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
-                                 "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": addr, "MASTER_PORT": str(port)})
-                 for rank, a in enumerate(self.actors)])
+        ray.get([a.start.remote(env) for a, env in zip(self.actors, gang_env(self.places, addr, port))])
 
     def refresh(self, timeout: float = 2.0) -> list[dict[str, Any]] | None:
         """The actors' statuses, or None while one is being restarted (or its role failed for good)."""
@@ -243,6 +252,8 @@ def init_ray(cfg: RayConfig) -> bool:
         kwargs["address"] = cfg.address
     elif not os.environ.get("RAY_ADDRESS"):  # (with it set, ray.init joins that cluster)
         kwargs["num_cpus"] = cfg.local_num_cpus or max(os.cpu_count() or 1, 8)
+    if cfg.runtime_env:
+        kwargs["runtime_env"] = dict(cfg.runtime_env)
     ray.init(**kwargs)
     return True
 
@@ -292,8 +303,12 @@ class RaySupervisor:
                               "several ranks; add --set backend.name=megatron, or use learner_workers=1 (the torch "
                               f"backend would run {n} independent learners on one checkpoint directory)")
         run = self.env.get("SAO_RUN", "sao")
-        common = dict(argv=role.argv, env=self.env, log_dir=str(self.log_dir), cwd=os.getcwd(),
-                      min_uptime_s=self.cfg.min_uptime_s, entry=self.entry)
+        import ray
+
+        # with a runtime_env working_dir the role runs in it (the code shipped), not in a checkout at our cwd
+        cwd = "" if "working_dir" in self.cfg.runtime_env else os.getcwd()
+        common = dict(argv=role.argv, env=self.env, log_dir=str(self.log_dir), cwd=cwd, entry=self.entry,
+                      min_uptime_s=self.cfg.min_uptime_s, driver_node=ray.get_runtime_context().get_node_id())
         actors, pg = [], self._placement_group(res, n) if n > 1 else None
         for rank in range(n):
             opts = actor_options(res, f"{run}/{role.name}" + (f"-{rank}" if n > 1 else ""), self.cfg.max_restarts)
@@ -301,6 +316,8 @@ class RaySupervisor:
                 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
+            elif not learner and self.cfg.agent_strategy == "SPREAD":
+                opts["scheduling_strategy"] = "SPREAD"
             name = f"{role.name}-{rank}" if n > 1 else role.name
             actors.append(_actor_class().options(**opts).remote(**{**common, "name": name}, autostart=n == 1))
         demand = f"{n} x {res.num_cpus:g} CPU" + (f" + {res.num_gpus:g} GPU" if res.num_gpus else "")
@@ -321,6 +338,10 @@ class RaySupervisor:
                                f"300 s; free: {ray.available_resources()}") from None
         self.placement_groups.append(pg)
         return pg
+
+    def check_shared(self, needs: list[Need]) -> None:
+        """ConfigError unless the nodes running the roles of each need share its path (`ray_nodes.check_paths`)."""
+        check_paths(needs, {r.name: r.proc.actors for r in self.roles if isinstance(r.proc, ActorRole)})
 
     def restart_dead(self) -> list[tuple[Role, int]]:
         """Ray restarts its actors itself (RayConfig max_restarts); the local roles are not restarted here."""

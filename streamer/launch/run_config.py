@@ -149,6 +149,8 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] = (), l
     cfg.launch.ray = cfg.launch.ray or bool(cfg.launch.ray_address)
     if cfg.launch.ray_address:
         cfg.ray.address = cfg.launch.ray_address
+    if cfg.launch.ray:  # actors may run elsewhere than our cwd (another host, a runtime_env working_dir)
+        cfg.launch.runs_dir = str(Path(cfg.launch.runs_dir).absolute())
     cfg.launch.run = cfg.launch.run or time.strftime("up-%Y%m%d-%H%M%S")
     cfg.launch.validate()
     cfg.ray.validate()

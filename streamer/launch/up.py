@@ -304,6 +304,10 @@ def run(cfg: RunConfig, stop: Stop | None = None) -> int:
         plan = roles(cfg, config_file, run_dir, bootstrap)
         for role in plan[:-1]:
             sup.start(role)
+        if up.ray:  # hosts that must share a path (config.yaml, the model, checkpoints, weights) do, or stop here
+            from streamer.launch.ray_nodes import run_needs
+
+            sup.check_shared(run_needs(cfg, config_file))
         if (up.realtime or up.stream and up.speed > 0) and not up.ray:
             wait_for_agents(up, sup, run_dir)
         sup.start(plan[-1])  # the simulator
