@@ -207,6 +207,7 @@ while True:
 """
 
 
+@pytest.mark.slow  # 15-17 s on 2 busy cores (Ray start included): a 2-rank gang started twice
 def test_learner_gang_gets_torchrun_env_and_restarts_whole_when_a_rank_dies(local_ray, tmp_path):
     import json
 
