@@ -19,7 +19,7 @@ from typing import Literal, get_args
 from learner.algorithms import AGGS, KL_TYPES, POLICY_LOSSES
 from learner.models.config import ModelConfig
 from streamer.wire.config import ConfigError
-from streamer.wire.settings import WeightsTransport, parse_hostport
+from streamer.wire.settings import PULLS, WEIGHTS_TRANSPORTS, WeightsTransport, parse_hostport
 
 # Choice fields are Literal types (load_config refuses anything else and lists the choices); each equals the keys
 # of the registry it selects from (tests/test_config.py checks it)
@@ -139,7 +139,7 @@ class IOConfig:
     value_init: str = ""  # value-model directory; "" -> policy backbone + a fresh head
     weights_dir: str = ""  # policy-version store; "" -> no publication
     # newest versions kept in the store (a version is ~13 MB for the tiny model; 0: all); None: 32 with the
-    # directory transport, 4 with http (enough for a slow agent to fetch the version just announced)
+    # directory transport, 4 with http or broadcast (enough for a slow agent to fetch the version just announced)
     keep_versions: int | None = None
     # "http": a weight server beside the learner (rank 0, a daemon thread) serves the store to agents on other
     # hosts (streamer.transport.weight_server); "directory": agents read the store's path themselves
@@ -147,13 +147,18 @@ class IOConfig:
     weights_bind: str = "127.0.0.1:8765"  # http: HOST:PORT the weight server listens on (0.0.0.0: every interface)
     weights_advertised: str = ""  # http: HOST:PORT in announced uris ("" -> the bound address); informative only
     weights_chunk_bytes: int = 4 * 1024 * 1024  # the manifest's chunk size (each chunk has its own sha256)
+    # "broadcast": rank 0 also sends each version to the agents in a process group of its own
+    # (streamer.transport.weight_broadcast; the weight server above serves the agents outside it)
+    weights_group_bind: str = "127.0.0.1:29600"  # broadcast: HOST:PORT of the group's rendezvous store
+    weights_bucket_bytes: int = 64 * 1024 * 1024  # broadcast: weights are sent in buckets of at most this
+    weights_group_timeout_s: float = 30.0  # broadcast: forming the group, and each bucket; then it is dissolved
     run_dir: str = ""  # run directory: learner events table (streamer.runs.artifacts); "" -> none
     events: str = ""  # LearnerEvent JSONL file; "" -> <checkpoint.dir>/events.jsonl
 
     def versions_kept(self) -> int:
         if self.keep_versions is not None:
             return self.keep_versions
-        return 4 if self.weights_transport == "http" else 32
+        return 4 if self.weights_transport in PULLS else 32
 
 
 BACKENDS, BACKEND_DTYPES = get_args(BackendName), get_args(BackendDtype)
@@ -230,18 +235,23 @@ def _validate(c: LearnerConfig) -> None:
 
 
 def _validate_weights(io: IOConfig) -> None:
-    if io.weights_transport not in ("directory", "http"):
-        _fail("io.weights_transport", f"'{io.weights_transport}' unknown; choose directory or http")
+    if io.weights_transport not in WEIGHTS_TRANSPORTS:
+        _fail("io.weights_transport", f"'{io.weights_transport}' unknown; choose {', '.join(WEIGHTS_TRANSPORTS)}")
     if io.keep_versions is not None and io.keep_versions < 0:
         _fail("io.keep_versions", f"{io.keep_versions} must be >= 0 (0: all; null: 32, or 4 over http)")
     if not 0 < io.weights_chunk_bytes <= 1 << 30:
         _fail("io.weights_chunk_bytes", f"{io.weights_chunk_bytes} must be in (0, 1 GiB]")
-    if io.weights_transport == "http":
+    if io.weights_transport in PULLS:
         parse_hostport(io.weights_bind, "LearnerConfig.io.weights_bind")
         if io.weights_advertised:
             parse_hostport(io.weights_advertised, "LearnerConfig.io.weights_advertised")
         if not io.weights_dir:
-            _fail("io.weights_transport", "http serves the weight store: set io.weights_dir too")
+            _fail("io.weights_transport", f"{io.weights_transport} serves the weight store: set io.weights_dir too")
+    if io.weights_transport == "broadcast":
+        parse_hostport(io.weights_group_bind, "LearnerConfig.io.weights_group_bind")
+        if io.weights_bucket_bytes < 1 or io.weights_group_timeout_s <= 0:
+            _fail("io.weights_bucket_bytes", f"{io.weights_bucket_bytes} must be >= 1 and io.weights_group_timeout_s "
+                                             f"{io.weights_group_timeout_s} > 0")
 
 
 def _validate_backend(b: BackendConfig, model: ModelConfig, from_init: bool) -> None:

@@ -136,7 +136,8 @@ class JsonlSink:
 
 def build_outputs(cfg: LearnerConfig):
     """(publisher or None, event sinks, closers). With `io.weights_transport` http, the weight server too (a daemon
-    thread of this process, rank 0; `streamer.transport.weight_server`), closed by its closer."""
+    thread of this process, rank 0; `streamer.transport.weight_server`), closed by its closer; with broadcast, the
+    weight server and the sender of rank 0's group (`streamer.transport.weight_broadcast`)."""
     from learner.models.tokenizer import load_tokenizer
     from learner.trainer.publish import DirectoryPublisher
 
@@ -158,15 +159,22 @@ def build_outputs(cfg: LearnerConfig):
         announcer = Announcer(producer, cfg.io.run)
         closers.append(producer.close)
     tokenizer = load_tokenizer(cfg.io.init) if cfg.io.init else None
-    base_uri = ""
-    if cfg.io.weights_dir and cfg.io.weights_transport == "http":  # before version 0 is published (Trainer.start)
+    base_uri, broadcast = "", None
+    if cfg.io.weights_dir and cfg.io.weights_transport in ("http", "broadcast"):  # before version 0 is published
         from streamer.transport.weight_server import WeightServer
 
         server = WeightServer(cfg.io.weights_dir, cfg.io.weights_bind, "LearnerConfig.io.weights_bind").start()
         closers.append(server.close)
         base_uri = f"http://{cfg.io.weights_advertised or server.address}"
+    if cfg.io.weights_dir and cfg.io.weights_transport == "broadcast":  # and rank 0's group with the agents
+        from streamer.transport.weight_broadcast import Broadcaster
+
+        sender = Broadcaster(cfg.io.weights_group_bind, cfg.io.weights_bucket_bytes, cfg.io.weights_group_timeout_s,
+                             "LearnerConfig.io.weights_group_bind").start()
+        closers.append(sender.close)
+        broadcast = sender.offer
     publisher = DirectoryPublisher(cfg.io.weights_dir, announcer, cfg.io.versions_kept(), tokenizer,
-                                   cfg.io.weights_chunk_bytes, base_uri) if cfg.io.weights_dir else None
+                                   cfg.io.weights_chunk_bytes, base_uri, broadcast) if cfg.io.weights_dir else None
     return publisher, sinks, closers
 
 

@@ -8,7 +8,10 @@ through its `announcer` (`streamer.transport.weights.Announcer`: to `<run>.polic
 with no agents listening has none). Non-finite weights are refused, never published. Each version's manifest
 lists its files in chunks of `chunk_bytes`; with a weight server beside the learner (`io.weights_transport` http),
 `base_uri` is that server's advertised address and announcements read `http://HOST:PORT/v000123` (agents take only
-the last part and fetch from the server they are configured with).
+the last part and fetch from the server they are configured with). With `broadcast` (`io.weights_transport`
+broadcast: a `streamer.transport.weight_broadcast.Broadcaster`'s `offer`), each version is also handed to the sender
+of rank 0's group, after it is in the store and before it is announced, and the announcement carries the digest of
+its tensors; the call copies the weights and returns at once.
 """
 
 from __future__ import annotations
@@ -39,13 +42,15 @@ def assert_finite(model: torch.nn.Module) -> None:
 class DirectoryPublisher:
     def __init__(self, store: str | Path, announcer: Callable[[PolicyVersion], None] | None = None,
                  keep: int = 0, tokenizer: Tokenizer | None = None, chunk_bytes: int = CHUNK_BYTES,
-                 base_uri: str = "") -> None:
+                 base_uri: str = "",
+                 broadcast: Callable[[dict[str, torch.Tensor], PolicyVersion], PolicyVersion] | None = None) -> None:
         """`announcer`: an `Announcer` (or any callable taking the PolicyVersion); None announces nothing.
         `tokenizer`: the policy's, saved with every version (default: the embedded character tokenizer)."""
         self.store = WeightStore(store, chunk_bytes, base_uri)
         self.tokenizer = tokenizer or CharTokenizer()
         self.announcer = announcer
         self.keep = keep  # versions kept on disk (0: all)
+        self.broadcast = broadcast
 
     def versions(self) -> list[int]:
         return sorted(pv.version for pv in self.store.versions())
@@ -59,8 +64,11 @@ class DirectoryPublisher:
         with tempfile.TemporaryDirectory() as side:  # config.json + tokenizer travel with the weights
             model.config.save_pretrained(side)
             self.tokenizer.save(side)
-            pv = self.store.publish(model.state_dict(), version, step, side_files_from=side)
+            state = model.state_dict()
+            pv = self.store.publish(state, version, step, side_files_from=side)
         self.store.prune(self.keep)
+        if self.broadcast is not None:
+            pv = self.broadcast(state, pv)
         if self.announcer is not None:
             self.announcer(pv)
         return pv

@@ -33,7 +33,13 @@ from streamer.launch.resources import (
 )
 from streamer.metrics.app import MetricsSettings
 from streamer.wire.config import ConfigError, load_config, read_yaml, to_dict
-from streamer.wire.settings import AgentSettings, ClientSettings, WeightsTransport, parse_hostport
+from streamer.wire.settings import (
+    WEIGHTS_TRANSPORTS,
+    AgentSettings,
+    ClientSettings,
+    WeightsTransport,
+    parse_hostport,
+)
 from streamer.wire.topics import tasks_partitions
 
 # a batch must close at --batch trajectories, not at a token budget: agents generate exactly one batch per version
@@ -41,9 +47,10 @@ TOKENS_PER_TRAJECTORY = 1024
 DERIVED = {  # section -> keys `derive` sets from the launch section and the resource plan
     "learner": ("batch.max_staleness", "batch.max_trajectories", "batch.tokens", "batch.sync", "batch.sync_batch",
                 "threads", "loss.name", "io.run", "io.init", "io.weights_dir", "io.run_dir",
-                "checkpoint.dir", "io.weights_transport", "io.weights_bind", "io.weights_advertised"),
+                "checkpoint.dir", "io.weights_transport", "io.weights_bind", "io.weights_advertised",
+                "io.weights_group_bind"),
     "agent": ("tasks_per_version", "versions_ahead", "threads", "group_size", "run", "model", "weights_dir",
-              "weights_transport", "weights_url"),
+              "weights_transport", "weights_url", "weights_group"),
     "metrics": ("run",),
     "pretrain": ("scenario", "cache_dir"),
     "finetune": ("cache_dir",),
@@ -87,6 +94,10 @@ class UpConfig:
     weights_transport: WeightsTransport = "directory"
     weights_bind: str = "127.0.0.1:0"  # http: the learner's weight server HOST:PORT (port 0: a free one, picked now)
     weights_advertised: str = ""  # http: HOST:PORT agents reach it at ("" -> weights_bind; 0.0.0.0 -> this host's name)
+    # "broadcast": the learner's rank 0 also sends each version to the agents in a torch.distributed group (gloo; NCCL
+    # for GPU weights), agents outside it pull over http as above; its rendezvous store listens on this HOST:PORT
+    # (port 0: a free one, picked now; agents reach it at weights_advertised's host, if given)
+    weights_group_bind: str = "127.0.0.1:0"
 
     def plan(self) -> ResourcePlan:
         return plan_resources(self.cores or available_cores(), self.agents, self.eval)
@@ -205,11 +216,12 @@ def derive(cfg: RunConfig, given: set[str] = frozenset()) -> None:
 
 
 def derive_weights(up: UpConfig, io: IOConfig, agent: AgentSettings) -> None:
-    """One transport for learner and agents; over http, the server's address (a free port if none is given)."""
-    if up.weights_transport not in ("directory", "http"):
-        raise ConfigError(f"launch.weights_transport: {up.weights_transport!r} not in ['directory', 'http']")
+    """One transport for learner and agents; over http (and broadcast), the server's address (a free port if none
+    is given); with broadcast, the group's rendezvous address too."""
+    if up.weights_transport not in WEIGHTS_TRANSPORTS:
+        raise ConfigError(f"launch.weights_transport: {up.weights_transport!r} not in {list(WEIGHTS_TRANSPORTS)}")
     io.weights_transport = agent.weights_transport = up.weights_transport
-    if up.weights_transport != "http":
+    if up.weights_transport == "directory":
         return
     from streamer.transport.weight_server import advertised_host, free_port
 
@@ -219,6 +231,11 @@ def derive_weights(up: UpConfig, io: IOConfig, agent: AgentSettings) -> None:
     io.weights_advertised = up.weights_advertised or f"{advertised_host(host)}:{port}"
     parse_hostport(io.weights_advertised, "launch.weights_advertised")
     agent.weights_url = f"http://{io.weights_advertised}"
+    if up.weights_transport == "broadcast":
+        host, port = parse_hostport(up.weights_group_bind, "launch.weights_group_bind")
+        port = port or free_port(host)
+        io.weights_group_bind = f"{host}:{port}"
+        agent.weights_group = f"{io.weights_advertised.rpartition(':')[0]}:{port}"
 
 
 def is_derived(key: str) -> bool:

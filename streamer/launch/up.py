@@ -59,8 +59,9 @@ FLAGS = {  # flag -> (type, help); each sets the launch field of the same name (
     "drain_seconds": (float, "after the last trajectory, let the learner finish its batch"),
     "restarts": (int, "restarts of each crashed role (it resumes from its checkpoint or committed offsets)"),
     "ray_address": (str, "join this Ray cluster: auto, ray://head:10001 (implies --ray)"),
-    "weights_transport": (str, "how versions reach the agents: directory (a shared path) or http (pulled from a "
-                               "weight server beside the learner)"),
+    "weights_transport": (str, "how versions reach the agents: directory (a shared path), http (pulled from a "
+                               "weight server beside the learner) or broadcast (a torch.distributed group of the "
+                               "learner's rank 0 and the agents; those outside it pull over http)"),
 }
 SWITCHES = {  # flag -> (field, value, help)
     "sync": ("sync", True, "synchronous baseline: agents wait for each version"),
@@ -165,7 +166,7 @@ def roles(cfg: RunConfig, config_file: Path, run_dir: Path, bootstrap: str) -> l
         out.append(Role(f"agent-{i}", agent, env=thread_env(plan.agent_threads), nice=AGENT_NICE))
     run = ["--run", up.run, "--bootstrap", bootstrap]
     if plan.eval:
-        weights = ["--weights-url", cfg.agent.weights_url] if cfg.agent.weights_transport == "http" else []
+        weights = ["--weights-url", cfg.agent.weights_url] if cfg.agent.weights_url else []  # http, broadcast
         out.append(Role("eval", ["eval", *run, "--scenario", up.scenario, "--model", cfg.agent.model,
                                  "--weights-dir", cfg.agent.weights_dir, *weights, "--threads", "1", "--min-interval",
                                  str(up.eval_interval)], required=False, **side))

@@ -276,15 +276,25 @@ def _fetch_into(source: HttpWeightSource, name: str, manifest: Manifest, directo
 
 
 def source_for(s: AgentSettings) -> WeightSource:
-    """An agent's (or evaluator's) `PolicyFollower` source: the store at `weights_dir`, or the weight server."""
+    """An agent's (or evaluator's) `PolicyFollower` source: the store at `weights_dir`, the weight server, or
+    (broadcast) the learner's group with the weight server for the versions it does not bring."""
+    if s.weights_transport == "broadcast":
+        import socket
+        import uuid
+
+        from streamer.transport.weight_receiver import BroadcastWeightSource
+
+        member = f"{s.agent_id or socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        return BroadcastWeightSource(s.weights_group, HttpWeightSource(s.weights_url, s.weights_timeout_s), member,
+                                     s.device)
     return HttpWeightSource(s.weights_url, s.weights_timeout_s) if s.weights_transport == "http" \
         else WeightStore(s.weights_dir)
 
 
 def fetch_initial(s: AgentSettings) -> tuple[str, PolicyVersion, dict[str, Any]] | None:
-    """With the http transport and no model directory (`model` "" or a server URL): the model directory fetched
-    into `model_cache`, its version and its verified state dict; None otherwise."""
-    if s.weights_transport != "http" or (s.model and not s.model_is_url()):
+    """With the http or broadcast transport and no model directory (`model` "" or a server URL): the model
+    directory fetched into `model_cache`, its version and its verified state dict; None otherwise."""
+    if s.weights_transport not in ("http", "broadcast") or (s.model and not s.model_is_url()):
         return None
     which = s.model.rstrip("/").rpartition("/")[2] if s.model else "latest"
     path, pv, data = fetch_model(s.weights_url, which, s.model_cache, s.weights_timeout_s, s.weights_wait_s)

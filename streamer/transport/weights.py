@@ -278,7 +278,8 @@ class PolicyFollower:
             log.error("policy v%d REFUSED, keeping v%d: %s", pv.version, self.version, e)
             return False
         log.info("policy v%d loaded from %s (sha256 %s, step %d, %.2f s after its announcement)", pv.version,
-                 getattr(self.source, "url", None) or getattr(self.source, "root", "?"), pv.sha256, pv.step,
+                 getattr(self.source, "last_from", None) or getattr(self.source, "url", None)
+                 or getattr(self.source, "root", "?"), pv.sha256, pv.step,
                  time.time() - pv.created_at)
         self.version = pv.version
         self.swaps += 1

@@ -82,6 +82,8 @@ class PolicyVersion(Message, kw_only=True):
     sha256: str  # of the model.safetensors file
     step: int  # learner step that produced it
     created_at: float = 0.0
+    # broadcast transport: sha256 of the tensors as sent (streamer.transport.weight_group.tensors_digest); "" otherwise
+    tensors_sha256: str = ""
 
 
 class LearnerEvent(Message, kw_only=True):

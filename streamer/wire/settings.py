@@ -21,7 +21,10 @@ def default_bootstrap() -> str:
     return os.environ.get(BOOTSTRAP_ENV, "") or DEFAULT_BOOTSTRAP
 
 
-WeightsTransport = Literal["directory", "http"]  # how policy versions reach the agents (streamer.transport.weights)
+# how policy versions reach the agents (streamer.transport.weights)
+WeightsTransport = Literal["directory", "http", "broadcast"]
+WEIGHTS_TRANSPORTS = ("directory", "http", "broadcast")
+PULLS = ("http", "broadcast")  # the transports with a weight server (broadcast: for the agents outside its group)
 
 
 def parse_hostport(text: str, where: str) -> tuple[str, int]:
@@ -190,9 +193,12 @@ class AgentSettings:
     observation: list[str] = field(default_factory=lambda: ["<obs>", "</obs>"])  # how the tool's answer comes back
     weights_dir: str = "runs/weights"  # weight store that <run>.policy announcements point into (directory)
     # how announced versions are read: "directory" (weights_dir, a path this host shares with the learner) or "http"
-    # (pulled from the learner's weight server at weights_url, into memory; `sao up` derives both)
+    # (pulled from the learner's weight server at weights_url, into memory; `sao up` derives both) or "broadcast"
+    # (received in the learner's process group, streamer.transport.weight_receiver; pulled from weights_url while
+    # this agent is not in the group)
     weights_transport: WeightsTransport = "directory"
-    weights_url: str = ""  # http: the weight server, http://HOST:PORT; versions are fetched from it alone
+    weights_url: str = ""  # http, broadcast: the weight server, http://HOST:PORT; versions are fetched from it alone
+    weights_group: str = ""  # broadcast: HOST:PORT of the learner's rendezvous store (its io.weights_group_bind)
     model_cache: str = "runs/agent-cache"  # http: where an initial model fetched from the server is kept
     weights_timeout_s: float = 30.0  # http: one request's timeout (a timeout is transient: retried with a backoff)
     weights_wait_s: float = 300.0  # http, no local model: how long to wait at start for the server's first version
@@ -225,14 +231,17 @@ class AgentSettings:
         return self.model.startswith(("http://", "https://"))
 
     def _validate_weights(self) -> None:
-        if self.weights_transport not in ("directory", "http"):
-            raise ConfigError(f"AgentSettings.weights_transport: {self.weights_transport!r} not in ['directory', "
-                              f"'http']")
-        if self.weights_transport == "http":
-            check_weights_url(self.weights_url, "AgentSettings.weights_url (weights_transport http)")
+        if self.weights_transport not in WEIGHTS_TRANSPORTS:
+            raise ConfigError(f"AgentSettings.weights_transport: {self.weights_transport!r} not in "
+                              f"{list(WEIGHTS_TRANSPORTS)}")
+        if self.weights_transport in PULLS:
+            check_weights_url(self.weights_url,
+                              f"AgentSettings.weights_url (weights_transport {self.weights_transport})")
+        if self.weights_transport == "broadcast":
+            parse_hostport(self.weights_group, "AgentSettings.weights_group (weights_transport broadcast)")
         if self.model_is_url():
             base, _, which = self.model.rstrip("/").rpartition("/")
-            if self.weights_transport != "http" or base.rstrip("/") != self.weights_url.rstrip("/"):
+            if self.weights_transport not in PULLS or base.rstrip("/") != self.weights_url.rstrip("/"):
                 raise ConfigError(f"AgentSettings.model: {self.model} is fetched from the weight server, which must "
                                   f"be weights_url ({self.weights_url or 'unset'}) with weights_transport http")
             if which != "latest" and not (which[:1] == "v" and which[1:].isdigit()):
