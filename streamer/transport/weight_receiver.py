@@ -4,7 +4,7 @@
 the learner's rendezvous store at `group` (HOST:PORT, `weights_group`), asks to join (a ticket), and when a
 generation lists it, acks, waits for the go and builds the process group with the learner (rank 0) and the other
 members; then it receives each version the learner sends (a `Header` under `<group>/v/<k>`, then the buckets) into
-fresh buffers, checks the tensors' digest against the header's and keeps the newest. A failed receive (the learner
+fresh buffers, checks the tensors' digest against the header's and keeps the newest two. A failed receive (the learner
 or another member gone, a timeout) or a generation that no longer lists it: it leaves the group and asks to join
 again; the learner takes it in at a later version. A lost connection to the store (a restarted learner): it
 connects again. Nothing here stops the agent.
@@ -22,6 +22,7 @@ import datetime
 import logging
 import threading
 import time
+from collections import deque
 from typing import Any
 
 import msgspec
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # how often the receiver looks at the store
 RETRY_S = 1.0  # after a lost connection to the store, before connecting again
+KEEP = 2  # versions received and kept (an announcement read late finds its version though a newer one came)
 
 
 class Receiver:
@@ -62,7 +64,7 @@ class Receiver:
         self.after = -1  # the group sends only versions above this one
         self.timeout_s = 30.0  # the group's (from its record)
         self.newest = -1  # the newest version received whole
-        self.got: tuple[Header, dict[str, torch.Tensor]] | None = None
+        self.kept: deque[tuple[Header, dict[str, torch.Tensor]]] = deque(maxlen=KEEP)  # the newest received
         self.progress: tuple[int, int, int] | None = None  # (version, buckets done, buckets) while receiving
         self.counts = {"received": 0, "failed": 0, "groups": 0, "joins": 0}
         self.pg: Any = None
@@ -84,8 +86,9 @@ class Receiver:
         with self.cv:
             deadline = time.monotonic() + self.timeout_s
             while True:
-                if self.got is not None and self.got[0].version == version:
-                    return self.got
+                for got in self.kept:
+                    if got[0].version == version:
+                        return got
                 left = deadline - time.monotonic()
                 if not (self.member or self.joining) or version <= self.after or self.newest >= version or left <= 0:
                     return None
@@ -189,7 +192,8 @@ class Receiver:
             self.progress = None
         self.counts["received"] += 1
         with self.cv:
-            self.got, self.newest = (header, state), max(self.newest, header.version)
+            self.kept.append((header, state))
+            self.newest = max(self.newest, header.version)
             self.cv.notify_all()
         return True
 
