@@ -74,6 +74,23 @@ class RankGroup:
         dist.broadcast(t, src=0)
         return int(t.item())
 
+    def share_text(self, text: str) -> str:
+        """The leader's `text` on every rank (UTF-8 in a uint8 tensor)."""
+        payload = text.encode() if self.leader else b""
+        n = self.share_int(len(payload))
+        if not n:
+            return ""
+        buf = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if self.leader
+               else torch.empty(n, dtype=torch.uint8)).to(self.device)
+        dist.broadcast(buf, src=0)
+        return bytes(buf.cpu().numpy()).decode()
+
+    def all_true(self, ok: bool) -> bool:
+        """True on every rank when `ok` is true on every rank (a barrier that carries each rank's verdict)."""
+        t = torch.tensor([int(bool(ok))], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return bool(t.item())
+
     def share_trajectories(self, trajs: list[Trajectory] | None) -> list[Trajectory] | None:
         """The leader's batch (None: stop) on every rank, as JSON lines in a uint8 tensor."""
         payload = b"\n".join(encode_json(t) for t in trajs) if self.leader and trajs is not None else b""

@@ -7,12 +7,16 @@ against the manifest and the whole file against the announcement, and loads the 
 (`safetensors.torch.load`): no file is written. Only the configured server is ever contacted, whatever host the
 announcement names. A connection error, a timeout, a short body or a 5xx is transient (`CheckpointError
 (transient=True)`: the follower retries with a backoff); a checksum mismatch, a 404 (the version was pruned) or a
-malformed manifest refuses the version.
+malformed manifest refuses the version. A sharded version (`streamer.transport.weights`: the manifest's `weights`)
+is checked the same way file by file: the manifest's shard entries against the announced digest, each shard and
+the index chunk by chunk against the manifest, then the shards merged into one state dict, one shard's bytes held
+at a time.
 
 `fetch_model(url, "latest" | "v000123", cache_dir)` brings a version's whole directory (config, tokenizer,
 weights) into `cache_dir/<version>-<sha256 prefix>/`, verified the same way: an agent started on a host with no
-copy of the model (`sao agent --model http://learner:8765/latest`). It waits (`wait_s`) for the server to answer
-with a version: the learner publishes its starting version (0, or its checkpoint's) before it reads anything.
+copy of the model (`sao agent --model http://learner:8765/latest`), and the version's verified state dict. It
+waits (`wait_s`) for the server to answer with a version: the learner publishes its starting version (0, or its
+checkpoint's) before it reads anything.
 `source_for(settings)` and `fetch_initial(settings)` are what `sao agent` and `sao eval` call.
 """
 
@@ -31,6 +35,7 @@ from typing import Any
 import msgspec
 
 from streamer.transport.weights import (
+    INDEX_FILE,
     MANIFEST_FILE,
     WEIGHTS_FILE,
     CheckpointError,
@@ -39,7 +44,10 @@ from streamer.transport.weights import (
     WeightSource,
     WeightStore,
     chunk_count,
+    load_version_dir,
+    merge_shards,
     sha256_bytes,
+    sharded_entries,
 )
 from streamer.wire.schema import PolicyVersion
 from streamer.wire.settings import AgentSettings, check_weights_url
@@ -179,7 +187,18 @@ class HttpWeightSource:
             self.conn.close()
 
     def load(self, pv: PolicyVersion) -> dict[str, Any]:
-        return load_safetensors(self.fetch(pv), f"policy v{pv.version} from {self.url}")
+        """The verified state dict of `pv` (a sharded version's shards pulled one after the other and merged)."""
+        what, name = f"policy v{pv.version}", self.version_name(pv)
+        try:
+            manifest = _manifest(self.conn, name, what)
+            if not manifest.weights:
+                data = fetch_file(self.conn, name, manifest, _weights_entry(manifest, pv, what), what)
+                return load_safetensors(data, f"{what} from {self.url}")
+            *shards, index = sharded_entries(manifest, pv, what)
+            return merge_shards(fetch_file(self.conn, name, manifest, index, what),
+                                ((e.name, fetch_file(self.conn, name, manifest, e, what)) for e in shards), what)
+        finally:
+            self.conn.close()
 
     def latest(self) -> PolicyVersion | None:
         """The server's newest version (None if it has none yet); CheckpointError (transient) if unreachable."""
@@ -228,51 +247,69 @@ def _announced(source: HttpWeightSource, which: str, wait_s: float) -> PolicyVer
         delay = min(2 * delay, 5.0)
 
 
+def _cached(dest: Path, pv: PolicyVersion) -> dict[str, Any] | None:
+    """The verified state dict of a complete copy of `pv` in `dest`, or None."""
+    if not (dest / WEIGHTS_FILE).is_file() and not (dest / INDEX_FILE).is_file():
+        return None
+    try:
+        return load_version_dir(dest, pv)
+    except CheckpointError:
+        return None
+
+
 def fetch_model(url: str, which: str, cache_dir: str | Path, timeout_s: float = 30.0,
-                wait_s: float = 300.0) -> tuple[Path, PolicyVersion, bytes]:
-    """(local model directory, its PolicyVersion, its verified weights) for version `which` of the server at
+                wait_s: float = 300.0) -> tuple[Path, PolicyVersion, dict[str, Any]]:
+    """(local model directory, its PolicyVersion, its verified state dict) for version `which` of the server at
     `url`; every file verified, written to a temporary directory and renamed (a complete copy is reused)."""
     source = HttpWeightSource(url, timeout_s)
     try:
         pv = _announced(source, which, wait_s)
         what, name = f"policy v{pv.version}", source.version_name(pv)
         dest = Path(cache_dir) / f"{name}-{pv.sha256[:16]}"
-        if (dest / WEIGHTS_FILE).is_file():
-            data = (dest / WEIGHTS_FILE).read_bytes()
-            if sha256_bytes(data) == pv.sha256:
-                log.info("%s: cached in %s", what, dest)
-                return dest, pv, data
+        state = _cached(dest, pv)
+        if state is not None:
+            log.info("%s: cached in %s", what, dest)
+            return dest, pv, state
         manifest = _manifest(source.conn, name, what)
-        _weights_entry(manifest, pv, what)
+        if manifest.weights:
+            sharded_entries(manifest, pv, what)
+        else:
+            _weights_entry(manifest, pv, what)
         tmp = dest.parent / f".{dest.name}.tmp{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         try:
-            data = _fetch_into(source, name, manifest, tmp, what)
+            state = _fetch_into(source, name, manifest, tmp, what)
             shutil.rmtree(dest, ignore_errors=True)
             os.replace(tmp, dest)
         except OSError as e:  # another agent of this host renamed its copy first, or the disk failed
-            data = (dest / WEIGHTS_FILE).read_bytes() if (dest / WEIGHTS_FILE).is_file() else b""
-            if sha256_bytes(data) != pv.sha256:
+            state = _cached(dest, pv)
+            if state is None:
                 raise CheckpointError(f"{what}: cannot write {dest}: {e}") from None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         log.info("%s: fetched from %s into %s", what, url, dest)
-        return dest, pv, data
+        return dest, pv, state
     finally:
         source.close()
 
 
-def _fetch_into(source: HttpWeightSource, name: str, manifest: Manifest, directory: Path, what: str) -> bytes:
-    """Every file of the manifest, verified, into `directory`; returns the weights file's bytes."""
-    data = b""
+def _fetch_into(source: HttpWeightSource, name: str, manifest: Manifest, directory: Path,
+                what: str) -> dict[str, Any]:
+    """Every file of the manifest, verified, into `directory`; returns the weights' state dict (a sharded version's
+    shards merged)."""
+    bodies = {}
     for f in manifest.files:
         if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", f.name):
             raise CheckpointError(f"{what}: the manifest names a file {f.name!r}: refused")
         body = fetch_file(source.conn, name, manifest, f, what)
         (directory / f.name).write_bytes(body)
-        data = body if f.name == WEIGHTS_FILE else data
-    return data
+        if f.name == WEIGHTS_FILE or f.name in manifest.weights:
+            bodies[f.name] = body
+    if not manifest.weights:
+        return load_safetensors(bodies.get(WEIGHTS_FILE, b""), f"{what} from {source.url}")
+    index = bodies.pop(INDEX_FILE, b"")
+    return merge_shards(index, ((n, bodies.pop(n)) for n in manifest.weights[:-1]), what)
 
 
 def source_for(s: AgentSettings) -> WeightSource:
@@ -297,5 +334,5 @@ def fetch_initial(s: AgentSettings) -> tuple[str, PolicyVersion, dict[str, Any]]
     if s.weights_transport not in ("http", "broadcast") or (s.model and not s.model_is_url()):
         return None
     which = s.model.rstrip("/").rpartition("/")[2] if s.model else "latest"
-    path, pv, data = fetch_model(s.weights_url, which, s.model_cache, s.weights_timeout_s, s.weights_wait_s)
-    return str(path), pv, load_safetensors(data, f"policy v{pv.version} from {s.weights_url}")
+    path, pv, state = fetch_model(s.weights_url, which, s.model_cache, s.weights_timeout_s, s.weights_wait_s)
+    return str(path), pv, state

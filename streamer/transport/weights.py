@@ -12,11 +12,22 @@ chunk (`Manifest`), for the pull. A corrupt checkpoint is refused with a log lin
 its weights; an unreadable one (a transient file-system or network error) is retried with a backoff,
 `READ_RETRIES` times, before it is refused. Announced URIs are confined to the agent's own source: a checkpoint is
 read only from `<root or server>/<the uri's last part>` whatever directory or host the message names.
+
+A sharded version (the megatron learner: each rank writes its own part, `streamer.transport.weight_shards`) has,
+instead of `model.safetensors`, the shards `model-00001-of-0000N.safetensors` ... and `model.safetensors.index.json`
+(HF's sharded-checkpoint index: `{"metadata": {"total_size"}, "weight_map": {tensor: shard}}`), in the training
+dtype. Its manifest lists them first and names them, in that order, in `weights` (empty for a single-file version);
+its announced sha256 is `weights_digest` of those entries: the sha256 of the text `"<sha256>  <name>\n"` (the
+sha256sum line) of each, in that order. So the announcement covers every shard and the index, in order: a reader
+checks the manifest against the announcement (the digest of its `weights` entries), then each file against its
+manifest entry, then merges the shards into one state dict (a tensor in two shards, or not where the index says, is
+refused). A single-file version announces its file's own sha256, as before.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -34,6 +45,7 @@ log = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.safetensors"
 MANIFEST_FILE = "manifest.json"
+INDEX_FILE = "model.safetensors.index.json"  # a sharded version's tensor -> shard map
 CHUNK_BYTES = 4 * 1024 * 1024  # the manifest's default chunk size (the learner's io.weights_chunk_bytes)
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")  # never copied as side files: the version has its own
 
@@ -79,12 +91,107 @@ class Manifest(msgspec.Struct, frozen=True):
 
     version: int
     step: int
-    sha256: str  # the weights file's, as announced
+    sha256: str  # the weights file's, as announced (sharded: `weights_digest` of the `weights` entries)
     chunk_bytes: int
-    files: list[ManifestFile]  # the weights file first, then config and tokenizer files
+    files: list[ManifestFile]  # the weights file (or shards, then index) first, then config and tokenizer files
+    weights: list[str] = []  # sharded: the shards in order, then the index; empty for a single `model.safetensors`
 
     def file(self, name: str) -> ManifestFile | None:
         return next((f for f in self.files if f.name == name), None)
+
+
+def shard_name(index: int, count: int) -> str:
+    """The file of shard `index` (0-based) of `count`: model-00001-of-00004.safetensors, as HF names them."""
+    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def weights_digest(entries: list[ManifestFile]) -> str:
+    """A sharded version's announced sha256: over "<sha256>  <name>\\n" of each entry, in the manifest's order."""
+    return sha256_bytes("".join(f"{e.sha256}  {e.name}\n" for e in entries).encode())
+
+
+def sharded_entries(manifest: Manifest, pv: PolicyVersion, what: str) -> list[ManifestFile]:
+    """The manifest's `weights` entries (shards in order, then the index), checked against the announcement."""
+    names = manifest.weights
+    count = len(names) - 1
+    if (manifest.version != pv.version or count < 1 or names[-1] != INDEX_FILE
+            or names[:-1] != [shard_name(i, count) for i in range(count)]):
+        raise CheckpointError(f"{what}: the manifest is for v{manifest.version} with weights {names[:4]}...: refused")
+    entries = [manifest.file(n) for n in names]
+    if any(e is None for e in entries):
+        raise CheckpointError(f"{what}: the manifest names weights it does not list: refused")
+    digest = weights_digest(entries)
+    if digest != pv.sha256 or manifest.sha256 != pv.sha256:
+        raise CheckpointError(f"{what}: the manifest's shards digest to {digest[:12]}..., announced "
+                              f"{pv.sha256[:12]}...: refused")
+    return entries
+
+
+def merge_shards(index: bytes, shards: Any, what: str) -> dict[str, Any]:
+    """One state dict from a sharded version's verified index bytes and its verified (name, bytes) shards, each
+    loaded as it comes (an iterator keeps one shard's bytes at a time)."""
+    from safetensors.torch import load
+
+    try:
+        weight_map = json.loads(index)["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{what}: {INDEX_FILE} is not an index: {e}") from None
+    state: dict[str, Any] = {}
+    for name, data in shards:
+        try:
+            part = load(data)
+        except Exception as e:  # safetensors raises its own error types for bad headers
+            raise CheckpointError(f"{what}: {name} is not valid safetensors: {e}") from None
+        for key, t in part.items():
+            if key in state or weight_map.get(key) != name:
+                raise CheckpointError(f"{what}: tensor {key} found in {name}, the index says "
+                                      f"{weight_map.get(key)}{' (and twice)' if key in state else ''}: refused")
+            state[key] = t
+    if len(state) != len(weight_map):
+        raise CheckpointError(f"{what}: the index lists {len(weight_map)} tensors, the shards hold {len(state)}")
+    return state
+
+
+def _read(file: Path, what: str) -> bytes:
+    try:
+        return file.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"{what}: checkpoint {file} unreadable: {e}", transient=True) from None
+
+
+def _checked(file: Path, sha256: str, what: str, against: str = "announced") -> bytes:
+    data = _read(file, what)
+    digest = sha256_bytes(data)
+    if digest != sha256:
+        raise CheckpointError(f"{what}: {file} has sha256 {digest[:12]}..., {against} {sha256[:12]}...: refused")
+    return data
+
+
+def load_sharded(directory: Path, pv: PolicyVersion) -> dict[str, Any]:
+    """The verified state dict of the sharded version in `directory` (manifest against the announcement, each file
+    against the manifest)."""
+    what = f"policy v{pv.version}"
+    try:
+        manifest = msgspec.json.decode(_read(directory / MANIFEST_FILE, what), type=Manifest)
+    except msgspec.DecodeError as e:
+        raise CheckpointError(f"{what}: {directory / MANIFEST_FILE} is not a manifest: {e}") from None
+    *shards, index = sharded_entries(manifest, pv, what)
+    return merge_shards(_checked(directory / INDEX_FILE, index.sha256, what, "its manifest"),
+                        ((e.name, _checked(directory / e.name, e.sha256, what, "its manifest")) for e in shards), what)
+
+
+def load_version_dir(directory: Path, pv: PolicyVersion) -> dict[str, Any]:
+    """The verified state dict of version `pv` in `directory`: sharded if it has an index, else `model.safetensors`
+    with the announced sha256."""
+    from safetensors.torch import load
+
+    if (directory / INDEX_FILE).is_file():
+        return load_sharded(directory, pv)
+    data = _checked(directory / WEIGHTS_FILE, pv.sha256, f"policy v{pv.version}")
+    try:
+        return load(data)
+    except Exception as e:  # safetensors raises its own error types for bad headers
+        raise CheckpointError(f"policy v{pv.version}: {directory} is not valid safetensors: {e}") from None
 
 
 def chunk_count(size: int, chunk_bytes: int) -> int:
@@ -180,26 +287,13 @@ class WeightStore:
         return self.root / Path(pv.uri.removeprefix("file://")).name
 
     def read_verified(self, pv: PolicyVersion) -> bytes:
-        file = self.resolve(pv) / WEIGHTS_FILE
-        try:
-            data = file.read_bytes()
-        except OSError as e:
-            raise CheckpointError(f"policy v{pv.version}: checkpoint {file} unreadable: {e}", transient=True) from None
-        digest = sha256_bytes(data)
-        if digest != pv.sha256:
-            raise CheckpointError(f"policy v{pv.version}: {file} has sha256 {digest[:12]}..., "
-                                  f"announced {pv.sha256[:12]}...: refused")
-        return data
+        """The bytes of a single-file version's `model.safetensors`, checked against the announced sha256."""
+        return _checked(self.resolve(pv) / WEIGHTS_FILE, pv.sha256, f"policy v{pv.version}")
 
     def load(self, pv: PolicyVersion) -> dict[str, Any]:
-        """The verified state dict of `pv` (hash checked on the very bytes that are loaded)."""
-        from safetensors.torch import load
-
-        data = self.read_verified(pv)
-        try:
-            return load(data)
-        except Exception as e:  # safetensors raises its own error types for bad headers
-            raise CheckpointError(f"policy v{pv.version}: {self.resolve(pv)} is not valid safetensors: {e}") from None
+        """The verified state dict of `pv` (hash checked on the very bytes that are loaded; a sharded version's
+        shards merged)."""
+        return load_version_dir(self.resolve(pv), pv)
 
 
 def announce(producer: Producer, run: str, pv: PolicyVersion, flush: bool = True) -> None:
