@@ -34,10 +34,11 @@ def _producer(bootstrap: str, topic: str, n: int, tokens: int, seed: int, flush_
     from streamer.transport.kafka_bus import KafkaBus
     from streamer.wire.schema import encode
 
-    trajs = make_trajectories(n, tokens=tokens, prompt=tokens // 8, seed=seed)
-    for i, t in enumerate(trajs):
-        t.task_id = f"p{seed}-{i}"
-    raws = [(encode(t), t.task_id.encode()) for t in trajs]
+    raws = []  # encoded in chunks: n trajectories of 2048 tokens as Python lists would take gigabytes
+    for chunk in range(0, n, 100):
+        for i, t in enumerate(make_trajectories(min(100, n - chunk), tokens, tokens // 8, seed * 100_003 + chunk)):
+            t.task_id = f"p{seed}-{chunk + i}"
+            raws.append((encode(t), t.task_id.encode()))
     prod = KafkaBus(bootstrap).producer()
     prod.send_raw(topic, raws[0][0], raws[0][1])  # connection and metadata before the clock starts
     prod.flush()
@@ -53,8 +54,9 @@ def _producer(bootstrap: str, topic: str, n: int, tokens: int, seed: int, flush_
     prod.close()
 
 
-def _read(bootstrap: str, topic: str, n: int, timeout_s: float) -> tuple[int, float, float]:
-    """(records, time the reader was created, last record time) for the learner's reader of the topic."""
+def _read(bootstrap: str, topic: str, n: int, timeout_s: float, procs=()) -> tuple[int, float, float]:
+    """(records, time the reader was created, last record time) for the learner's reader of the topic; it gives up
+    5 s after the last producer of `procs` exited with records missing."""
     from streamer.transport.kafka_bus import KafkaBus
     from streamer.wire.schema import Trajectory
 
@@ -68,6 +70,9 @@ def _read(bootstrap: str, topic: str, n: int, timeout_s: float) -> tuple[int, fl
             if batch:
                 last = time.time()
                 got += len(batch)
+            elif procs and not any(p.is_alive() for p in procs) and time.time() - max(last, created) > 5:
+                raise RuntimeError(f"{topic}: {got} of {n} records; producers exited "
+                                   f"{[p.exitcode for p in procs]}")
     finally:
         cons.close()
     return got, created, last
@@ -90,7 +95,7 @@ def run_case(bootstrap: str, producers: int, per_producer: int, tokens: int, flu
         ready.get(timeout=300)
     n = producers * per_producer
     go.set()
-    got, _, last = _read(bootstrap, topic, n, timeout_s=600)
+    got, _, last = _read(bootstrap, topic, n, timeout_s=600, procs=procs)
     done = [out.get(timeout=60) for _ in procs]
     for p in procs:
         p.join(30)

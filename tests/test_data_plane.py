@@ -223,3 +223,30 @@ def test_agent_dead_letters_an_oversized_trajectory_and_goes_on(kafka_broker, ka
         assert committed([TopicPartition(t.tasks, 0)]) == {TopicPartition(t.tasks, 0): 3}  # not redelivered
     finally:
         committed.close()
+
+
+# ----------------------------------------------------------------------------------------- skipped offsets
+
+class _Rec:
+    def __init__(self, offset: int) -> None:
+        self.offset = offset
+
+
+def test_gap_guard_fetches_a_skipped_offset_again_then_takes_a_lasting_gap_as_real():
+    """Tansu answered a fetch at n with records from n+1 on (n not yet visible): the reader seeks back to n."""
+    from streamer.transport.gaps import GapGuard
+
+    now, seeks = [0.0], []
+    guard = GapGuard(lambda tp, n: seeks.append((tp, n)), wait_s=10.0, clock=lambda: now[0])
+    tp = TopicPartition("r.trajectories", 0)
+    guard.expect(tp, 0)
+    assert [r.offset for r in guard.admit(tp, [_Rec(0), _Rec(1), _Rec(3), _Rec(4)])] == [0, 1]  # 2 skipped
+    assert seeks == [(tp, 2)] and guard.refetches == 1
+    assert [r.offset for r in guard.admit(tp, [_Rec(2), _Rec(3), _Rec(4)])] == [2, 3, 4]  # fetched again: all
+    assert guard.admit(tp, [_Rec(7)]) == [] and seeks[-1] == (tp, 5)
+    now[0] = 10.5  # still missing after wait_s (Apache Kafka: compaction, retention): a real gap
+    assert [r.offset for r in guard.admit(tp, [_Rec(7), _Rec(8)])] == [7, 8] and guard.accepted == 1
+    other = TopicPartition("r.trajectories", 1)  # first records of a partition never sought: taken as they come
+    assert [r.offset for r in guard.admit(other, [_Rec(40), _Rec(41)])] == [40, 41]
+    guard.forget([tp])
+    assert [r.offset for r in guard.admit(tp, [_Rec(100)])] == [100]  # revoked and assigned again: no expectation

@@ -10,6 +10,7 @@ from typing import Any
 from kafka.structs import TopicPartition
 
 from streamer.transport.bus import DLQ_MAX_VALUE_BYTES, ENVELOPE_BYTES, Consumer, Producer, RawRecord, SendError
+from streamer.transport.gaps import GapGuard
 from streamer.wire.schema import DeadLetter, SchemaError, decode
 from streamer.wire.settings import ClientSettings
 
@@ -87,6 +88,7 @@ class KafkaConsumerClient(Consumer):
                    **settings.security.kafka_python())
         cfg.update(overrides)
         self._c = KafkaConsumer(**cfg)
+        self._gaps = GapGuard(self._c.seek)  # Tansu can answer a fetch past an offset not yet visible
         self._last_records = time.monotonic()
         self._seek_on_assign: dict[TopicPartition, int] = {}
         if dlq is not None and producer is not None:
@@ -96,6 +98,7 @@ class KafkaConsumerClient(Consumer):
         class _Listener(ConsumerRebalanceListener):
             def on_partitions_revoked(self, revoked):
                 outer._forget(revoked)
+                outer._gaps.forget(revoked)
 
             def on_partitions_assigned(self, assigned):
                 for tp in assigned:
@@ -105,8 +108,11 @@ class KafkaConsumerClient(Consumer):
         if group_id is not None:
             self._c.subscribe(list(types), listener=_Listener())
         else:
-            self._c.assign(self._all_partitions(list(types)))
+            tps = self._all_partitions(list(types))
+            self._c.assign(tps)
             self.tracks_commits = False
+            for tp, n in self._c.beginning_offsets(tps).items():  # read from the start: nothing skipped there either
+                self._gaps.expect(tp, n)
 
     def _all_partitions(self, topics: list[str], wait_s: float = 10.0) -> list[TopicPartition]:
         deadline = time.monotonic() + wait_s
@@ -123,7 +129,8 @@ class KafkaConsumerClient(Consumer):
 
     def _raw_poll(self, max_records: int, timeout: float) -> list[RawRecord]:
         batches = self._c.poll(timeout_ms=int(timeout * 1000), max_records=max_records)
-        out = [RawRecord(tp, r.offset, r.key, r.value) for tp, recs in batches.items() for r in recs]
+        out = [RawRecord(tp, r.offset, r.key, r.value) for tp, recs in batches.items()
+               for r in self._gaps.admit(tp, recs)]
         now = time.monotonic()
         if out:
             self._last_records = now
@@ -162,6 +169,7 @@ class KafkaConsumerClient(Consumer):
     def seek(self, offsets: dict[TopicPartition, int]) -> None:
         assigned = self._c.assignment()
         for tp, n in offsets.items():
+            self._gaps.expect(tp, n)
             if tp in assigned:
                 self._c.seek(tp, n)
                 self._forget([tp])
