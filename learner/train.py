@@ -281,6 +281,9 @@ def train(cfg: LearnerConfig) -> int:
     if group is not None:  # every rank writes its optimizer shard into the leader's checkpoint directory
         error = group.check_shared("learner.checkpoint.dir", cfg.checkpoint.dir, f"every rank writes its "
                                    f"optimizer state into it: {SHARED_FIX} (sao learn --checkpoint-dir)")
+        if not error and cfg.io.weights_dir:  # and its shard of each version into the weight store
+            error = group.check_shared("learner.io.weights_dir", cfg.io.weights_dir, f"every rank writes its part "
+                                       f"of each version into it: {SHARED_FIX} (sao learn --weights-dir)")
         if error:
             models.backend.shutdown()
             raise ConfigError(error)

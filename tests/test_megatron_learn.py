@@ -149,6 +149,9 @@ def test_megatron_learner_steps_publishes_and_matches_torch(megatron_run, torch_
     assert m["learner/value_grad_norm"] > 1.0  # the critic's clip bound
     store = WeightStore(megatron_run / "w")
     assert [pv.version for pv in store.versions()] == [0, 1]
+    for pv in store.versions():  # published by shard: each EP rank wrote its own (tests/test_megatron_publish.py)
+        assert sorted(p.name for p in store.resolve(pv).glob("model*.safetensors*")) == [
+            "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
     m0, m1 = _policy(store, 0), _policy(store, 1)
     t0, t1 = _policy(torch_run["store"], 0), _policy(torch_run["store"], 1)
     assert _max_abs(m0, t0) == 0.0  # HF -> megatron (EP 2) -> HF is lossless

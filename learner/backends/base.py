@@ -3,8 +3,8 @@
 A backend holds the policy (and critic) and their optimizers, as `learner.trainer.step.Models` whose modules
 answer learner.models.scoring's HF-style calls, so the trainer's step code runs on them unchanged. The trainer
 reaches the backend as `Models.backend` and calls it for what differs between backends: where batches go, how
-gradients are reduced and clipped, how weights leave (publication, checkpoints) and come back (resume), the ranks,
-the checkpoint layout and the shutdown.
+gradients are reduced and clipped, how weights leave (publication, checkpoints; by shard where a backend splits the
+model over ranks) and come back (resume), the ranks, the checkpoint layout and the shutdown.
 
 Imports point one way: learner.backends uses learner.trainer's pieces (Models, RankGroup, the one-process clip);
 learner.trainer never imports learner.backends, it calls whatever object implements `Backend`.
@@ -36,6 +36,12 @@ class Backend(Protocol):
     def export_hf(self, name: str) -> torch.nn.Module:
         """The HF-format "policy" or "value" holding the current weights, to publish or save. A collective over
         the ranks: every rank calls it."""
+
+    def export_shard(self, name: str) -> Any:
+        """This rank's own part of "policy" in HF format, to publish a version by shard without any rank holding
+        the whole model (a `learner.trainer.publish_shards.HFShard`), or None: publish the whole `export_hf`. Not a
+        collective (publishing the shards is)."""
+        return None
 
     def hf_target(self, name: str) -> torch.nn.Module:
         """An HF-format "policy" or "value" to load a checkpoint's weights into, then hand to `import_hf`."""

@@ -9,7 +9,9 @@ The models' backend (`Models.backend`, see learner.backends.base) says where bat
 the weights, and names the ranks. Over several ranks (the backend's `group`; see learner.trainer.ranks) every
 rank runs this loop: the leader (rank 0) alone reads the source, batches, emits events, writes the
 weight store and commits offsets; it broadcasts each batch (or the decision to stop) and every rank
-trains on its rows. Exporting weights (publication, checkpoints) is collective: every rank calls it.
+trains on its rows. Exporting weights (publication, checkpoints) is collective: every rank calls it; a backend
+that splits the model (megatron) publishes each version by shard, every rank writing its own part into the
+leader's store (learner.trainer.publish_shards).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from learner.config import LearnerConfig
 from learner.trainer import checkpoint as ckpt
 from learner.trainer.batching import Batcher, by_length, collate, group_key
 from learner.trainer.publish import Publisher
+from learner.trainer.publish_shards import publish_sharded
 from learner.trainer.ranks import RankGroup
 from learner.trainer.source import Source
 from learner.trainer.staleness import Admission, histogram, staleness
@@ -52,6 +55,9 @@ class Trainer:
         # every rank advances the version; only the leader knows whether there is a weight store
         has_store = publisher is not None
         self.publishes = has_store if self.group is None else bool(self.group.share_int(int(has_store)))
+        # over several ranks, a backend that splits the model publishes by shard into the leader's store
+        self.by_shard = self.publishes and self.group is not None and bool(self.group.share_int(
+            int(hasattr(publisher, "store"))))
         grouped = not cfg.uses_value_model
         b = cfg.batch
         hf = self.backend.hf_config
@@ -200,9 +206,13 @@ class Trainer:
         self._publish(self.version + 1, self.vindex)
 
     def _publish(self, number: int, index: int) -> None:
-        model = self.backend.export_hf("policy")  # a collective over the ranks
-        if self.publisher is not None:
-            self.publisher.publish(model, number, self.step)
+        shard = self.backend.export_shard("policy") if self.by_shard else None
+        if shard is not None:  # each rank writes its own part (a collective); no rank holds the whole model
+            publish_sharded(self.publisher, shard, self.backend.hf_config, number, self.step, self.group)
+        else:
+            model = self.backend.export_hf("policy")  # a collective over the ranks
+            if self.publisher is not None:
+                self.publisher.publish(model, number, self.step)
         self.version = number
         self.admission.lineage.anchor(number, index)
 

@@ -3,7 +3,8 @@
 The trainer's step code drives the learner's GPTModels through the HF-call wrappers (`hf_compat`) and steps the
 learner's own AdamWs. What differs from the torch backend: gradients are all-reduced over data and expert
 parallelism before the clip (`grads.reduce_and_clip`), weights leave and come back in HF format through the
-learner's converters (exporting gathers the experts: a collective), every rank is one member of a `RankGroup`,
+learner's converters (exporting gathers the experts: a collective; a published version is written by shard, each
+rank its own part, `export_shard`), every rank is one member of a `RankGroup`,
 and shutting down leaves the process group (`parallel.shutdown`).
 
 The learner is handed in built (learner.backends.megatron.learner.megatron_backend builds both), so this module
@@ -40,6 +41,9 @@ class MegatronBackend(Backend):
 
     def export_hf(self, name: str) -> torch.nn.Module:
         return self.lrn.export_hf_policy() if name == "policy" else self.lrn.export_hf_value()
+
+    def export_shard(self, name: str):
+        return self.lrn.policy_shard() if name == "policy" else None
 
     def hf_target(self, name: str) -> torch.nn.Module:
         return self.lrn.empty_hf_policy() if name == "policy" else self.lrn.empty_hf_value()

@@ -5,7 +5,8 @@ rename, so HF -> megatron -> HF returns bit-identical tensors. With expert paral
 holds routed experts [ep_rank * n_local, (ep_rank + 1) * n_local) under local indices
 0..n_local-1; dense layers and shared experts are replicated on every rank. `megatron_to_hf` of
 one rank gives the replicated weights plus that rank's experts, and `gather_experts` joins the
-ranks' experts into one full HF state dict.
+ranks' experts into one full HF state dict (publishing does not: `export.PolicyShard` converts a rank's own
+part, tensor by tensor, through the same table).
 
 One table (`_mapping`) lists every tensor of a model as (kind, megatron name, HF names); both
 directions walk it. Mapped architectures: see `model.check_supported`.
@@ -87,6 +88,13 @@ def _mapping(hf_cfg, ep_rank: int, ep_size: int, prefix: str,
     return out
 
 
+def hf_mapping(hf_cfg, ep_rank: int = 0, ep_size: int = 1, prefix: str = "model.",
+               with_output: bool = True) -> list[tuple[str, str, tuple[str, ...]]]:
+    """(kind, megatron name, HF names) of every tensor this EP rank holds (its experts, every dense tensor); a tied
+    lm_head is not one (it is the embedding)."""
+    return _mapping(hf_cfg, ep_rank, ep_size, prefix, with_output)
+
+
 def _qkv_to_megatron(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hf_cfg) -> torch.Tensor:
     d, g = head_dim(hf_cfg), hf_cfg.num_key_value_heads
     tail = q.shape[1:]  # (H,) for the weight, () for the bias
@@ -112,7 +120,8 @@ def _to_megatron(kind: str, hf: list[torch.Tensor], hf_cfg) -> torch.Tensor:
     return hf[0]
 
 
-def _to_hf(kind: str, m: torch.Tensor, hf_cfg) -> tuple[torch.Tensor, ...]:
+def to_hf(kind: str, m: torch.Tensor, hf_cfg) -> tuple[torch.Tensor, ...]:
+    """One megatron tensor of `kind` as its HF tensors (a rename returns it as it is)."""
     if kind == GLU:
         return tuple(t.clone() for t in m.chunk(2, dim=0))
     if kind == QKV:
@@ -137,7 +146,7 @@ def megatron_to_hf(m_sd: dict[str, torch.Tensor], hf_cfg, ep_rank: int = 0, ep_s
     get = _getter(m_sd)
     out: dict[str, torch.Tensor] = {}
     for kind, m, hs in _mapping(hf_cfg, ep_rank, ep_size, prefix, with_output):
-        out.update(zip(hs, _to_hf(kind, get(m), hf_cfg)))
+        out.update(zip(hs, to_hf(kind, get(m), hf_cfg)))
     if with_output and hf_cfg.tie_word_embeddings:
         out["lm_head.weight"] = get("embedding.word_embeddings.weight")
     return out

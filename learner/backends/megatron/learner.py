@@ -11,6 +11,7 @@ ranks. `sao learn --backend megatron` drives its models with the trainer's own s
     stats = lrn.policy_step(batch)                       # SAO/PPO/... loss, all-reduce, clip, AdamW
     stats = lrn.value_step(batch)                        # clipped value loss on the critic
     sd = lrn.policy_state_dict()                         # full HF state dict (collective)
+    part = lrn.policy_shard()                            # this rank's part, to publish by shard
 
 `batch` keys: input_ids, attention_mask [B, T]; old_logp, advantages, loss_mask [B, T] and
 optionally temperature [B] (the sampling temperature to score at, default 1) for the policy;
@@ -140,6 +141,16 @@ class MegatronLearner:
         local = convert.megatron_to_hf(megatron_params(self.policy), self.hf_config,
                                        self.ep_rank, self.ep_size)
         return _cpu(convert.gather_experts(local, self.hf_config, ps.get_expert_model_parallel_group()))
+
+    def policy_shard(self):
+        """This rank's own part of the HF policy, to publish by shard (`export.PolicyShard`: its experts, and the
+        dense tensors on EP rank 0; nothing on a data-parallel copy of another rank's experts). Not a collective."""
+        from megatron.core import parallel_state as ps
+
+        from learner.backends.megatron.export import PolicyShard
+
+        return PolicyShard(megatron_params(self.policy), self.hf_config, self.ep_rank, self.ep_size,
+                           ps.get_expert_data_parallel_rank())
 
     def value_state_dict(self) -> dict[str, torch.Tensor]:
         """The full value model in H2's ValueModel layout (backbone.*, head.*); collective."""

@@ -1,0 +1,133 @@
+"""Publishing by shard against the full gather, on the same weights, run under torchrun.
+
+    python -m torch.distributed.run --nproc_per_node 2 -m learner.backends.megatron.publish_check \
+        --out DIR [--model-dir DIR ...] [--ep 2 --ep 1] [--bf16-ep 2]
+
+For each model (the tiny Qwen3-MoE of `ModelConfig`, then each --model-dir HF causal LM, e.g. a tiny GLM-4-MoE)
+and each EP layout: every rank builds the learner from the same HF weights and takes one SAO step (so the
+published weights are trained ones: replicated tensors updated on every rank, experts on their own), then the same
+weights are published twice, into two stores under DIR/<model>_ep<N>[_bf16]/:
+
+  full/    today's export: `export_hf_policy` (every rank all-gathers the experts and builds a full fp32 HF
+           model), then rank 0's `DirectoryPublisher.publish` (one model.safetensors)
+  shards/  `learner.trainer.publish_shards.publish_sharded` over the ranks, each writing its own part
+           (`MegatronLearner.policy_shard`); `convert.gather_experts` raises if anything calls it meanwhile
+
+Rank 0 writes DIR/publish.json: per layout, each rank's shard stats (tensors and routed-expert tensors converted,
+bytes converted, the most bytes held at once, its largest megatron tensor) and what the full gather holds on each
+rank (the gathered HF state dict, the HF model built from it, rank 0's serialized file), in bytes. `--bf16-ep N`
+adds a layout trained in bf16 (no step: the publish only), whose shards keep bf16. tests/test_megatron_publish.py
+compares the stores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from learner.backends.megatron import convert, parallel
+from learner.backends.megatron.learner import MegatronLearner, MegatronOptions, OptimSettings
+from learner.backends.megatron.model import moe_layer_pattern, num_experts
+from learner.backends.megatron.parity import _hf_models, batch_for, sao, with_behaviour
+
+
+def _unique_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _per_rank(values: list[int]) -> list[list[int]]:
+    t = torch.tensor(values, dtype=torch.int64)
+    out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return [o.tolist() for o in out]
+
+
+def _no_gather(*_a, **_k):
+    raise AssertionError("publish by shard called gather_experts")
+
+
+def check(name: str, model_dir: str | None, ep: int, dtype: str, root: Path) -> dict:
+    from learner.models.tokenizer import CharTokenizer
+    from learner.trainer.publish import DirectoryPublisher
+    from learner.trainer.publish_shards import publish_sharded
+    from learner.trainer.ranks import RankGroup
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    policy, _ = _hf_models(model_dir)
+    lrn = MegatronLearner(policy, None, MegatronOptions(expert_parallel=ep, dtype=dtype),
+                          OptimSettings(lr=1e-3, grad_clip=1.0), sao)
+    if dtype == "float32":
+        batches = with_behaviour([batch_for(r, policy.config.vocab_size) for r in range(world)], policy)
+        lrn.policy_step(batches[rank])
+    out_dir = root / f"{name}_ep{ep}{'' if dtype == 'float32' else '_bf16'}"
+    tok = CharTokenizer()
+    # today's export: every rank gathers and builds the whole model; rank 0 writes it
+    gathered = lrn.policy_state_dict()
+    gathered_bytes = _unique_bytes(gathered.values())
+    del gathered
+    model = lrn.export_hf_policy()
+    model_bytes = _unique_bytes(model.state_dict().values())
+    full = DirectoryPublisher(out_dir / "full", tokenizer=tok) if rank == 0 else None
+    if full is not None:
+        full.publish(model, 1, 1)
+    del model
+    file_bytes = (out_dir / "full" / "v000001" / "model.safetensors").stat().st_size if rank == 0 else 0
+    # by shard: every rank its own part, no gather
+    group = RankGroup(lrn.device)
+    shard = lrn.policy_shard()
+    publisher = DirectoryPublisher(out_dir / "shards", tokenizer=tok) if rank == 0 else None
+    gather, convert.gather_experts = convert.gather_experts, _no_gather
+    try:
+        publish_sharded(publisher, shard, lrn.hf_config, 1, 1, group)
+    finally:
+        convert.gather_experts = gather
+    s = shard.stats
+    largest = max(t.numel() * t.element_size() for t in shard.params.values())
+    rows = _per_rank([shard.index, s["tensors"], s["expert_tensors"], s["bytes"], s["peak_bytes"], largest,
+                      gathered_bytes, model_bytes, file_bytes])
+    keys = ("shard", "tensors", "expert_tensors", "bytes", "peak_bytes", "largest_tensor_bytes",
+            "full_gathered_bytes", "full_model_bytes", "full_file_bytes")
+    cfg = lrn.hf_config
+    return {"dir": str(out_dir), "ep": ep, "world": world, "dtype": dtype,
+            "expert_tensors_total": 3 * num_experts(cfg) * sum(moe_layer_pattern(cfg)),
+            "ranks": [dict(zip(keys, row)) for row in rows]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model-dir", action="append", default=[], help="HF causal LM directories (after the tiny "
+                                                                          "Qwen3-MoE)")
+    ap.add_argument("--ep", type=int, action="append", default=[])
+    ap.add_argument("--bf16-ep", type=int, default=0)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("SAO_TEST_THREADS", "1")))
+    torch.manual_seed(0)
+    parallel.init(1)
+    root = Path(args.out)
+    models = [("qwen3_moe", None), *((Path(d).name, d) for d in args.model_dir)]
+    results = []
+    for name, model_dir in models:
+        for ep in args.ep or [2, 1]:
+            results.append({"model": name, **check(name, model_dir, ep, "float32", root)})
+        if args.bf16_ep:
+            results.append({"model": name, **check(name, model_dir, args.bf16_ep, "bfloat16", root)})
+    if dist.get_rank() == 0:
+        (root / "publish.json").write_text(json.dumps(results, indent=2))
+    parallel.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
