@@ -39,6 +39,7 @@ from learner.models.tokenizer import Tokenizer
 INSTALL_HINT = "pip install -e '.[vllm]' (the `vllm` extra of sao-lab[vllm]) in a separate CUDA environment"
 WORKER_EXTENSION = "learner.engines.vllm.WorkerExtension"
 WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
 
 
 class VLLMUnavailable(ImportError, NotImplementedError):
@@ -154,9 +155,15 @@ def check_weight_names(names: Sequence[str], expected: set[str], where: str) -> 
 
 
 def checkpoint_names(path: str | Path) -> set[str]:
-    """Tensor names of a safetensors file (header only)."""
+    """Tensor names of a safetensors file (header only), or of a sharded checkpoint's index when `path` (a
+    model.safetensors) is absent beside one (a sharded version of the megatron learner)."""
+    import json
+
     from safetensors import safe_open
 
+    index = Path(path).with_name(INDEX_FILE)
+    if not Path(path).is_file() and index.is_file():
+        return set(json.loads(index.read_text())["weight_map"])
     with safe_open(str(path), framework="pt") as f:
         return set(f.keys())
 
