@@ -60,7 +60,7 @@ class Agent:
                                      stdout=subprocess.PIPE, text=True)
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
-        assert self.reply()["asked"]
+        assert self.reply()["asked"] and self.reply()["ready"]
 
     def _read(self) -> None:
         for line in self.proc.stdout:
