@@ -15,7 +15,9 @@ weights are published twice, into two stores under DIR/<model>_ep<N>[_bf16]/:
 
 Rank 0 writes DIR/publish.json: per layout, each rank's shard stats (tensors and routed-expert tensors converted,
 bytes converted, the most bytes held at once, its largest megatron tensor) and what the full gather holds on each
-rank (the gathered HF state dict, the HF model built from it, rank 0's serialized file), in bytes. `--bf16-ep N`
+rank (the gathered HF state dict, the HF model built from it, rank 0's serialized file), in bytes; and for each
+way, how far the rank's resident set rose during the publish (`rss_growth`, `full_rss_growth`: peak RSS over RSS
+before, Linux, the sharded publish measured first). `--bf16-ep N`
 adds a layout trained in bf16 (no step: the publish only), whose shards keep bf16. tests/test_megatron_publish.py
 compares the stores.
 """
@@ -53,6 +55,31 @@ def _per_rank(values: list[int]) -> list[list[int]]:
     return [o.tolist() for o in out]
 
 
+def _vm(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return -1
+
+
+def _rss_growth(fn) -> int:
+    """How far this process's resident set rose above its level before `fn()` at its peak during it (Linux: the
+    peak is reset through /proc/self/clear_refs, freed heap handed back first); -1 where that cannot be read."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        fn()
+        return -1
+    before = _vm("VmRSS")
+    fn()
+    return _vm("VmHWM") - before
+
+
 def _no_gather(*_a, **_k):
     raise AssertionError("publish by shard called gather_experts")
 
@@ -72,32 +99,35 @@ def check(name: str, model_dir: str | None, ep: int, dtype: str, root: Path) -> 
         lrn.policy_step(batches[rank])
     out_dir = root / f"{name}_ep{ep}{'' if dtype == 'float32' else '_bf16'}"
     tok = CharTokenizer()
-    # today's export: every rank gathers and builds the whole model; rank 0 writes it
-    gathered = lrn.policy_state_dict()
-    gathered_bytes = _unique_bytes(gathered.values())
-    del gathered
-    model = lrn.export_hf_policy()
-    model_bytes = _unique_bytes(model.state_dict().values())
-    full = DirectoryPublisher(out_dir / "full", tokenizer=tok) if rank == 0 else None
-    if full is not None:
-        full.publish(model, 1, 1)
-    del model
-    file_bytes = (out_dir / "full" / "v000001" / "model.safetensors").stat().st_size if rank == 0 else 0
     # by shard: every rank its own part, no gather
     group = RankGroup(lrn.device)
     shard = lrn.policy_shard()
     publisher = DirectoryPublisher(out_dir / "shards", tokenizer=tok) if rank == 0 else None
     gather, convert.gather_experts = convert.gather_experts, _no_gather
     try:
-        publish_sharded(publisher, shard, lrn.hf_config, 1, 1, group)
+        shard_rss = _rss_growth(lambda: publish_sharded(publisher, shard, lrn.hf_config, 1, 1, group))
     finally:
         convert.gather_experts = gather
+    # today's export: every rank gathers and builds the whole model; rank 0 writes it
+    gathered = lrn.policy_state_dict()
+    gathered_bytes = _unique_bytes(gathered.values())
+    del gathered
+    model_bytes = _unique_bytes(lrn.empty_hf_policy().state_dict().values())
+    full = DirectoryPublisher(out_dir / "full", tokenizer=tok) if rank == 0 else None
+
+    def full_publish() -> None:
+        model = lrn.export_hf_policy()
+        if full is not None:
+            full.publish(model, 1, 1)
+
+    full_rss = _rss_growth(full_publish)
+    file_bytes = (out_dir / "full" / "v000001" / "model.safetensors").stat().st_size if rank == 0 else 0
     s = shard.stats
     largest = max(t.numel() * t.element_size() for t in shard.params.values())
     rows = _per_rank([shard.index, s["tensors"], s["expert_tensors"], s["bytes"], s["peak_bytes"], largest,
-                      gathered_bytes, model_bytes, file_bytes])
-    keys = ("shard", "tensors", "expert_tensors", "bytes", "peak_bytes", "largest_tensor_bytes",
-            "full_gathered_bytes", "full_model_bytes", "full_file_bytes")
+                      shard_rss, gathered_bytes, model_bytes, file_bytes, full_rss])
+    keys = ("shard", "tensors", "expert_tensors", "bytes", "peak_bytes", "largest_tensor_bytes", "rss_growth",
+            "full_gathered_bytes", "full_model_bytes", "full_file_bytes", "full_rss_growth")
     cfg = lrn.hf_config
     return {"dir": str(out_dir), "ep": ep, "world": world, "dtype": dtype,
             "expert_tensors_total": 3 * num_experts(cfg) * sum(moe_layer_pattern(cfg)),
