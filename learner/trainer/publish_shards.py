@@ -32,6 +32,7 @@ from streamer.transport import weight_shards
 from streamer.wire.schema import PolicyVersion
 
 log = logging.getLogger(__name__)
+_WARNED: set[int] = set()  # publishers told once that their broadcast hook is not used
 
 
 class HFShard(Protocol):
@@ -87,6 +88,10 @@ def publish_sharded(publisher: Any, shard: HFShard, hf_config: Any, version: int
     if not group.all_true(not error):  # every rank stops together rather than wait at the next collective
         raise RuntimeError(f"publishing v{version} by shard failed ({error or 'on rank 0'}); nothing was published")
     if pv is not None:
+        if getattr(publisher, "broadcast", None) is not None and id(publisher) not in _WARNED:
+            _WARNED.add(id(publisher))
+            log.warning("io.weights_transport=broadcast: versions published by shard are not broadcast (rank 0 "
+                        "never holds the whole model); agents pull them from the weight server")
         publisher.store.prune(publisher.keep)
         if publisher.announcer is not None:
             publisher.announcer(pv)
