@@ -97,13 +97,15 @@ class Agent:
         self.proc.stdin.write(json.dumps(msg) + "\n")
         self.proc.stdin.flush()
 
-    def close(self) -> None:
+    def close(self) -> int | None:
+        """Its exit status (0: a clean exit at the end of its input)."""
         if self.proc.poll() is None:
             self.proc.stdin.close()
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+        return self.proc.wait()
 
 
 def _wait(cond, what: str, timeout: float = 300.0) -> None:
@@ -170,8 +172,7 @@ def measure_size(size: str, dtypes, counts, repeats: int, tmp: Path) -> tuple[di
                           f"(publish {rows[-1]['publish_s']:.3f} s)", flush=True)
         info["broadcast"] = sender.stats()
     finally:
-        for a in agents:
-            a.close()
+        info["agents_exit"] = [a.close() for a in agents]
         sender.close()
         server.close()
     return info, rows

@@ -18,6 +18,7 @@ version skipped, a digest that differs) it pulls `pv` from `fallback` (the learn
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import threading
@@ -74,6 +75,7 @@ class Receiver:
 
     def start(self) -> Receiver:
         self._thread.start()
+        atexit.register(self.stop)  # the group and the store let go of before the interpreter goes
         return self
 
     def stop(self) -> None:
