@@ -142,6 +142,10 @@ def test_micro_batches_close_at_size_and_at_doubled_length(policy0):
     assert list(_micro(batch, 2)) == [(0, 2), (2, 4), (4, 6)]
     assert batch.rows(0, 3).input_ids.shape == (3, 4) and batch.rows(3, 6).input_ids.shape == (3, 10)
     assert [len(x.tokens) for x in by_length(t[::-1])] == lengths
+    # one rank's shard (by_length False): by size alone, so the shards of every rank (as many rows each) make as
+    # many micro-batches, whatever their lengths (expert parallelism: each forward is a collective of all ranks)
+    assert list(_micro(batch, 4, by_length=False)) == [(0, 4), (4, 6)]
+    assert list(_micro(batch.rows(0, 3), 2, by_length=False)) == list(_micro(batch.rows(3, 6), 2, by_length=False))
 
 
 @pytest.mark.parametrize("kl", ["k3", "forward"])

@@ -98,13 +98,15 @@ def state_values(value_model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     return F.pad(v[:, :-1], (1, 0))
 
 
-def _micro(batch: Batch, size: int):
+def _micro(batch: Batch, size: int, by_length: bool = True):
     """Row ranges of at most `size` rows; on a batch sorted by length (`by_length`), a range also closes before a
-    row more than twice as long as its first, so each micro-batch (cut to its own width) is at least half tokens."""
+    row more than twice as long as its first, so each micro-batch (cut to its own width) is at least half tokens.
+    `by_length` False: by `size` alone, for one rank's shard (each rank's forwards are collectives with the other
+    ranks', expert parallelism: every rank must cut its rows, as many on each, into as many micro-batches)."""
     lengths = batch.attention_mask.sum(-1).tolist()
     start = 0
     for i, n in enumerate(lengths):
-        if i > start and (i - start >= size or n > 2 * max(lengths[start], 1)):
+        if i > start and (i - start >= size or by_length and n > 2 * max(lengths[start], 1)):
             yield start, i
             start = i
     if lengths:
@@ -205,7 +207,7 @@ def value_backward(cfg: LearnerConfig, models: Models, batch: Batch, ref: dict, 
     each micro-batch's returns come from its own rows, and the batch's advantages are added after the last."""
     agg, total, scored = cfg.value.agg, {}, []
     full = _denom(batch.loss_mask, agg) if norm is None else norm
-    for i, j in _micro(batch, cfg.batch.micro_batch):
+    for i, j in _micro(batch, cfg.batch.micro_batch, by_length=norm is None):  # a shard (norm given): by size
         mb = batch.rows(i, j)
         mask, cols = mb.loss_mask, slice(0, mb.input_ids.shape[1])
         w = scale * _denom(mask, agg) / max(full, 1.0)
@@ -235,7 +237,7 @@ def policy_backward(cfg: LearnerConfig, models: Models, batch: Batch, ref: dict,
     params, agg = cfg.loss.params(), policy_agg(cfg)
     total, full = {}, _denom(batch.loss_mask, agg) if norm is None else norm
     whole = "ref_logp" in ref and cfg.loss.kl_type in FULL_KL_TYPES  # the forward KL reads pi's [b, t, V]
-    for i, j in _micro(batch, cfg.batch.micro_batch):
+    for i, j in _micro(batch, cfg.batch.micro_batch, by_length=norm is None):  # a shard (norm given): by size
         mb = batch.rows(i, j)
         mask, cols = mb.loss_mask, slice(0, mb.input_ids.shape[1])
         w = scale * _denom(mask, agg) / max(full, 1.0)
