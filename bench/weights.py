@@ -213,8 +213,9 @@ def figure(result: dict, path: Path) -> Path:
         ax.set_ylabel("publish call to the last engine holding it (s)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    return save_figure(fig, path, f"A new policy version to N agents (median; {result['machine']['cpus']} CPUs, "
-                                  f"load {result['machine']['loadavg_1m']} at the start)")
+    m, after = result["machine"], result.get("machine_after", result["machine"])
+    return save_figure(fig, path, f"A new policy version to N agents (median; {m['cpus']} shared CPUs, load average "
+                                  f"{m['loadavg_1m']} at the start, {after['loadavg_1m']} at the end)")
 
 
 def main(argv: list[str] | None = None) -> int:

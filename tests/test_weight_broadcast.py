@@ -169,7 +169,7 @@ def test_one_launch_setting_sets_the_group_on_both_sides(tmp_path):
 # ------------------------------------------------------------------------------------------- real processes
 
 @pytest.mark.slow
-def test_two_agents_get_a_bf16_version_bit_for_bit_and_a_late_agent_gets_the_next(tmp_path, processes):
+def test_bf16_bit_for_bit_to_two_agents_then_a_late_agent_then_a_restarted_learner(tmp_path, processes):
     learner = Learner(tmp_path, 1 << 20, 20.0)
     processes.append(learner)
     model = build_policy(ModelConfig(), seed=0).to(torch.bfloat16)
@@ -208,6 +208,16 @@ def test_two_agents_get_a_bf16_version_bit_for_bit_and_a_late_agent_gets_the_nex
         assert (r["version"], r["from"], r["digest"]) == (2, f"broadcast group {learner.sender.address}",
                                                            pv2.tensors_sha256), r
     assert learner.sender.stats()["failed"] == 0
+    address = learner.sender.address  # the learner restarts: a new rendezvous store on the same port
+    learner.sender.close()
+    learner.sender = Broadcaster(address, 1 << 20, 20.0).start()
+    learner.publisher.broadcast = learner.sender.offer
+    learner.wait_members(3)  # the agents connected again and asked
+    _nudge(model, 0.01)
+    pv3 = learner.publisher.publish(model, 3, 3)
+    for agent in (a, b, c):
+        agent.load(pv3)
+    assert [agent.reply()["from"] for agent in (a, b, c)] == [f"broadcast group {address}"] * 3
 
 
 @pytest.mark.slow

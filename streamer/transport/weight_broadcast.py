@@ -240,3 +240,5 @@ class Broadcaster:
         if self._thread.is_alive():
             self._thread.join(timeout=self.timeout_s + 5)
         self._drop_group()
+        if not self._thread.is_alive():
+            self.store = None  # the rendezvous server stops (agents connect again to the next learner)
