@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.slow  # ~20 s on 2 busy cores: three agent processes start torch
+@pytest.mark.slow  # 11 to 36 s measured on 2 shared cores: two agent processes start torch
 def test_weights_bench_quick(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "bench.weights", "--quick", "--out", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=240)
