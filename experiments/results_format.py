@@ -7,6 +7,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+RESULTS = Path("docs/results")  # benchmarks and experiments
+RUNS = Path("docs/results/runs")  # runs of `sao up`
+EXAMPLES = Path("examples")
+PAGE = Path("docs/results.md")
+OLD = "4d013d6"  # the commit that still holds every older version
+OLD_HOME = {RUNS: "docs/runs", RESULTS: "docs/bench"}  # each data root's path at OLD (RUNS first: it may move in)
 YES = {True: "yes", False: "no"}
 FAMILIES = ("format", "string", "tool", "arith")  # the default scenario's drifted families, in drift order
 
@@ -59,3 +65,14 @@ def drift_cells(recs: list[dict] | dict) -> list[str]:
                 for k, v in recs.items()]
     by = {r["family"]: r for r in recs if r["status"] != "unaffected"}
     return [rec(**by[f]) if f in by else "—" for f in FAMILIES]
+
+
+def old_path(p: Path) -> str:  # where a file or folder (no suffix) of the data roots was at OLD
+    root = next(r for r in OLD_HOME if p == r or r in p.parents)
+    return OLD_HOME[root] + str(p)[len(str(root)):] + ("" if p.suffix else "/")
+
+
+def section(title: str, what: str, parts: list[str], data: list[Path], old: list[Path]) -> str:
+    files = ", ".join(f"`{p}`" for p in dict.fromkeys(data))
+    olds = ", ".join(f"`git show {OLD}:{old_path(p)}`" for p in old) or "none (first measured in this version)"
+    return "\n\n".join([f"## {title}", what, *parts, f"data: {files}", f"older versions: {olds}"])

@@ -14,30 +14,32 @@ import sys
 from pathlib import Path
 
 from experiments.arms import ARMS
-from experiments.results_format import FAMILIES, YES, Reader, cnt, drift_cells, f3, lr, rec, sec, table
+from experiments.results_format import (
+    EXAMPLES,
+    FAMILIES,
+    OLD,
+    OLD_HOME,
+    PAGE,
+    RESULTS,
+    RUNS,
+    YES,
+    Reader,
+    cnt,
+    drift_cells,
+    f3,
+    lr,
+    rec,
+    sec,
+    section,
+    table,
+)
+from experiments.results_scale import capacity_section, transport_section
 from experiments.suite_report import interval
 
-RESULTS = Path("docs/results")  # benchmarks and experiments
-RUNS = Path("docs/results/runs")  # runs of `sao up`
-EXAMPLES = Path("examples")
-PAGE = Path("docs/results.md")
-OLD = "4d013d6"  # the commit that still holds every older version
-OLD_HOME = {RUNS: "docs/runs", RESULTS: "docs/bench"}  # each data root's path at OLD (RUNS first: it may move in)
 ROOT = Path(__file__).resolve().parent.parent
 SUITE = RESULTS / "suite_main/v1.6"
 DEFAULT = RUNS / "default"
 KL_FLOOR = DEFAULT / "2026-12-05-kl-floor"
-
-
-def old_path(p: Path) -> str:  # where a file or folder (no suffix) of the data roots was at OLD
-    root = next(r for r in OLD_HOME if p == r or r in p.parents)
-    return OLD_HOME[root] + str(p)[len(str(root)):] + ("" if p.suffix else "/")
-
-
-def section(title: str, what: str, parts: list[str], data: list[Path], old: list[Path]) -> str:
-    files = ", ".join(f"`{p}`" for p in dict.fromkeys(data))
-    olds = ", ".join(f"`git show {OLD}:{old_path(p)}`" for p in old)
-    return "\n\n".join([f"## {title}", what, *parts, f"data: {files}", f"older versions: {olds}"])
 
 
 def suite_table(res: dict) -> str:
@@ -367,7 +369,7 @@ def reliability_section(root: Path) -> str:
 
 
 SECTIONS = (suite_section, lr_section, offpolicy_section, sync_section, harness_section, default_section,
-            components_section, reliability_section)
+            components_section, reliability_section, transport_section, capacity_section)
 
 
 def render(root: Path = ROOT) -> str:
