@@ -80,12 +80,12 @@ def test_ray_settings_runtime_env_and_agent_strategy(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     run = load_run_config(None, [], {"run": "r", "runs_dir": "rel", "ray": True})
     assert run.launch.runs_dir == str(tmp_path / "rel")  # absolute: actors run in other cwds, on other hosts
-    needs = {n.setting: n for n in run_needs(run, tmp_path / "rel" / "r" / "config.yaml")}
+    needs = {n.setting: n for n in run_needs(run)}
     assert needs["learner.checkpoint.dir"].roles == ("learner",) and needs["learner.checkpoint.dir"].writes
     assert needs["learner.io.weights_dir (agent.weights_dir)"].fix == WEIGHTS_FIX
-    assert not needs["--runs-dir (the run's config.yaml)"].writes
+    assert not any("config.yaml" in s for s in needs)  # the config travels by value
     run.launch.weights_transport = "http"  # versions over the network: the weight store is the learner's alone
-    assert "learner.io.weights_dir (agent.weights_dir)" not in {n.setting for n in run_needs(run, "c.yaml")}
+    assert "learner.io.weights_dir (agent.weights_dir)" not in {n.setting for n in run_needs(run)}
 
 
 # ----------------------------------------------------------------------------------------------- on 2 nodes

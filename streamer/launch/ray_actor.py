@@ -3,6 +3,10 @@
 Ray restarts the actor when it dies (its process or node lost, or `ray.kill(actor, no_restart=False)`);
 the child gets SIGKILL with its actor (PR_SET_PDEATHSIG), so a restarted learner never trains next to
 an orphaned copy of itself. The driver side is `streamer.launch.ray_launch`.
+
+The run's files travel by value: the actor writes the driver's `files` (config.yaml) into its node's own run
+directory (the driver's path, or `$SAO_NODE_RUNS_DIR/<run>` where the node sets it) and runs the role on that copy,
+so no node needs the driver's filesystem.
 """
 
 from __future__ import annotations
@@ -19,6 +23,23 @@ from typing import Any
 
 SAO = ["-m", "streamer.launch.cli"]  # python arguments that run `sao <argv>`
 USAGE_ERROR = 2  # the exit status of `sao <cmd>` (and argparse) on a bad command line or config
+NODE_RUNS_DIR = "SAO_NODE_RUNS_DIR"  # a node's own runs directory (where its actors keep their run's files)
+
+
+def node_run_dir(run_dir: str) -> str:
+    """This node's directory for the driver's `run_dir`: `$SAO_NODE_RUNS_DIR/<run>` where set, else the same path."""
+    base = os.environ.get(NODE_RUNS_DIR, "")
+    return str(Path(base, Path(run_dir).name)) if base and run_dir else run_dir
+
+
+def write_files(run_dir: str, files: dict[str, str]) -> None:
+    """The run's files (name -> text) into `run_dir`, each replaced atomically (the ranks of a node write the same)."""
+    for name, text in files.items():
+        path = Path(run_dir, name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
 
 
 def _child_setup() -> None:
@@ -45,8 +66,14 @@ class RoleActor:
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: str, cwd: str,
                  min_uptime_s: float = 10.0, autostart: bool = True, entry: list[str] | None = None,
-                 driver_node: str = "") -> None:
-        self.name, self.argv, self.env = name, list(argv), dict(env)
+                 driver_node: str = "", run_dir: str = "", files: dict[str, str] | None = None) -> None:
+        self.name, self.run_dir = name, node_run_dir(run_dir)
+        if files:  # the config by value: the role reads this node's copy
+            write_files(self.run_dir, files)
+        if self.run_dir != run_dir:  # paths in the driver's run directory -> the same in this node's
+            moved = lambda a: self.run_dir + a[len(run_dir):] if (a + "/").startswith(run_dir + "/") else a  # noqa
+            argv, log_dir = [moved(a) for a in argv], moved(log_dir)
+        self.argv, self.env = list(argv), dict(env)
         self.entry = list(SAO if entry is None else entry)
         # on another node than the driver's: its own directory, `<log_dir>/<hostname>/` (a local disk, or a shared
         # one where every host keeps to its own directory)
@@ -94,6 +121,7 @@ class RoleActor:
         state = "idle" if self.proc is None else "running" if rc is None else "exited"
         return {"name": self.name, "state": state, "returncode": rc, "pid": self.proc.pid if self.proc else None,
                 "actor_pid": os.getpid(), "node": ray.util.get_node_ip_address(), "started": self.started,
+                "argv": self.argv, "run_dir": self.run_dir,
                 "failed_fast": self.failed_fast,
                 "reconstructed": ray.get_runtime_context().was_current_actor_reconstructed}
 

@@ -13,6 +13,7 @@ de-duplicates by task id), the learner resumes from its latest checkpoint (weigh
 With `learner_workers > 1` the learner ranks form a torchrun-style gang (one placement group; RANK, WORLD_SIZE,
 LOCAL_RANK and LOCAL_WORLD_SIZE by node, MASTER_ADDR/PORT on rank 0's node: `streamer.launch.ray_nodes`); a dead
 rank restarts the whole gang. An actor on another node than the driver's logs to `<run>/logs/<hostname>/`.
+The run's config.yaml travels by value (`ship`): each actor writes it on its node and its role reads that copy.
 `check_shared` fails a run whose hosts do not share a path they must (`ray_nodes.run_needs`).
 The broker, simulator, metrics app and dashboard stay local child processes (streamer.launch.processes).
 """
@@ -29,7 +30,7 @@ from typing import Any, Literal, get_args
 
 from streamer.launch.processes import Role, Supervisor
 from streamer.launch.ray_actor import SAO, RoleActor
-from streamer.launch.ray_nodes import Need, check_paths, gang_env
+from streamer.launch.ray_nodes import Need, check_paths, gang_env, learner_on_driver
 from streamer.wire.config import ConfigError, load_config
 
 Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
@@ -63,6 +64,9 @@ class RayConfig:
     learner_workers: int = 1  # learner ranks (torchrun-style, for the megatron backend); 1: one actor
     learner_strategy: Strategy = "PACK"  # placement of the learner ranks (a Ray placement-group strategy)
     agent_strategy: Literal["DEFAULT", "SPREAD"] = "DEFAULT"  # agents' actors: Ray's default packing, or SPREAD
+    # one learner rank on the driver's node ("driver"), anywhere ("any"), or "auto": the driver's node when weights
+    # travel over the network (http, broadcast: the warm start is read there, the weight server advertised there)
+    learner_node: Literal["auto", "driver", "any"] = "auto"
     runtime_env: dict[str, Any] = field(default_factory=dict)  # ray.init's, e.g. {working_dir: .} to ship the code
     max_restarts: int = -1  # Ray restarts of a dead actor (-1: always)
     min_uptime_s: float = 10.0  # a role that fails sooner than this (or with status 2: bad config) fails the run
@@ -78,6 +82,8 @@ class RayConfig:
                               "or STRICT_SPREAD")
         if self.agent_strategy not in ("DEFAULT", "SPREAD"):
             raise ConfigError(f"ray.agent_strategy={self.agent_strategy!r}: use DEFAULT or SPREAD")
+        if self.learner_node not in ("auto", "driver", "any"):
+            raise ConfigError(f"ray.learner_node={self.learner_node!r}: use auto, driver or any")
         if self.learner_workers > 1 and self.learner.num_gpus % 1:
             raise ConfigError(f"ray.learner.num_gpus={self.learner.num_gpus:g} with learner_workers > 1: each rank "
                               "needs whole GPUs (NCCL ranks cannot share one)")
@@ -125,8 +131,7 @@ class ActorRole:
         self.max_restarts, self.gang_restarts = max_restarts, 0
         self.demand, self.created, self.warned = demand, time.monotonic(), False
         self.returncode: int | None = None
-        self.restarts = 0  # actor restarts seen (a gang restart counts once per restarted rank)
-        self.statuses: list[dict[str, Any]] = []
+        self.restarts, self.statuses = 0, []  # actor restarts seen (a gang restart: once per rank); last statuses
         self._incarnation: dict[int, int] = {}  # rank -> actor pid last seen
         self._checked = 0.0
         self.places: list[dict[str, Any]] = []  # where each actor landed (RoleActor.where), for a gang
@@ -273,8 +278,10 @@ def _loopback(bootstrap: str) -> bool:
 class RaySupervisor:
     """`streamer.launch.processes.Supervisor`'s interface: agents and the learner as Ray actors, the rest local."""
 
-    def __init__(self, log_dir: Path, env: dict[str, str] | None, cfg: RayConfig) -> None:
-        self.cfg, self.env = cfg, dict(env or {})
+    def __init__(self, log_dir: Path, env: dict[str, str] | None, cfg: RayConfig,
+                 weights_transport: str = "directory") -> None:
+        self.cfg, self.env, self.weights_transport = cfg, dict(env or {}), weights_transport
+        self.run_dir, self.files = "", {}  # the files every actor writes into its node's run dir (`ship`)
         self.log_dir = Path(log_dir).resolve()
         self.local = Supervisor(log_dir, env)
         self.roles: list[Role] = []
@@ -307,8 +314,9 @@ class RaySupervisor:
 
         # with a runtime_env working_dir the role runs in it (the code shipped), not in a checkout at our cwd
         cwd = "" if "working_dir" in self.cfg.runtime_env else os.getcwd()
+        driver = ray.get_runtime_context().get_node_id()
         common = dict(argv=role.argv, env=self.env, log_dir=str(self.log_dir), cwd=cwd, entry=self.entry,
-                      min_uptime_s=self.cfg.min_uptime_s, driver_node=ray.get_runtime_context().get_node_id())
+                      min_uptime_s=self.cfg.min_uptime_s, driver_node=driver, run_dir=self.run_dir, files=self.files)
         actors, pg = [], self._placement_group(res, n) if n > 1 else None
         for rank in range(n):
             opts = actor_options(res, f"{run}/{role.name}" + (f"-{rank}" if n > 1 else ""), self.cfg.max_restarts)
@@ -318,6 +326,10 @@ class RaySupervisor:
                 opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank)
             elif not learner and self.cfg.agent_strategy == "SPREAD":
                 opts["scheduling_strategy"] = "SPREAD"
+            elif learner and learner_on_driver(self.cfg, self.weights_transport):
+                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+                opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(driver, soft=False)
             name = f"{role.name}-{rank}" if n > 1 else role.name
             actors.append(_actor_class().options(**opts).remote(**{**common, "name": name}, autostart=n == 1))
         demand = f"{n} x {res.num_cpus:g} CPU" + (f" + {res.num_gpus:g} GPU" if res.num_gpus else "")
@@ -338,6 +350,10 @@ class RaySupervisor:
                                f"300 s; free: {ray.available_resources()}") from None
         self.placement_groups.append(pg)
         return pg
+
+    def ship(self, run_dir: Path, files: dict[str, str]) -> None:
+        """The run's files by value (name -> text: config.yaml), written by each actor on its node (`RoleActor`)."""
+        self.run_dir, self.files = str(Path(run_dir).resolve()), dict(files)
 
     def check_shared(self, needs: list[Need]) -> None:
         """ConfigError unless the nodes running the roles of each need share its path (`ray_nodes.check_paths`)."""

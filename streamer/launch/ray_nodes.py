@@ -60,11 +60,12 @@ class Need:
         return any(role_name == r or role_name.startswith(r + "-") for r in self.roles)
 
 
-def run_needs(cfg, config_file) -> list[Need]:
-    """What a `sao up` run on Ray needs shared (`cfg`: a `streamer.launch.run_config.RunConfig`)."""
+def run_needs(cfg) -> list[Need]:
+    """What a `sao up` run on Ray needs shared (`cfg`: a `streamer.launch.run_config.RunConfig`). The run's
+    config.yaml travels by value (`RoleActor` writes it on each node); agents that start from the weight server
+    (`agent.model` http://...) read no model directory; one learner rank checks its checkpoint directory alone."""
     both = ("learner", "agent")
-    needs = [Need("--runs-dir (the run's config.yaml)", str(config_file), both, writes=False),
-             Need("learner.io.init", cfg.learner.io.init, ("learner",), writes=False),
+    needs = [Need("learner.io.init", cfg.learner.io.init, ("learner",), writes=False),
              Need("learner.checkpoint.dir", cfg.learner.checkpoint.dir, ("learner",))]
     if not cfg.agent.model_is_url():  # (else pulled from the learner's weight server)
         needs.append(Need("agent.model", cfg.agent.model, ("agent",), writes=False))
@@ -72,6 +73,21 @@ def run_needs(cfg, config_file) -> list[Need]:
         needs.append(Need("learner.io.weights_dir (agent.weights_dir)", cfg.learner.io.weights_dir, both,
                           fix=WEIGHTS_FIX))
     return [n for n in needs if n.path]
+
+
+def learner_on_driver(ray_cfg, weights_transport: str) -> bool:
+    """Pin one learner rank to the driver's node (`ray.learner_node`; auto: when versions travel over the network,
+    so the warm start is read, and the weight server advertised, there). A gang goes where its placement group is."""
+    node = ray_cfg.learner_node
+    return ray_cfg.learner_workers == 1 and (node == "driver" or (node == "auto" and weights_transport != "directory"))
+
+
+def driver_ip() -> str:
+    """The IP of the Ray node this driver runs on (as Ray knows it: what actors there report as theirs)."""
+    import ray
+
+    me = ray.get_runtime_context().get_node_id()
+    return next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == me), ray.util.get_node_ip_address())
 
 
 def check_paths(needs: list[Need], actors_by_role: dict[str, list], timeout: float = 120.0) -> None:

@@ -42,6 +42,7 @@ from streamer.wire.settings import (
 )
 from streamer.wire.topics import tasks_partitions
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # a batch must close at --batch trajectories, not at a token budget: agents generate exactly one batch per version
 TOKENS_PER_TRAJECTORY = 1024
 DERIVED = {  # section -> keys `derive` sets from the launch section and the resource plan
@@ -211,13 +212,14 @@ def derive(cfg: RunConfig, given: set[str] = frozenset()) -> None:
     cfg.learner.io.run = a.run = cfg.metrics.run = up.run
     cfg.learner.io.weights_dir = a.weights_dir = str(run_dir / "weights")
     cfg.learner.io.run_dir, cfg.learner.checkpoint.dir = str(run_dir), str(run_dir / "checkpoints")
-    derive_weights(up, cfg.learner.io, a)
+    derive_weights(up, cfg.learner.io, a, cluster=up.ray and bool(cfg.ray.address))
     cfg.learner.validate()
 
 
-def derive_weights(up: UpConfig, io: IOConfig, agent: AgentSettings) -> None:
+def derive_weights(up: UpConfig, io: IOConfig, agent: AgentSettings, cluster: bool = False) -> None:
     """One transport for learner and agents; over http (and broadcast), the server's address (a free port if none
-    is given); with broadcast, the group's rendezvous address too."""
+    is given); with broadcast, the group's rendezvous address too. On a Ray cluster (`cluster`) with no advertised
+    address given, loopback binds become 0.0.0.0 (same port): `advertise_on` names the learner node's IP later."""
     if up.weights_transport not in WEIGHTS_TRANSPORTS:
         raise ConfigError(f"launch.weights_transport: {up.weights_transport!r} not in {list(WEIGHTS_TRANSPORTS)}")
     io.weights_transport = agent.weights_transport = up.weights_transport
@@ -225,7 +227,9 @@ def derive_weights(up: UpConfig, io: IOConfig, agent: AgentSettings) -> None:
         return
     from streamer.transport.weight_server import advertised_host, free_port
 
+    wide = lambda h: "0.0.0.0" if cluster and not up.weights_advertised and h in LOOPBACK else h  # noqa: E731
     host, port = parse_hostport(up.weights_bind, "launch.weights_bind")
+    host = wide(host)
     port = port or free_port(host)
     io.weights_bind = f"{host}:{port}"
     io.weights_advertised = up.weights_advertised or f"{advertised_host(host)}:{port}"
@@ -233,6 +237,7 @@ def derive_weights(up: UpConfig, io: IOConfig, agent: AgentSettings) -> None:
     agent.weights_url = f"http://{io.weights_advertised}"
     if up.weights_transport == "broadcast":
         host, port = parse_hostport(up.weights_group_bind, "launch.weights_group_bind")
+        host = wide(host)
         port = port or free_port(host)
         io.weights_group_bind = f"{host}:{port}"
         agent.weights_group = f"{io.weights_advertised.rpartition(':')[0]}:{port}"
@@ -250,8 +255,28 @@ def pin_derived(cfg: RunConfig, overrides: list[str]) -> RunConfig:
 
 
 def bind_init(cfg: RunConfig, init: Path) -> None:
-    """The warm start every role starts from (known once `sao pretrain` ran or was found in the cache)."""
+    """The warm start every role starts from (known once `sao pretrain` ran or was found in the cache). On a Ray
+    cluster with weights over the network, the agents start from the learner's weight server instead (its version
+    0, published before anything), so no agent node needs the warm start's directory."""
     cfg.learner.io.init = cfg.agent.model = str(init)
+    if cfg.launch.ray and cfg.ray.address and cfg.agent.weights_url:
+        cfg.agent.model = cfg.agent.weights_url.rstrip("/") + "/latest"
+
+
+def advertise_on(cfg: RunConfig, ip: str) -> bool:
+    """The weight server (and broadcast rendezvous) advertised at `ip`, the learner node's, unless the user gave
+    launch.weights_advertised or the server binds one address; True when the configuration changed."""
+    io, a, up = cfg.learner.io, cfg.agent, cfg.launch
+    if up.weights_transport == "directory" or up.weights_advertised or not io.weights_bind.startswith("0.0.0.0:"):
+        return False
+    old = io.weights_advertised
+    io.weights_advertised = f"{ip}:{io.weights_bind.rpartition(':')[2]}"
+    a.weights_url = f"http://{io.weights_advertised}"
+    if a.model_is_url():
+        a.model = f"{a.weights_url}/latest"
+    if a.weights_group:
+        a.weights_group = f"{ip}:{a.weights_group.rpartition(':')[2]}"
+    return io.weights_advertised != old
 
 
 def max_lag_default(cfg: RunConfig) -> int:

@@ -30,7 +30,15 @@ from pathlib import Path
 from simulator.scenario import resolve_path
 from streamer.launch.processes import Role, Supervisor
 from streamer.launch.resources import AGENT_NICE, SIDE_NICE, thread_env
-from streamer.launch.run_config import RunConfig, UpConfig, bind_init, load_run_config, max_lag_default, seed_of
+from streamer.launch.run_config import (
+    RunConfig,
+    UpConfig,
+    advertise_on,
+    bind_init,
+    load_run_config,
+    max_lag_default,
+    seed_of,
+)
 from streamer.wire.config import ConfigError, add_config_args, set_args, write_yaml
 
 FLAGS = {  # flag -> (type, help); each sets the launch field of the same name (defaults: UpConfig)
@@ -167,7 +175,7 @@ def roles(cfg: RunConfig, config_file: Path, run_dir: Path, bootstrap: str) -> l
     run = ["--run", up.run, "--bootstrap", bootstrap]
     if plan.eval:
         weights = ["--weights-url", cfg.agent.weights_url] if cfg.agent.weights_url else []  # http, broadcast
-        out.append(Role("eval", ["eval", *run, "--scenario", up.scenario, "--model", cfg.agent.model,
+        out.append(Role("eval", ["eval", *run, "--scenario", up.scenario, "--model", cfg.learner.io.init,
                                  "--weights-dir", cfg.agent.weights_dir, *weights, "--threads", "1", "--min-interval",
                                  str(up.eval_interval)], required=False, **side))
     if up.dashboard:
@@ -185,7 +193,7 @@ def task_source(cfg: RunConfig, run: list[str], run_dir: Path) -> list[str]:
     common = [*run, "--max-lag", str(max_lag_default(cfg))] + (["--limit", str(up.limit)] if up.limit else [])
     if up.stream:
         return ["replay", up.stream, *common, "--speed", str(up.speed), "--skip-bad", "--rejects",
-                str(run_dir / "rejects.jsonl"), "--model", cfg.agent.model,
+                str(run_dir / "rejects.jsonl"), "--model", cfg.learner.io.init,
                 *[f"--verifier={v}" for v in cfg.agent.verifiers], *[f"--tool-env={t}" for t in cfg.agent.tool_envs]]
     simulate = ["simulate", "--scenario", up.scenario, *common]
     if up.seed >= 0:
@@ -269,7 +277,7 @@ def run(cfg: RunConfig, stop: Stop | None = None) -> int:
     adm = up.admission()
     try:
         config_file = prepare(cfg)
-        init = Path(cfg.agent.model)
+        init = Path(cfg.learner.io.init)
     except KeyboardInterrupt:
         print("stopping: interrupted during the warm start (nothing else was started)", flush=True)
         return 130
@@ -282,8 +290,12 @@ def run(cfg: RunConfig, stop: Stop | None = None) -> int:
     env = {"SAO_BOOTSTRAP": bootstrap, "SAO_RUN": up.run}
     if up.ray:  # agents and learner as Ray actors; broker, simulator, metrics, dashboard stay local
         from streamer.launch.ray_launch import RaySupervisor
+        from streamer.launch.ray_nodes import driver_ip, learner_on_driver
 
-        sup = RaySupervisor(run_dir / "logs", env, cfg.ray)
+        sup = RaySupervisor(run_dir / "logs", env, cfg.ray, up.weights_transport)
+        if learner_on_driver(cfg.ray, up.weights_transport) and advertise_on(cfg, driver_ip()):
+            write_yaml(cfg, config_file)  # the weight server at the learner node's IP
+        sup.ship(run_dir, {"config.yaml": config_file.read_text()})  # by value: no node reads ours
     else:
         sup = Supervisor(run_dir / "logs", env=env, restarts=up.restarts)
     tap, tap_thread = None, None
@@ -305,10 +317,10 @@ def run(cfg: RunConfig, stop: Stop | None = None) -> int:
         plan = roles(cfg, config_file, run_dir, bootstrap)
         for role in plan[:-1]:
             sup.start(role)
-        if up.ray:  # hosts that must share a path (config.yaml, the model, checkpoints, weights) do, or stop here
+        if up.ray:  # hosts that must share a path (the model, checkpoints, directory weights) do, or stop here
             from streamer.launch.ray_nodes import run_needs
 
-            sup.check_shared(run_needs(cfg, config_file))
+            sup.check_shared(run_needs(cfg))
         if (up.realtime or up.stream and up.speed > 0) and not up.ray:
             wait_for_agents(up, sup, run_dir)
         sup.start(plan[-1])  # the simulator
