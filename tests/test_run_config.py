@@ -59,6 +59,12 @@ def test_agent_concurrency_follows_admission_unless_given():
     assert load_run_config(None, ["agent.concurrency=3"], {"batch": 8, "cores": 2}).agent.concurrency == 3
 
 
+def test_the_run_kafka_reaches_every_role_section_unless_set_there():
+    cfg = load_run_config(None, ["agent.client.bootstrap=b:9"], {"bootstrap": "kafka:9092"})
+    assert (cfg.learner.io.bootstrap, cfg.metrics.bootstrap, cfg.agent.client.bootstrap) == ("kafka:9092",) * 2 + ("b:9",)
+    assert load_run_config(None).learner.io.bootstrap == ""  # the embedded broker: its address is given at start
+
+
 def test_a_stop_request_ends_the_run_with_its_reason():
     stop = Stop()
     up = load_run_config().launch

@@ -210,6 +210,10 @@ def derive(cfg: RunConfig, given: set[str] = frozenset()) -> None:
     if cfg.finetune.rows and not up.stream:
         raise ConfigError("finetune.rows: the demonstrations come from a recorded stream; give --stream FILE")
     cfg.learner.io.run = a.run = cfg.metrics.run = up.run
+    if up.bootstrap:  # a role started from config.yaml alone, on another host, finds the run's Kafka
+        for key, holder in (("learner.io", cfg.learner.io), ("agent.client", a.client), ("metrics", cfg.metrics)):
+            if f"{key}.bootstrap" not in given:
+                holder.bootstrap = up.bootstrap
     cfg.learner.io.weights_dir = a.weights_dir = str(run_dir / "weights")
     cfg.learner.io.run_dir, cfg.learner.checkpoint.dir = str(run_dir), str(run_dir / "checkpoints")
     derive_weights(up, cfg.learner.io, a, cluster=up.ray and bool(cfg.ray.address))
