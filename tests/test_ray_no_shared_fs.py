@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -106,6 +107,7 @@ def test_config_by_value_agents_from_the_weight_server_learner_on_the_drivers_no
             assert rec["config"] == str(node_runs / "r" / "config.yaml") and rec["text"] == text
             status = rec["argv"][rec["argv"].index("--status-file") + 1]
             assert status.startswith(str(node_runs / "r") + "/")
+            assert f"model_cache={node_runs / 'r' / 'agent-'}" in " ".join(rec["argv"])  # a cache each, on its node
             agent = yaml.safe_load(rec["text"])["agent"]
             assert agent["model"] == f"http://{places['learner']['ip']}:{port}/latest"  # from the weight server
             assert agent["weights_url"] == f"http://{places['learner']['ip']}:{port}"
@@ -131,3 +133,36 @@ def test_a_users_advertised_address_wins_and_directory_keeps_the_model_path(tmp_
     cfg = run_config(tmp_path, "")  # a local Ray instance: loopback, as before
     assert cfg.learner.io.weights_bind.startswith("127.0.0.1:") and cfg.agent.model == str(tmp_path / "init")
 
+
+
+@pytest.mark.slow
+@pytest.mark.kafka
+def test_up_on_two_nodes_with_agents_on_a_node_of_their_own_runs_dir(agents_node, tmp_path):
+    """`sao up --ray-address <cluster> --weights-transport http` on the smoke scenario (2 agents on the second node,
+    192 tasks, a 30-step warm start): every task answered; the agents ran on their node's copy of config.yaml, kept
+    their status and logs in its runs directory (none in the driver's), and loaded versions from the learner's
+    server at the driver node's IP."""
+    import subprocess
+
+    cluster, node_runs = agents_node
+    runs = tmp_path / "runs"
+    cmd = [sys.executable, "-m", "streamer.launch.cli", "up", "--run", "e", "--runs-dir", str(runs), "--scenario",
+           "smoke", "--no-dashboard", "--no-eval", "--agents", "2", "--cores", "2", "--batch", "32", "--limit", "192",
+           "--set", "pretrain.steps=30", "--set", "pretrain.eval_every=0", "--weights-transport", "http",
+           "--ray-address", cluster.address, "--set", "ray.agent.num_cpus=0.5", "--set", "ray.learner.num_cpus=1",
+           "--set", "ray.agent.resources={agents: 1}", "--max-seconds", "400"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    run_dir, node_dir = runs / "e", node_runs / "e"
+    assert json.loads((run_dir / "summary.json").read_text())["stopped"] == "scenario finished: every task answered"
+    text = (run_dir / "config.yaml").read_text()
+    assert (node_dir / "config.yaml").read_text() == text  # the agents' node's copy
+    agent = yaml.safe_load(text)["agent"]
+    url = agent["weights_url"]
+    assert agent["model"] == f"{url}/latest" and not url.startswith(f"http://{socket.gethostname()}:")
+    assert not list(run_dir.glob("agent-*.json"))  # nothing of the agents' in the driver's runs directory
+    statuses = [json.loads((node_dir / f"agent-{i}.json").read_text()) for i in range(2)]
+    assert sum(s["tasks"] for s in statuses) == 192 and all(s["refused"] == {} for s in statuses)
+    for i in range(2):
+        log = (node_dir / "logs" / socket.gethostname() / f"agent-{i}.log").read_text()
+        assert log.count(f"loaded from {url} ") >= 1, log[-2000:]

@@ -56,6 +56,12 @@ def _child_setup() -> None:
         pass  # not Linux: an orphaned role lives on until stopped by hand
 
 
+def moved(arg: str, old: str, new: str) -> str:
+    """`arg` (a path, or KEY=path) with the directory `old` at its start replaced by `new`."""
+    key, eq, path = ("", "", arg) if arg.startswith(old) else arg.partition("=")
+    return key + eq + new + path[len(old):] if (path + "/").startswith(old + "/") else arg
+
+
 class RoleActor:
     """One role (`sao <argv>`) as a child of this actor. Wrapped by `ray.remote` in `streamer.launch.ray_launch`.
 
@@ -70,9 +76,8 @@ class RoleActor:
         self.name, self.run_dir = name, node_run_dir(run_dir)
         if files:  # the config by value: the role reads this node's copy
             write_files(self.run_dir, files)
-        if self.run_dir != run_dir:  # paths in the driver's run directory -> the same in this node's
-            moved = lambda a: self.run_dir + a[len(run_dir):] if (a + "/").startswith(run_dir + "/") else a  # noqa
-            argv, log_dir = [moved(a) for a in argv], moved(log_dir)
+        if self.run_dir != run_dir:  # paths in the driver's run directory (or KEY=path) -> the same in this node's
+            argv, log_dir = [moved(a, run_dir, self.run_dir) for a in argv], moved(log_dir, run_dir, self.run_dir)
         self.argv, self.env = list(argv), dict(env)
         self.entry = list(SAO if entry is None else entry)
         # on another node than the driver's: its own directory, `<log_dir>/<hostname>/` (a local disk, or a shared

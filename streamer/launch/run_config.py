@@ -7,8 +7,8 @@ in several roles: the staleness bound and the batch set the learner's batching a
 resource plan sets the threads, the run's name and paths reach every role, `weights_transport` picks how versions
 reach the agents (the directory store, or the learner's weight server over HTTP) for both sides. Setting a derived
 key by hand is refused (it would desynchronise learner and agents): the cross-role validation lives here, in one
-place. Each role is started with `--config runs/<run>/config.yaml` and reads its own section
-(`streamer.wire.config.load_config(..., section=)`).
+place. Each role is started with `--config runs/<run>/config.yaml` (a Ray actor: its node's copy, sent by value) and
+reads its own section (`streamer.wire.config.load_config(..., section=)`).
 """
 
 from __future__ import annotations

@@ -171,6 +171,8 @@ def roles(cfg: RunConfig, config_file: Path, run_dir: Path, bootstrap: str) -> l
         agent = ["agent", *common, "--status-file", str(run_dir / f"agent-{i}.json")]
         if up.seed >= 0:
             agent += set_args([f"seed={seed_of(up, 1 + i, cfg.agent.seed)}"])
+        if cfg.agent.model_is_url():  # each its own cache of the fetched model (two filling one race)
+            agent += set_args([f"model_cache={run_dir / f'agent-{i}-model'}"])
         out.append(Role(f"agent-{i}", agent, env=thread_env(plan.agent_threads), nice=AGENT_NICE))
     run = ["--run", up.run, "--bootstrap", bootstrap]
     if plan.eval:
