@@ -135,7 +135,7 @@ def test_a_users_advertised_address_wins_and_directory_keeps_the_model_path(tmp_
 
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # 50-72 s on 2 busy cores (the warm start, the embedded broker, 192 tasks)
 @pytest.mark.kafka
 def test_up_on_two_nodes_with_agents_on_a_node_of_their_own_runs_dir(agents_node, tmp_path):
     """`sao up --ray-address <cluster> --weights-transport http` on the smoke scenario (2 agents on the second node,
