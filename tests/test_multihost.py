@@ -183,9 +183,13 @@ class Hosts:
         assert "No such file" in self.sh("agents", f"ls /app/runs/{RUN} 2>&1 || true")  # no run directory there
         self.run("up", "-d", "--no-deps", "simulator")
 
-    def stop_and_copy(self, tmp: Path) -> Path:
-        """Stop every host (SIGTERM: the tap writes summary.json) and copy the run directory out of the learner's."""
-        self.run("stop", "-t", "30")
+    def stop_and_copy(self, tmp: Path, learners: tuple[str, ...] = ("learner",)) -> Path:
+        """Stop the hosts (SIGTERM: the tap writes summary.json), the broker last (clients closing while it answers),
+        and copy the run directory out of the learner host's container."""
+        self.run("stop", "-t", "30", "simulator", "agents")
+        self.run("stop", "-t", "60", *learners)
+        self.run("stop", "-t", "10", "broker")
+        self.mark("stopped_s")
         self.run("cp", f"learner:/app/runs/{RUN}", str(tmp / "run"))
         return tmp / "run"
 
@@ -348,7 +352,7 @@ def test_learner_ranks_on_two_hosts_train_in_step(image, tmp_path):
         h.mark("trained_s")
         announced, agent_logs = h.policy_versions(), h.logs("agents")
         rank1 = h.logs("learner1")
-        out = h.stop_and_copy(tmp_path)
+        out = h.stop_and_copy(tmp_path, ("learner", "learner1"))
     finally:
         h.down()
     loaded = loaded_versions(agent_logs, announced)
