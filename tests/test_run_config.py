@@ -61,7 +61,8 @@ def test_agent_concurrency_follows_admission_unless_given():
 
 def test_the_run_kafka_reaches_every_role_section_unless_set_there():
     cfg = load_run_config(None, ["agent.client.bootstrap=b:9"], {"bootstrap": "kafka:9092"})
-    assert (cfg.learner.io.bootstrap, cfg.metrics.bootstrap, cfg.agent.client.bootstrap) == ("kafka:9092",) * 2 + ("b:9",)
+    sections = (cfg.learner.io.bootstrap, cfg.metrics.bootstrap, cfg.agent.client.bootstrap)
+    assert sections == ("kafka:9092", "kafka:9092", "b:9")
     assert load_run_config(None).learner.io.bootstrap == ""  # the embedded broker: its address is given at start
 
 
