@@ -234,6 +234,24 @@ def test_an_agent_with_no_model_starts_from_the_server_once_the_learner_publishe
         fetch_model("http://127.0.0.1:9", "latest", tmp_path / "none", wait_s=0)
 
 
+def test_agents_of_one_host_fetching_into_one_cache_never_delete_each_others_copy(served, tiny_policy_dir,
+                                                                                   tmp_path):
+    """Two agents of one host start together on one model cache: each gets a complete, verified copy, and the copy
+    the first one returned stays in place while the second installs (its own copy is dropped, not swapped in)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    server, url, store = served
+    DirectoryPublisher(store, chunk_bytes=CHUNK).publish(_model(tiny_policy_dir, 0.05), 1, 10)
+    cache = tmp_path / "cache"
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: fetch_model(url, "latest", cache), range(4)))
+    [copy] = cache.iterdir()  # one copy, no temporary directory left behind
+    first = (copy / "model.safetensors").stat().st_ino
+    assert all(path == copy and pv.version == 1 for path, pv, _ in results)
+    fetch_model(url, "latest", cache)  # a later agent reuses it: the same file, never rewritten
+    assert (copy / "model.safetensors").stat().st_ino == first
+
+
 def test_the_learner_serves_its_store_and_announces_http_uris(tmp_path, tiny_policy_dir):
     from learner.train import build_outputs
 

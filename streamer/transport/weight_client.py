@@ -28,6 +28,7 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -275,14 +276,12 @@ def fetch_model(url: str, which: str, cache_dir: str | Path, timeout_s: float = 
             sharded_entries(manifest, pv, what)
         else:
             _weights_entry(manifest, pv, what)
-        tmp = dest.parent / f".{dest.name}.tmp{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp", dir=dest.parent))
         try:
             state = _fetch_into(source, name, manifest, tmp, what)
-            shutil.rmtree(dest, ignore_errors=True)
-            os.replace(tmp, dest)
-        except OSError as e:  # another agent of this host renamed its copy first, or the disk failed
+            _install(tmp, dest, pv)
+        except OSError as e:  # the disk failed
             state = _cached(dest, pv)
             if state is None:
                 raise CheckpointError(f"{what}: cannot write {dest}: {e}") from None
@@ -292,6 +291,17 @@ def fetch_model(url: str, which: str, cache_dir: str | Path, timeout_s: float = 
         return dest, pv, state
     finally:
         source.close()
+
+
+def _install(tmp: Path, dest: Path, pv: PolicyVersion) -> None:
+    """Rename a complete copy into place. Another agent of this host may have put its own there first, and may be
+    reading it: a complete copy is never deleted (ours is dropped); only a broken leftover is replaced."""
+    try:
+        os.rename(tmp, dest)  # fails when dest holds files
+    except OSError:
+        if _cached(dest, pv) is None:
+            shutil.rmtree(dest, ignore_errors=True)
+            os.replace(tmp, dest)
 
 
 def _fetch_into(source: HttpWeightSource, name: str, manifest: Manifest, directory: Path,
