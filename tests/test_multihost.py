@@ -23,13 +23,11 @@ import subprocess
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import yaml
 from test_compose_up import compose_binary, docker_daemon
-from test_up_e2e import W, min_margin
+from test_up_e2e import assert_smoke_recovered
 
-from streamer.runs.adaptation import windowed_reward
 from streamer.runs.readers import read_learner, read_trajectories
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -295,20 +293,7 @@ def run_pipeline(h: Hosts, tmp_path: Path, image: dict) -> None:
 
     # The drift recovered as on one host (tests/test_up_e2e.py's assertions).
     summary = json.loads((out / "summary.json").read_text())
-    post = trajs.drop_duplicates("task_id")
-    post = post[post["phase"] == 1].sort_values("finished_at")
-    full = windowed_reward(post["reward"].to_numpy(float), W)[W - 1:]
-    lo_i = int(np.argmin(full))
-    rise = float(full[-1]) - float(full[lo_i])
-    assert lo_i < len(full) - W, f"the minimum window ({lo_i}) overlaps the last one: no recovery seen"
-    assert rise >= min_margin(W), f"post-drift min {full[lo_i]:.3f}, last window {full[-1]:.3f}: rise {rise:.3f}"
-    recs = [r for r in summary["recoveries"] if r["family"] == "format" and r["phase"] == 1]
-    assert len(recs) == 1, summary["recoveries"]
-    rec = recs[0]
-    assert (rec["prev_concept"], rec["concept"]) == ("brackets", "parens")
-    assert rec["pre_level"] >= 0.3, rec
-    assert rec["status"] == "recovered" and rec["learner_steps"] > 0, rec
-    assert rec["trajectories"] > W and rec["version_recovered"] > rec["version_pre"], rec
+    rec = assert_smoke_recovered(trajs, summary)
 
     h.mark("wall_s")
     write_result("pipeline", {
