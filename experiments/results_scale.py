@@ -37,19 +37,35 @@ def encoding_table(e: dict) -> str:
                   "packed encode+decode (µs)"], rows)
 
 
+def hosts_table(c: dict, p: dict) -> str:
+    def row(name: str, n: int, trained: float, steps: int, versions: dict) -> list:
+        return [name, cnt(n), cnt(trained), f"{trained / n:.3f}", steps, f"{1000 * steps / n:.1f}",
+                min(versions.values())]
+
+    run, plain = c["pipeline"], p["learner"]
+    rows = [row("three containers, no shared volume (tests/test_multihost.py), agents killed once",
+                run["trajectories"], run["trained"], run["learner_steps"], run["versions_loaded"]),
+            row("two directories, plain processes (docs/scale.md's commands)", p["rewards"]["trajectories"],
+                plain["learner_counts_last"]["ok"], plain["steps"], p["versions_loaded"])]
+    return table(["smoke scenario, 2 agents, versions over HTTP", "trajectories", "trained", "trained fraction",
+                  "learner steps", "steps per 1,000 trajectories", "versions loaded per agent"], rows)
+
+
 def transport_section(root: Path) -> str:
     get = Reader(root)
     w = get(RESULTS / "weights.json")
     p, e = get(RESULTS / "data_plane/trajectory_partition.json"), get(RESULTS / "data_plane/trajectory_encoding.json")
+    hosts = hosts_table(get(RESULTS / "multihost/containers.json"), get(RESULTS / "multihost/plain_processes.json"))
     what = (f"A new version from the learner's publish call to the last agent process holding it (median of repeats, "
             f"`bench/weights.py`, {w['machine']['cpus']} cores, load {w['machine']['loadavg_1m']:.1f} at the start): "
             f"the shared directory, HTTP pull from the learner's weight server, and broadcast over a gloo group. Then "
             f"trajectories through the one partition of `<run>.trajectories` ({p['broker']} broker, load up to "
             f"{max(c['loadavg_1m'] for c in p['cases']):.0f}; demand of {p['demand']['agents']} agents: "
             f"{cnt(p['demand']['trajectories_per_s'])}/s), and a packed encoding against msgpack lists (not adopted: "
-            "encoding from lists costs more than the bytes it saves).")
+            "encoding from lists costs more than the bytes it saves). Last, the whole pipeline with agents on another "
+            "host (trained fraction as the tap recorded it: the last partial batch is not trained).")
     return section("9. Weights across hosts and the data plane", what,
-                   [weights_table(w), partition_table(p), encoding_table(e)],
+                   [weights_table(w), partition_table(p), encoding_table(e), hosts],
                    get.read + [RESULTS / "weights.png"], [])
 
 
