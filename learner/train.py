@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from learner.config import LearnerConfig
+from streamer.transport.broker import free_port
 from streamer.wire.config import ConfigError, add_config_args, load_config
 
 log = logging.getLogger("learner.train")
@@ -228,11 +229,7 @@ def torchrun_argv(argv: list[str], nproc: int, args: argparse.Namespace | None =
     if args.rdzv_endpoint:
         nodes += ["--rdzv_backend", "c10d", "--rdzv_endpoint", args.rdzv_endpoint, "--rdzv_id", run_id]
     else:
-        port = args.master_port
-        if not port:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
+        port = args.master_port or free_port()
         nodes += ["--node_rank", str(args.node_rank), "--master_addr", args.master_addr or "127.0.0.1",
                   "--master_port", str(port)]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), *nodes,

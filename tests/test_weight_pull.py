@@ -342,7 +342,7 @@ def test_sao_weights_serve_serves_a_store_on_its_own(tmp_path, tiny_policy_dir):
     import signal
     import subprocess
 
-    from streamer.transport.weight_server import free_port
+    from streamer.transport.broker import free_port
 
     pv = DirectoryPublisher(tmp_path / "store").publish(load_policy(tiny_policy_dir), 5, 50)
     address = f"127.0.0.1:{free_port()}"

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from streamer.transport.broker import free_port
+
 SAO = ["-m", "streamer.launch.cli"]  # python arguments that run `sao <argv>`
 USAGE_ERROR = 2  # the exit status of `sao <cmd>` (and argparse) on a bad command line or config
 NODE_RUNS_DIR = "SAO_NODE_RUNS_DIR"  # a node's own runs directory (where its actors keep their run's files)
@@ -150,10 +152,7 @@ class RoleActor:
         """(this node's address, a free port on it): MASTER_ADDR/PORT when this actor is rank 0."""
         import ray
 
-        addr = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return addr, s.getsockname()[1]
+        return ray.util.get_node_ip_address(), free_port("")
 
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGINT (the roles checkpoint / commit and exit), SIGKILL after `timeout` s."""

@@ -229,7 +229,8 @@ def derive_weights(up: UpConfig, io: IOConfig, agent: AgentSettings, cluster: bo
     io.weights_transport = agent.weights_transport = up.weights_transport
     if up.weights_transport == "directory":
         return
-    from streamer.transport.weight_server import advertised_host, free_port
+    from streamer.transport.broker import free_port
+    from streamer.transport.weight_server import advertised_host
 
     wide = lambda h: "0.0.0.0" if cluster and not up.weights_advertised and h in LOOPBACK else h  # noqa: E731
     host, port = parse_hostport(up.weights_bind, "launch.weights_bind")

@@ -216,13 +216,6 @@ class WeightServer:
         self.httpd.close_connections()
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on `host` now (for a run configured before its learner starts)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def advertised_host(host: str) -> str:
     """The host agents on other machines reach a server bound to `host` at (a wildcard bind: this host's name)."""
     return socket.gethostname() if host in ("", "0.0.0.0", "::") else host
