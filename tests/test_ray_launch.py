@@ -13,6 +13,7 @@ from pathlib import Path
 import msgspec
 import pytest
 from kafka_fixtures import scenario_tasks
+from role_stub import role_script
 
 from streamer.wire.config import ConfigError, set_args
 from streamer.wire.schema import LearnerEvent, Trajectory
@@ -189,22 +190,14 @@ def test_actors_train_and_a_killed_actor_resumes_with_no_trajectory_lost(local_r
 
 # A stand-in for a torchrun-style learner rank: join the gloo group from the env the gang sets, all-reduce
 # (rank + 1), record what it saw, then idle until SIGINT.
-GANG_RANK = r"""
-import json, os, signal, sys, time
+GANG_RANK = role_script(r"""
 import torch, torch.distributed as dist
 dist.init_process_group("gloo")
 x = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(x)
 keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 rec = {"sum": x.item(), "pid": os.getpid(), **{k: os.environ[k] for k in keys}}
-path = os.path.join(os.environ["GANG_OUT"], f"{os.getpid()}.json")
-with open(path + ".tmp", "w") as f:
-    json.dump(rec, f)
-os.replace(path + ".tmp", path)
-signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
-while True:
-    time.sleep(0.1)
-"""
+""", out="GANG_OUT")
 
 
 @pytest.mark.slow  # 15-17 s on 2 busy cores (Ray start included): a 2-rank gang started twice

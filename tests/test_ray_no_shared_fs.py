@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from role_stub import role_script
 
 ray = pytest.importorskip("ray")
 
@@ -35,19 +36,11 @@ def agents_node(tmp_path_factory):
 
 
 # a role: records its argv and the config.yaml it was given (--config), idles to SIGINT
-ROLE = r"""
-import json, os, signal, sys, time
+ROLE = role_script(r"""
 argv = sys.argv[1:]
 config = argv[argv.index("--config") + 1]
 rec = {"argv": argv, "config": config, "text": open(config).read()}
-path = os.path.join(os.environ["OUT"], f"{os.getpid()}.json")
-with open(path + ".tmp", "w") as f:
-    json.dump(rec, f)
-os.replace(path + ".tmp", path)
-signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
-while True:
-    time.sleep(0.1)
-"""
+""")
 
 
 def run_config(tmp_path: Path, address: str, *overrides: str, transport: str = "http"):

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from role_stub import role_script
 
 from streamer.launch.ray_nodes import WEIGHTS_FIX, Need, gang_env
 from streamer.transport import shared
@@ -105,8 +106,7 @@ def two_nodes():
 
 
 # A learner rank (RANK set: join gloo, all-reduce rank + 1) or an agent; records its environment, idles to SIGINT.
-ROLE = r"""
-import json, os, signal, sys, time
+ROLE = role_script(r"""
 rec = {"pid": os.getpid()}
 if "RANK" in os.environ:
     import torch, torch.distributed as dist
@@ -116,14 +116,7 @@ if "RANK" in os.environ:
     keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
             "CUDA_VISIBLE_DEVICES")
     rec.update(sum=x.item(), **{k: os.environ.get(k) for k in keys})
-path = os.path.join(os.environ["OUT"], f"{os.getpid()}.json")
-with open(path + ".tmp", "w") as f:
-    json.dump(rec, f)
-os.replace(path + ".tmp", path)
-signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
-while True:
-    time.sleep(0.1)
-"""
+""")
 
 
 def wait_for(cond, timeout: float, what: str):
