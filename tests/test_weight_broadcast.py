@@ -300,19 +300,10 @@ def test_a_stalled_agent_costs_the_sender_its_timeout_not_the_training_loop(tmp_
 def test_up_runs_the_pipeline_with_versions_broadcast_to_two_agents(tmp_path):
     """`sao up --weights-transport broadcast` on the smoke scenario, shortened (two agents, 192 tasks, a 30-step warm
     start): every task answered, both agents loaded versions received in the learner's group, none refused."""
-    import yaml
+    from test_weight_pull import short_up
 
-    cmd = [sys.executable, "-m", "streamer.launch.cli", "up", "--run", "b", "--runs-dir", str(tmp_path), "--scenario",
-           "smoke", "--no-dashboard", "--no-eval", "--agents", "2", "--cores", "2", "--batch", "32", "--limit", "192",
-           "--set", "pretrain.steps=30", "--set", "pretrain.eval_every=0", "--weights-transport", "broadcast",
-           "--max-seconds", "300"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    run_dir = tmp_path / "b"
-    assert json.loads((run_dir / "summary.json").read_text())["stopped"] == "scenario finished: every task answered"
-    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    run_dir, cfg = short_up(tmp_path, "b", "broadcast", agents=2)
     group = cfg["agent"]["weights_group"]
-    assert cfg["agent"]["weights_transport"] == cfg["learner"]["io"]["weights_transport"] == "broadcast"
     learner_log = (run_dir / "logs" / "learner.log").read_text()
     assert f"weight broadcast: rendezvous on {group}" in learner_log
     assert "gloo group of the learner and 2 agents" in learner_log

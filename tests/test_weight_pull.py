@@ -356,26 +356,34 @@ def test_sao_weights_serve_serves_a_store_on_its_own(tmp_path, tiny_policy_dir):
         assert proc.wait(timeout=10) == 0
 
 
+def short_up(tmp_path, run: str, transport: str, agents: int) -> tuple:
+    """`sao up --weights-transport TRANSPORT` on the smoke scenario, shortened (192 tasks, a 30-step warm start), run
+    to its end: (the run directory, its config.yaml as a dict), after checking every task was answered and the
+    transport reached both sections."""
+    import subprocess
+
+    import yaml
+
+    cmd = [sys.executable, "-m", "streamer.launch.cli", "up", "--run", run, "--runs-dir", str(tmp_path), "--scenario",
+           "smoke", "--no-dashboard", "--no-eval", "--agents", str(agents), "--cores", "2", "--batch", "32",
+           "--limit", "192", "--set", "pretrain.steps=30", "--set", "pretrain.eval_every=0",
+           "--weights-transport", transport, "--max-seconds", "300"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    run_dir = tmp_path / run
+    assert json.loads((run_dir / "summary.json").read_text())["stopped"] == "scenario finished: every task answered"
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert cfg["agent"]["weights_transport"] == cfg["learner"]["io"]["weights_transport"] == transport
+    return run_dir, cfg
+
+
 @pytest.mark.slow
 @pytest.mark.kafka
 def test_up_runs_the_pipeline_with_agents_pulling_over_http(tmp_path):
     """`sao up --weights-transport http` on the smoke scenario, shortened (one agent, 192 tasks, a 30-step warm start):
     every task answered, the agent loaded versions from the learner's weight server and refused none."""
-    import subprocess
-
-    import yaml
-
-    cmd = [sys.executable, "-m", "streamer.launch.cli", "up", "--run", "h", "--runs-dir", str(tmp_path), "--scenario",
-           "smoke", "--no-dashboard", "--no-eval", "--agents", "1", "--cores", "2", "--batch", "32", "--limit", "192",
-           "--set", "pretrain.steps=30", "--set", "pretrain.eval_every=0", "--weights-transport", "http",
-           "--max-seconds", "300"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    run_dir = tmp_path / "h"
-    assert json.loads((run_dir / "summary.json").read_text())["stopped"] == "scenario finished: every task answered"
-    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    run_dir, cfg = short_up(tmp_path, "h", "http", agents=1)
     url = cfg["agent"]["weights_url"]
-    assert cfg["agent"]["weights_transport"] == cfg["learner"]["io"]["weights_transport"] == "http"
     assert f"weight server: {run_dir / 'weights'} on {url}" in (run_dir / "logs" / "learner.log").read_text()
     status = json.loads((run_dir / "agent-0.json").read_text())
     assert status["version"] >= 2 and status["refused"] == {} and status["tasks"] == 192
