@@ -84,6 +84,7 @@ class PolicyVersion(Message, kw_only=True):
     created_at: float = 0.0
     # broadcast transport: sha256 of the tensors as sent (streamer.transport.weight_group.tensors_digest); "" otherwise
     tensors_sha256: str = ""
+    sig: str = ""  # HMAC-SHA256 of the fields above with the run's key (streamer.transport.signing); "" unsigned
 
 
 class LearnerEvent(Message, kw_only=True):
