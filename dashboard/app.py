@@ -2,34 +2,25 @@
 
 Open `http://127.0.0.1:8501/?run=a&run=b` to start with runs a and b side by side.
 
-Read-only. Opens runs under the runs directory (finished or being written) and optionally tails a
-live run's topics. The sidebar's selections live in `st.session_state` (keys below), outside the
-fragment that re-renders the views every few seconds, so a refresh never loses them.
+Read-only. Opens runs inside the runs directory (finished or being written) and optionally tails a
+live run's topics. What it reads and where it connects are the operator's settings (dashboard.access:
+a visitor picks runs inside the root, and types a broker only under --allow-any-broker). The sidebar's
+selections live in `st.session_state` (keys below), outside the fragment that re-renders the views
+every few seconds, so a refresh never loses them.
 """
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 from pathlib import Path
 
 import pandas as pd
 import streamlit as st
 
-from dashboard import charts, data
-from dashboard.live import LiveTap
+from dashboard import access, charts, data, live
+from dashboard.access import DashboardSettings
 from streamer.runs import artifacts as art
 from streamer.runs.adaptation import DEFAULT_DELTA, DEFAULT_WINDOW
-
-
-def cli_options(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="dashboard/app.py", allow_abbrev=False, add_help=False)
-    p.add_argument("--runs", default=os.environ.get("SAO_RUNS_DIR", "runs"))
-    p.add_argument("--bootstrap", default=os.environ.get("SAO_BOOTSTRAP", ""))
-    p.add_argument("--run", default="")
-    p.add_argument("--refresh", type=float, default=3.0)
-    return p.parse_known_args(argv)[0]  # unknown arguments (a test runner's) are not ours
 
 
 @st.cache_resource(max_entries=20000, show_spinner=False)
@@ -44,33 +35,43 @@ def _cached_part(path: Path, columns, categorical) -> pd.DataFrame:
     return _part(str(path), s.st_mtime_ns, s.st_size, tuple(columns) if columns else None, tuple(categorical))
 
 
-@st.cache_resource(show_spinner=False)
-def _tap(bootstrap: str, run: str) -> LiveTap:
-    return LiveTap(bootstrap, run)
-
-
-def sidebar(opts: argparse.Namespace) -> None:
+def sidebar(cfg: DashboardSettings) -> None:
     ss = st.session_state
-    for key, value in (("runs_root", opts.runs), ("bootstrap", opts.bootstrap), ("live_run", opts.run),
+    for key, value in (("bootstrap", cfg.bootstrap), ("live_run", cfg.run),
                        ("x_axis", "wall time (s)"), ("window", DEFAULT_WINDOW), ("delta", DEFAULT_DELTA),
-                       ("auto_refresh", True), ("refresh_s", float(opts.refresh))):
+                       ("auto_refresh", True), ("refresh_s", float(cfg.refresh))):
         ss.setdefault(key, value)
     sb = st.sidebar
-    sb.text_input("runs directory", key="runs_root")
-    names = [p.name for p in art.list_runs(ss["runs_root"])]
+    sb.caption(f"runs directory: {Path(cfg.runs).resolve()}")
+    names = access.list_runs(cfg.runs)
+    asked = st.query_params.get_all("run")
+    for name in asked:
+        if name not in names:
+            sb.warning(_not_offered(cfg.runs, name))
     if "runs" not in ss:  # first run of a session: `?run=a&run=b` in the URL, the live run's directory, the newest
-        wanted = [r for r in st.query_params.get_all("run") if r in names]
-        ss["runs"] = wanted or ([ss["live_run"]] if ss["live_run"] in names else names[:1])
+        wanted = [r for r in asked if r in names]
+        ss["runs"] = wanted or ([cfg.run] if cfg.run in names else names[:1])
     ss["runs"] = [r for r in ss["runs"] if r in names]  # a run deleted meanwhile
     sb.multiselect("runs (side by side)", names, key="runs")
     sb.radio("x-axis", list(data.X_AXES), key="x_axis")
-    sb.number_input("reward window W (trajectories)", min_value=1, step=1, key="window")
+    sb.number_input("reward window W (trajectories)", min_value=1, max_value=1_000_000, step=1, key="window")
     sb.number_input("recovery tolerance δ (relative)", min_value=0.0, max_value=1.0, step=0.05, key="delta")
     sb.toggle("live refresh", key="auto_refresh")
     sb.number_input("refresh every (s)", min_value=1.0, step=1.0, key="refresh_s")
-    with sb.expander("live topics (broker)", expanded=bool(ss["bootstrap"] and ss["live_run"])):
-        st.text_input("bootstrap servers", key="bootstrap", placeholder="127.0.0.1:9092")
-        st.text_input("run (topic prefix)", key="live_run")
+    if cfg.allow_any_broker:  # the operator let visitors choose where the server connects
+        with sb.expander("live topics (broker)", expanded=bool(ss["bootstrap"] and ss["live_run"])):
+            st.text_input("bootstrap servers", key="bootstrap", placeholder="127.0.0.1:9092")
+            st.text_input("run (topic prefix)", key="live_run")
+    elif cfg.bootstrap and cfg.run:
+        sb.caption(f"live topics: run '{cfg.run}' on {cfg.bootstrap}")
+
+
+def _not_offered(root: str, name: str) -> str:
+    try:
+        access.run_dir(root, name)
+    except access.Refused as e:
+        return str(e)
+    return f"run {name!r}: no such run in {Path(root).resolve()}"
 
 
 @st.cache_resource(max_entries=64, show_spinner=False)
@@ -79,24 +80,27 @@ def _frames(run_dir: str, signature: tuple, window: int, delta: float) -> dict:
     return data.run_frames(data.load_run(run_dir, read_part=_cached_part), window, delta)
 
 
-def load_frames(window: int, delta: float) -> list[dict]:
+def load_frames(cfg: DashboardSettings, window: int, delta: float) -> list[dict]:
     """The view frames of every selected run, and of the live topics when a broker is given."""
     ss = st.session_state
     out = []
     for name in ss["runs"]:
-        run_dir = Path(ss["runs_root"]) / name
         try:
+            run_dir = access.run_dir(cfg.runs, name)
             out.append(_frames(str(run_dir), data.run_signature(run_dir), window, delta))
+        except access.Refused as e:
+            st.error(str(e))
         except (art.ArtifactError, OSError) as e:
             st.error(f"run '{name}': {e}")
-    if ss["bootstrap"] and ss["live_run"] and ss["live_run"] in ss["runs"]:
+    bootstrap, live_run = cfg.live_target(ss["bootstrap"], ss["live_run"])
+    if bootstrap and live_run and live_run in ss["runs"]:
         # `sao up` records the run's topics into runs/<run>/ as well: its files hold everything (the
         # trajectories too), so the topics would only show the same run twice
-        st.caption(f"Run '{ss['live_run']}' is read from its directory (written live); its topics are not tailed.")
-    elif ss["bootstrap"] and ss["live_run"]:
+        st.caption(f"Run '{live_run}' is read from its directory (written live); its topics are not tailed.")
+    elif bootstrap and live_run:
         try:
-            tap = _tap(ss["bootstrap"], ss["live_run"])
-        except ValueError as e:  # a bad run name
+            tap = live.shared_taps(cfg.max_live).get(access.check_broker(bootstrap), access.check_live_run(live_run))
+        except access.Refused as e:
             st.error(f"live topics: {e}")
         else:
             (st.success if tap.ok else st.warning)(tap.status)
@@ -111,13 +115,13 @@ def _concat(frames: list[dict], key: str) -> pd.DataFrame:
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
 
 
-def views() -> None:
+def views(cfg: DashboardSettings) -> None:
     ss = st.session_state
     x_title, window, delta = ss["x_axis"], int(ss["window"]), float(ss["delta"])
-    frames = load_frames(window, delta)
+    frames = load_frames(cfg, window, delta)
     if not frames:
-        st.info(f"No run selected. Runs are read from '{ss['runs_root']}' (pick one in the sidebar), "
-                "or give a broker and a run name for live topics.")
+        st.info(f"No run selected. Runs are read from '{cfg.runs}' (pick one in the sidebar)"
+                + (", or give a broker and a run name for live topics." if cfg.allow_any_broker else "."))
         return
     x_col = data.X_AXES[x_title]
     header([f["header"] for f in frames], window)
@@ -247,17 +251,26 @@ def _fmt(v: float | None, spec: str) -> str:
 def main() -> None:
     st.set_page_config(page_title="SAO Lab", layout="wide")
     st.title("SAO Lab: adaptation under drift")
-    sidebar(cli_options(sys.argv[1:]))
+    cfg = access.settings_from_args(sys.argv[1:])
+    sidebar(cfg)
     ss = st.session_state
-    every = float(ss["refresh_s"]) if ss["auto_refresh"] and anything_live() else None
-    st.fragment(run_every=every)(views)()
+    every = float(ss["refresh_s"]) if ss["auto_refresh"] and anything_live(cfg) else None
+    st.fragment(run_every=every)(views)(cfg)
 
 
-def anything_live() -> bool:
+def anything_live(cfg: DashboardSettings) -> bool:
     """A selected run without its summary (still being written), or live topics: worth refreshing."""
     ss = st.session_state
-    unfinished = any(not (Path(ss["runs_root"]) / r / "summary.json").exists() for r in ss["runs"])
-    return unfinished or bool(ss["bootstrap"] and ss["live_run"] and ss["live_run"] not in ss["runs"])
+    unfinished = any(not _finished(cfg.runs, r) for r in ss["runs"])
+    bootstrap, live_run = cfg.live_target(ss["bootstrap"], ss["live_run"])
+    return unfinished or bool(bootstrap and live_run and live_run not in ss["runs"])
+
+
+def _finished(root: str, name: str) -> bool:
+    try:
+        return (access.run_dir(root, name) / "summary.json").exists()
+    except access.Refused:
+        return True  # not ours to read: nothing to refresh
 
 
 if __name__ == "__main__":  # `streamlit run` and AppTest execute the script as __main__

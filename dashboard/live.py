@@ -3,7 +3,7 @@
 A `LiveTap` polls in a daemon thread, so the page never blocks on the broker; it reconnects after
 any failure (broker down or restarted, topics missing) and reports its state as one line of text.
 Rows are de-duplicated by content, so re-reading a topic from the start after a reconnect adds
-nothing twice.
+nothing twice. `LiveTaps` holds this process's taps, at most `capacity` (least recently used stopped first).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from typing import Any, Callable
 
 import msgspec
@@ -146,13 +147,50 @@ class LiveTap:
         return RunData(name=f"live:{self.run}", trajectories=pd.DataFrame(), learner=learner, metrics=metrics,
                        drift=drift)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 5.0) -> None:
         self.stop_event.set()
-        self.thread.join(timeout=5)
+        self.thread.join(timeout=timeout)
+
+
+class LiveTaps:
+    """One LiveTap per (bootstrap, run), at most `capacity` at once: asking for another stops the least recently
+    used first (its thread joined), so the pairs the page is asked for cannot pile up threads and consumers."""
+
+    def __init__(self, capacity: int, **tap_options: Any) -> None:
+        self.capacity, self.tap_options = capacity, tap_options
+        self._taps: OrderedDict[tuple[str, str], LiveTap] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, bootstrap: str, run: str) -> LiveTap:
+        with self._lock:
+            key = (bootstrap, run)
+            tap = self._taps.pop(key, None)
+            while len(self._taps) >= max(1, self.capacity):
+                self._taps.popitem(last=False)[1].close()
+            self._taps[key] = tap or LiveTap(bootstrap, run, **self.tap_options)
+            return self._taps[key]
+
+    def __len__(self) -> int:
+        return len(self._taps)
+
+    def close(self) -> None:
+        with self._lock:
+            while self._taps:
+                self._taps.popitem()[1].close()
+
+
+_SHARED = LiveTaps(4)  # the server's: every session's page asks this one
+
+
+def shared_taps(capacity: int) -> LiveTaps:
+    """The server's taps (shared by every visitor), held to `capacity` (the `--max-live` setting)."""
+    _SHARED.capacity = capacity
+    return _SHARED
 
 
 def close_all() -> None:
     """Stop every tap of this process (tests; the server's taps end with it)."""
+    _SHARED.close()
     for tap in list(_TAPS):
         tap.close()
 

@@ -5,6 +5,7 @@ tables and metrics the page sends to the browser)."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -60,9 +61,15 @@ def runs_root(tmp_path) -> Path:
     return tmp_path
 
 
-def app(runs_root: Path, **state) -> AppTest:
+@pytest.fixture(autouse=True)
+def _argv(monkeypatch):
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # app() sets the server's options; restored after each test
+
+
+def app(runs_root: Path, *options: str, **state) -> AppTest:
+    """The app as `sao dashboard --runs runs_root *options` serves it, with `state` as a visitor's choices."""
+    sys.argv = [APP, "--runs", str(runs_root), *options]
     at = AppTest.from_file(APP, default_timeout=60)
-    at.session_state["runs_root"] = str(runs_root)
     at.session_state["window"] = 2
     at.session_state["auto_refresh"] = False
     for k, v in state.items():
@@ -209,7 +216,7 @@ def test_live_run_being_written(tmp_path):
 
 
 def test_missing_runs_dir_and_unreachable_broker_give_messages(tmp_path):
-    at = app(tmp_path / "nope", bootstrap="127.0.0.1:1", live_run="ghost")
+    at = app(tmp_path / "nope", "--bootstrap", "127.0.0.1:1", "--run", "ghost")
     texts = [i.value for i in at.info] + [w.value for w in at.warning] + [s.value for s in at.success]
     assert any("No run selected" in t for t in texts)
     assert any("127.0.0.1:1" in t and "ghost" in t for t in texts)  # "connecting to ..." at first
@@ -260,7 +267,9 @@ def test_launcher_options_bind_localhost_and_pass_app_options():
     assert args[:2] == ["run", str(launch.APP)]
     assert args[args.index("--server.address") + 1] == "127.0.0.1"
     assert args[args.index("--server.port") + 1] == "8600"
-    assert args[args.index("--") + 1:] == ["--runs", "r/", "--refresh", "3.0", "--bootstrap", "h:1", "--run", "x"]
+    assert args[args.index("--") + 1:] == ["--runs", "r/", "--refresh", "3.0", "--max-live", "4", "--bootstrap",
+                                           "h:1", "--run", "x"]
+    assert "--allow-any-broker" in launch.streamlit_args(launch.parse(["--allow-any-broker"]))
     with pytest.raises(SystemExit):
         launch.parse(["--port", "70000"])
 
@@ -292,7 +301,7 @@ def test_forgetting_table_when_a_concept_recurs(tmp_path):
 
 def test_live_run_with_a_directory_is_read_from_files_not_topics(runs_root):
     # as `sao up` starts it: --bootstrap and --run name a run whose directory the tap is writing
-    at = app(runs_root, bootstrap="127.0.0.1:1", live_run="r1")
+    at = app(runs_root, "--bootstrap", "127.0.0.1:1", "--run", "r1")
     assert at.session_state["runs"] == ["r1"]
     assert any("read from its directory" in c.value for c in at.caption)
     assert not at.warning  # no tap was started, so no broker message

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -82,7 +83,7 @@ def test_tap_reports_failures_and_retries():
 
 
 @pytest.mark.kafka
-def test_app_tails_live_topics_on_the_embedded_broker(kafka_bus, bootstrap, kafka_run):
+def test_app_tails_live_topics_on_the_embedded_broker(kafka_bus, bootstrap, kafka_run, monkeypatch):
     kafka_bus.create_topics(partitions_by_topic(kafka_run))
     p = kafka_bus.producer()
     publish(p, kafka_run)
@@ -93,10 +94,9 @@ def test_app_tails_live_topics_on_the_embedded_broker(kafka_bus, bootstrap, kafk
         check_snapshot(tap.snapshot())
     finally:
         tap.close()
+    monkeypatch.setattr(sys, "argv", [APP, "--runs", "/nonexistent", "--bootstrap", bootstrap, "--run", kafka_run])
     at = AppTest.from_file(APP, default_timeout=60)
-    for k, v in {"runs_root": "/nonexistent", "bootstrap": bootstrap, "live_run": kafka_run,
-                 "auto_refresh": False}.items():
-        at.session_state[k] = v
+    at.session_state["auto_refresh"] = False
     at.run()
     # the app's own tap (cached per bootstrap and run) fills in the background: rerun until the chart shows
     assert wait_for(lambda: bool(at.run().get("vega_lite_chart")), 60, every=0.5)
