@@ -90,7 +90,7 @@ def test_follower_swaps_to_new_versions_and_refuses_bad_checkpoints(tmp_path, ti
     (store.path_of(3) / "model.safetensors").write_bytes(bytes(data))
     announce(prod, run, pv3)
     assert not follower.maybe_swap(engine) and "has sha256" in follower.refused[3]  # corrupt bytes
-    announce(prod, run, PolicyVersion(version=4, uri=str(tmp_path / "gone"), sha256="ab" * 32, step=40))
+    announce(prod, run, PolicyVersion(version=4, uri=str(tmp_path / "v000004"), sha256="ab" * 32, step=40))
     assert not follower.maybe_swap(engine)  # v4: missing, which may pass: tried again later, not refused yet
     assert 4 not in follower.refused and "unreadable" in follower.failed[4][2] and follower.failed[4][0] == 1
     assert engine.version == 1

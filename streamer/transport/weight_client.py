@@ -44,6 +44,7 @@ from streamer.transport.weights import (
     ManifestFile,
     WeightSource,
     WeightStore,
+    announced_dir,
     chunk_count,
     load_version_dir,
     merge_shards,
@@ -54,8 +55,6 @@ from streamer.wire.schema import PolicyVersion
 from streamer.wire.settings import AgentSettings, check_weights_url
 
 log = logging.getLogger(__name__)
-
-VERSION_NAME = re.compile(r"v[0-9]{6,}")
 
 
 class _Status(Exception):
@@ -169,12 +168,9 @@ class HttpWeightSource:
         self.conn = _Connection(self.url, timeout_s)  # closed after each fetch
 
     def version_name(self, pv: PolicyVersion) -> str:
-        """The announced uri's last part (as the directory store reads it); nothing else of the uri is used."""
-        name = pv.uri.rstrip("/").rpartition("/")[2]
-        if not VERSION_NAME.fullmatch(name):
-            raise CheckpointError(f"policy v{pv.version}: announced uri {pv.uri!r} does not end in a version "
-                                  f"directory (v000123): refused")
-        return name
+        """The announced uri's last part, the version's own directory (as the directory store reads it); nothing
+        else of the uri is used."""
+        return announced_dir(pv)
 
     def fetch(self, pv: PolicyVersion) -> bytes:
         """The verified weights file of `pv`."""

@@ -31,16 +31,16 @@ import msgspec
 
 from streamer.transport.weights import (
     INDEX_FILE,
-    MANIFEST_FILE,
     Manifest,
     ManifestFile,
     WeightStore,
+    install,
     manifest_entry,
     shard_name,
     side_files,
     weights_digest,
 )
-from streamer.wire.schema import PolicyVersion, encode_json
+from streamer.wire.schema import PolicyVersion
 
 _DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64",
            "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
@@ -186,12 +186,7 @@ def commit(store: WeightStore, staging: Path, version: int, step: int, count: in
     pv = PolicyVersion(version=version, uri=uri, sha256=weights_digest(entries), step=step, created_at=time.time())
     manifest = Manifest(version=version, step=step, sha256=pv.sha256, chunk_bytes=store.chunk_bytes, files=files,
                         weights=weights)
-    (staging / MANIFEST_FILE).write_bytes(msgspec.json.encode(manifest))
-    (staging / "policy.json").write_bytes(encode_json(pv))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(staging, final)
-    return pv
+    return install(staging, final, manifest, pv)
 
 
 def abort(staging: Path) -> None:

@@ -1,27 +1,27 @@
 """Policy propagation: a weight store of versioned safetensors checkpoints, and its announcements.
 
 Layout: `<root>/v000003/{model.safetensors, policy.json, manifest.json, config.json, sao_tokenizer.json}`. The
-learner calls `WeightStore.publish(...)` (written under a temporary name, then renamed), then its `Announcer`
-sends the version to `<run>.policy`; each agent's `PolicyFollower` reads `<run>.policy` (every agent reads every
-announcement: no consumer group) and, between rollouts, loads the newest version from its `WeightSource` after
-checking its sha256. Two sources, one setting (`weights_transport`): the store itself (`WeightStore`, "directory":
-a path this host shares with the learner) or the learner's weight server (`streamer.transport.weight_client.
-HttpWeightSource`, "http": pulled in verified chunks into memory, no file written; `weight_server.py` serves the
-store). `manifest.json` lists a version's files with their sizes, sha256 and the sha256 of each `chunk_bytes`
-chunk (`Manifest`), for the pull. A corrupt checkpoint is refused with a log line naming it, and the agent keeps
-its weights; an unreadable one (a transient file-system or network error) is retried with a backoff,
-`READ_RETRIES` times, before it is refused. Announced URIs are confined to the agent's own source: a checkpoint is
-read only from `<root or server>/<the uri's last part>` whatever directory or host the message names.
+learner calls `WeightStore.publish(...)` (written under a temporary name, every file and the directory fsynced, then
+renamed and the store fsynced: `install`), then its `Announcer` sends the version, signed with the run's key
+(`streamer.transport.signing`), to `<run>.policy`; each agent's `PolicyFollower` reads `<run>.policy` (every agent
+reads every announcement: no consumer group), dead-letters those that do not verify and, between rollouts, loads the
+newest version from its `WeightSource` after checking its sha256. Two sources, one setting (`weights_transport`):
+the store itself (`WeightStore`, "directory": a path this host shares with the learner) or the learner's weight server
+(`streamer.transport.weight_client.HttpWeightSource`, "http": pulled in verified chunks into memory, no file written;
+`weight_server.py` serves the store). `manifest.json` lists a version's files with their sizes, sha256 and the
+sha256 of each `chunk_bytes` chunk (`Manifest`), for the pull. A corrupt checkpoint is refused with a log line
+naming it, and the agent keeps its weights; an unreadable one (a transient file-system or network error) is retried
+with a backoff, `READ_RETRIES` times, before it is refused. Announced URIs are confined to the agent's own source:
+a checkpoint is read only from `<root or server>/v000123` for version 123 (`announced_dir`), whatever directory or
+host the message names.
 
 A sharded version (the megatron learner: each rank writes its own part, `streamer.transport.weight_shards`) has,
 instead of `model.safetensors`, the shards `model-00001-of-0000N.safetensors` ... and `model.safetensors.index.json`
 (HF's sharded-checkpoint index: `{"metadata": {"total_size"}, "weight_map": {tensor: shard}}`), in the training
-dtype. Its manifest lists them first and names them, in that order, in `weights` (empty for a single-file version);
-its announced sha256 is `weights_digest` of those entries: the sha256 of the text `"<sha256>  <name>\n"` (the
-sha256sum line) of each, in that order. So the announcement covers every shard and the index, in order: a reader
-checks the manifest against the announcement (the digest of its `weights` entries), then each file against its
-manifest entry, then merges the shards into one state dict (a tensor in two shards, or not where the index says, is
-refused). A single-file version announces its file's own sha256, as before.
+dtype. Its manifest lists them first and names them, in that order, in `weights` (empty for a single file); its
+announced sha256 is `weights_digest` of those entries: the sha256 of the sha256sum lines `"<sha256>  <name>\n"`, in
+order. A reader checks the manifest against the announcement, then each file against its manifest entry, then merges
+the shards into one state dict (a tensor in two shards, or not where the index says, is refused).
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from typing import Any, Protocol
 
 import msgspec
 
-from streamer.transport.bus import Consumer, Producer
-from streamer.wire.schema import PolicyVersion, encode_json
-from streamer.wire.topics import Topics
+from streamer.transport.bus import Consumer
+from streamer.transport.signing import Announcer, announce, resolved_key, verified  # noqa: F401 (the first two:
+from streamer.wire.schema import PolicyVersion, encode_json  # the learner's side, imported from here by its callers)
 
 log = logging.getLogger(__name__)
 
@@ -217,6 +217,29 @@ def _unshared(state_dict: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def fsync_path(path: Path) -> None:
+    """Flush a file's or a directory's entries to the disk (a directory: the names in it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def install(tmp: Path, final: Path, manifest: Manifest, pv: PolicyVersion) -> PolicyVersion:
+    """Seal the version in `tmp` (manifest, policy.json) and rename it to `final`: every file fsynced, then `tmp`,
+    then the store's directory after the rename (a power cut leaves the whole version or none of it)."""
+    (tmp / MANIFEST_FILE).write_bytes(msgspec.json.encode(manifest))
+    (tmp / "policy.json").write_bytes(encode_json(pv))
+    for path in [*sorted(p for p in tmp.iterdir() if p.is_file()), tmp]:
+        fsync_path(path)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync_path(final.parent)
+    return pv
+
+
 class WeightStore:
     """A directory of versioned checkpoints (any shared path works for several machines). `chunk_bytes`: the
     manifest's chunk size; `base_uri`: announce `<base_uri>/v000123` (a weight server) instead of the path."""
@@ -252,12 +275,7 @@ class WeightStore:
         uri = f"{self.base_uri}/{final.name}" if self.base_uri else str(final.resolve())
         pv = PolicyVersion(version=version, uri=uri, sha256=entries[0].sha256, step=step, created_at=time.time())
         manifest = Manifest(version=version, step=step, sha256=pv.sha256, chunk_bytes=self.chunk_bytes, files=entries)
-        (tmp / MANIFEST_FILE).write_bytes(msgspec.json.encode(manifest))
-        (tmp / "policy.json").write_bytes(encode_json(pv))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        return pv
+        return install(tmp, final, manifest, pv)
 
     def prune(self, keep: int) -> list[int]:
         """Delete all but the newest `keep` versions (0 keeps all); returns the versions deleted. An agent
@@ -283,8 +301,8 @@ class WeightStore:
 
     def resolve(self, pv: PolicyVersion) -> Path:
         """The checkpoint directory: the announced uri's last part inside this store (the learner may see the
-        store under another path; a uri elsewhere on disk is never read)."""
-        return self.root / Path(pv.uri.removeprefix("file://")).name
+        store under another path; a uri elsewhere on disk is never read), which must be the version's own."""
+        return self.root / announced_dir(pv)
 
     def read_verified(self, pv: PolicyVersion) -> bytes:
         """The bytes of a single-file version's `model.safetensors`, checked against the announced sha256."""
@@ -296,21 +314,14 @@ class WeightStore:
         return load_version_dir(self.resolve(pv), pv)
 
 
-def announce(producer: Producer, run: str, pv: PolicyVersion, flush: bool = True) -> None:
-    producer.send(Topics(run).policy, pv, key="policy")
-    if flush:
-        producer.flush()
-
-
-class Announcer:
-    """The learner's side of `<run>.policy`: announces each published version at once (sent and flushed). The
-    producer stays the caller's (the learner shares it with its events and closes it)."""
-
-    def __init__(self, producer: Producer, run: str) -> None:
-        self.producer, self.run = producer, run
-
-    def __call__(self, pv: PolicyVersion) -> None:
-        announce(self.producer, self.run, pv)
+def announced_dir(pv: PolicyVersion) -> str:
+    """The version directory an announcement names (its uri's last part): `v000123` for version 123, else refused
+    (an announcement of v10^15 pointing at an older version's files would load it under that number)."""
+    name = pv.uri.removeprefix("file://").rstrip("/").rpartition("/")[2]
+    if name != version_dir_name(pv.version):
+        raise CheckpointError(f"policy v{pv.version}: announced uri {pv.uri!r} does not end in a version directory, "
+                              f"its own ({version_dir_name(pv.version)}): refused")
+    return name
 
 
 class WeightSource(Protocol):
@@ -325,33 +336,41 @@ class WeightSource(Protocol):
 
 class PolicyFollower:
     """Agent side: tracks announcements and swaps an engine's weights to the newest verified version, read from
-    its `source` (the same logic for both transports)."""
+    its `source` (the same logic for every transport). An announcement whose signature does not verify with `key`
+    (default: the run's, `streamer.transport.signing.policy_key`) is dead-lettered and counts for nothing; of the
+    others, the newest version not refused is loaded, so a refused one never hides the versions after it."""
 
-    def __init__(self, consumer: Consumer, source: WeightSource, version: int = 0) -> None:
+    def __init__(self, consumer: Consumer, source: WeightSource, version: int = 0, key: bytes | None = None) -> None:
         self.consumer, self.source = consumer, source
+        self.key = resolved_key(key, "policy follower")
         self.version = version  # the version the engine runs
-        self.newest: PolicyVersion | None = None  # the newest announcement seen
+        self.newest: PolicyVersion | None = None  # the newest verified announcement seen
+        self.announced: dict[int, PolicyVersion] = {}  # verified announcements above `version`: the candidates
         self.refused: dict[int, str] = {}  # version -> why (for good)
         self.failed: dict[int, tuple[int, float, str]] = {}  # version -> (attempts, retry at, why): transient
         self.swaps = 0
         self.swapped_at = 0.0  # wall-clock time of the last swap
 
     def poll(self, timeout: float = 0.0) -> PolicyVersion | None:
-        """The newest announced version above the current one and not refused, if any."""
-        for msg, _, _ in self.consumer.poll(100, timeout):
+        """The newest verified announced version above the current one, not refused and not waiting for a retry."""
+        for msg in verified(self.consumer, self.key, timeout):
+            if msg.version > self.version:
+                self.announced[msg.version] = msg
             if self.newest is None or msg.version > self.newest.version:
                 self.newest = msg
-        pv = self.newest
-        if pv is None or pv.version <= self.version or pv.version in self.refused:
-            return None
-        if pv.version in self.failed and time.monotonic() < self.failed[pv.version][1]:
-            return None
-        return pv
+        now = time.monotonic()
+        ready = [v for v in self.announced if v not in self.refused and now >= self.failed.get(v, (0, 0.0, ""))[1]]
+        return self.announced[max(ready)] if ready else None
 
     def pace_version(self, engine_version: int) -> int:
-        """The version an agent paces its admission on: the engine's, or a newer one refused for good (waiting
-        for it would stall the agent and, with it, a learner that waits for trajectories)."""
-        return max([engine_version, *self.refused])
+        """The version an agent paces its admission on: the engine's, or the newer ones refused for good that follow
+        it one by one (waiting for them would stall the agent and, with it, a learner that waits for trajectories).
+        The learner numbers its versions one by one, so a refused version further ahead (a forged or broken
+        announcement) moves nothing: only a loaded version does."""
+        pace = engine_version
+        while pace + 1 in self.refused:
+            pace += 1
+        return pace
 
     def maybe_swap(self, engine: Any, timeout: float = 0.0) -> bool:
         """Load the newest announced version into `engine` (`load_state_dict(sd, version)`); False if none."""
@@ -373,9 +392,9 @@ class PolicyFollower:
             return False
         log.info("policy v%d loaded from %s (sha256 %s, step %d, %.2f s after its announcement)", pv.version,
                  getattr(self.source, "last_from", None) or getattr(self.source, "url", None)
-                 or getattr(self.source, "root", "?"), pv.sha256, pv.step,
-                 time.time() - pv.created_at)
+                 or getattr(self.source, "root", "?"), pv.sha256, pv.step, time.time() - pv.created_at)
         self.version = pv.version
+        self.announced = {v: a for v, a in self.announced.items() if v > self.version}
         self.swaps += 1
         self.swapped_at = time.time()
         return True
