@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from simulator import tool_envs
-from simulator.families import family_of
+from simulator.families import check_task_spec, family_of
 from simulator.families.tools import episode_reward, observe
 from simulator.latency import LatencyConfig, latency_from_dict, sample_latency
 from simulator.text import clean_answer, to_text
@@ -51,7 +51,7 @@ class Env:
         self.task, self.markup = task, markup
         try:
             self.family = family_of(task)
-            self.family.check_spec(task.spec)
+            check_task_spec(task)
             self.latency = latency or latency_from_dict(task.spec.get("latency")) or LatencyConfig()
         except (ValueError, TypeError) as e:
             raise ValueError(f"task {task.task_id} ({task.family}): {e}") from None

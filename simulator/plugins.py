@@ -20,6 +20,7 @@ class Registry:
     def __init__(self, kind: str, group: str, field: str, builtin: dict[str, Callable]) -> None:
         self.kind, self.group, self.field, self.builtin = kind, group, field, builtin
         self.enabled: dict[str, Callable] = {}
+        self._values: dict[str, str] = {}  # name -> its entry point's `module:attr`
 
     def entry_points(self) -> list:
         return list(entry_points(group=self.group))
@@ -37,6 +38,12 @@ class Registry:
             if not callable(fn):
                 raise PluginError(self.field, f"{self.kind} '{name}': entry point {found[name].value} is not callable")
             self.enabled[name] = fn
+            self._values[name] = found[name].value
+
+    def sources(self) -> dict[str, str]:
+        """The enabled user plugins' `module:attr` (their entry points' values), for a process that loads them anew."""
+        return {name: self._values.get(name) or f"{fn.__module__}:{fn.__qualname__}"
+                for name, fn in self.enabled.items()}
 
     def known(self) -> list[str]:
         return [*self.builtin, *self.enabled]

@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 
 from simulator import tool_envs, verifiers
-from simulator.families import FAMILIES, family_of
+from simulator.families import FAMILIES, check_task_spec
 from simulator.plugins import PluginError
 from simulator.text import ALPHABET, in_alphabet
 from streamer.wire.schema import DriftEvent, SchemaError, Task, from_dict, to_dict
@@ -198,7 +198,7 @@ def production_task(row: dict[str, Any]) -> Task:
     params, tags = _json_cell(row, "params", {}), _json_cell(row, "tags", {})
     tools = _json_cell(row, "tools", None)
     try:
-        verifiers.check(row["verifier"], params)
+        verifiers.check(row["verifier"], params, str(row["reference"]))
         if tools is not None:
             tool_envs.check(tools)
     except PluginError as e:
@@ -267,7 +267,7 @@ def check_task(task: Task, rule: PromptRule = EMBEDDED) -> None:
         raise RowError("family", f"unknown family '{task.family}' (known: {', '.join(FAMILIES)}; a recorded "
                                  f"stream's rows name a verifier instead)")
     try:
-        family_of(task).check_spec(task.spec)
+        check_task_spec(task)
     except ValueError as e:
         raise RowError(str(e).split(":")[0], str(e)) from None
     if not task.task_id:

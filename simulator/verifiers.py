@@ -4,7 +4,14 @@ Built in: `exact`, `normalized_exact`, `regex`, `numeric`, `json_field`, `multip
 Python function `f(answer: str, reference: str, params: dict) -> float` published by an installed package under
 the entry-point group `sao_lab.verifiers` and enabled by name in the run's config (`agent.verifiers`, or
 `sao replay --verifier NAME`). A stream row only names a verifier: no code or import path is ever taken from a
-message. `score` never raises: a verifier that fails or returns something other than a number in [0, 1] scores 0.
+message. `score` never raises but VerifierTimeout: a verifier that fails or returns something other than a number in
+[0, 1] scores 0.
+
+Hostile rows cannot stall an agent: `regex` matches with RE2 (linear time in the answer; a pattern RE2 refuses, with
+backreferences or lookarounds, is refused at validation), and every pattern a row supplies, its reference included
+when it is the pattern, is checked by `check` (at most MAX_PATTERN_CHARS). Every other built-in is linear in the
+answer (at most `simulator.families.verified.MAX_ANSWER_CHARS` characters) and runs in the caller's process; user
+verifiers, which nothing bounds, run in a worker process under `timeout_s` (`simulator.verifier_worker`).
 """
 
 from __future__ import annotations
@@ -16,7 +23,10 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import re2
+
 from simulator.plugins import PluginError, Registry
+from simulator.verifier_worker import VerifierTimeout, Worker
 
 log = logging.getLogger("simulator.verifiers")
 
@@ -25,7 +35,12 @@ Verifier = Callable[[str, str, dict[str, Any]], float]
 _NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 
 
-VerifierError = PluginError  # its field: `verifier`, `params` or `params.<key>`
+VerifierError = PluginError  # its field: `verifier`, `params`, `params.<key>` or `reference`
+
+MAX_PATTERN_CHARS = 1000  # a regex row's pattern (params.pattern, or the reference used as the pattern)
+MAX_CHOICES, MAX_CHOICE_CHARS = 64, 64  # multiple_choice's params.choices
+RE2_MAX_MEM = 8 << 20  # bytes RE2 may use for one compiled pattern (RE2's default); a larger one is refused
+TIMEOUT_S = 5.0  # a user verifier's limit per answer, in this process (`set_timeout`: the agent's setting)
 
 
 def exact(answer: str, reference: str, params: dict[str, Any]) -> float:
@@ -41,10 +56,20 @@ def normalized_exact(answer: str, reference: str, params: dict[str, Any]) -> flo
     return float(normalize(answer) == normalize(reference))
 
 
+def compile_pattern(pattern: str, ignore_case: bool = False) -> Any:
+    """The RE2 program of a row's pattern (cached by re2); raises re2.error for a pattern RE2 refuses."""
+    options = re2.Options()
+    options.log_errors, options.never_capture, options.max_mem = False, True, RE2_MAX_MEM
+    options.case_sensitive = not ignore_case
+    return re2.compile(pattern, options)
+
+
 def regex(answer: str, reference: str, params: dict[str, Any]) -> float:
-    """The stripped answer fully matches `pattern` (default: the reference as a pattern)."""
-    flags = re.IGNORECASE if params.get("ignore_case") else 0
-    return float(re.fullmatch(params.get("pattern", reference), answer.strip(), flags) is not None)
+    """The stripped answer fully matches `pattern` (default: the reference as a pattern), in RE2's syntax."""
+    pattern = str(params.get("pattern", reference))
+    if len(pattern) > MAX_PATTERN_CHARS:  # refused at validation: a message nobody validated scores 0
+        return 0.0
+    return float(compile_pattern(pattern, bool(params.get("ignore_case"))).fullmatch(answer.strip()) is not None)
 
 
 def numeric(answer: str, reference: str, params: dict[str, Any]) -> float:
@@ -98,8 +123,35 @@ REGISTRY = Registry("verifier", GROUP, "verifier", BUILTIN)
 enable, known = REGISTRY.enable, REGISTRY.known
 
 
-def check(name: object, params: object) -> None:
-    """Raise VerifierError naming what is wrong with a row's verifier and parameters."""
+def check_pattern(params: dict[str, Any], reference: str | None) -> None:
+    """A regex row's pattern (params.pattern, else the reference) is one RE2 compiles, at most MAX_PATTERN_CHARS."""
+    field = "params.pattern" if "pattern" in params else "reference"
+    pattern = params["pattern"] if "pattern" in params else reference
+    if pattern is None:
+        return
+    if not isinstance(pattern, str):
+        raise VerifierError(field, f"{field}: expected text, got {type(pattern).__name__}")
+    if len(pattern) > MAX_PATTERN_CHARS:
+        raise VerifierError(field, f"{field}: a pattern of {len(pattern)} characters (at most {MAX_PATTERN_CHARS})")
+    try:
+        compile_pattern(pattern)
+    except re2.error as e:
+        msg = e.args[0].decode() if e.args and isinstance(e.args[0], bytes) else str(e)
+        raise VerifierError(field, f"{field}: not a regular expression RE2 matches in linear time ({msg}; "
+                                   f"backreferences and lookarounds are refused)") from None
+
+
+def check_choices(params: dict[str, Any]) -> None:
+    choices = params.get("choices", ["A"])
+    if not isinstance(choices, list) or not 0 < len(choices) <= MAX_CHOICES or any(
+            not isinstance(c, (str, int)) or len(str(c)) > MAX_CHOICE_CHARS for c in choices):
+        raise VerifierError("params.choices", f"params.choices: expected a list of 1 to {MAX_CHOICES} choices of at "
+                                              f"most {MAX_CHOICE_CHARS} characters")
+
+
+def check(name: object, params: object, reference: str | None = None) -> None:
+    """Raise VerifierError naming what is wrong with a row's verifier, parameters and (a regex row's default
+    pattern) reference."""
     REGISTRY.check_name(name)
     if not isinstance(params, dict):
         raise VerifierError("params", f"params: expected an object, got {type(params).__name__}")
@@ -112,18 +164,42 @@ def check(name: object, params: object) -> None:
         if missing:
             raise VerifierError("params", f"params: {name} needs {sorted(missing)}")
         if name == "regex":
-            try:
-                re.compile(str(params.get("pattern", "")))
-            except re.error as e:
-                raise VerifierError("params.pattern", f"params.pattern: not a regular expression: {e}") from None
+            check_pattern(params, reference)
+        if name == "multiple_choice":
+            check_choices(params)
+
+
+_worker: Worker | None = None
+
+
+def set_timeout(seconds: float) -> None:
+    """The limit on one user verifier's answer in this process (the agent's `verifier_timeout_s`)."""
+    global TIMEOUT_S
+    TIMEOUT_S = float(seconds)
+
+
+def _user_score(name: str, answer: str, reference: str, params: dict[str, Any]) -> float:
+    """A user verifier's value, computed in the worker process (restarted when the enabled set or limit changed)."""
+    global _worker
+    sources = REGISTRY.sources()
+    if _worker is None or _worker.sources != sources or _worker.timeout_s != TIMEOUT_S:
+        if _worker is not None:
+            _worker.close()
+        _worker = Worker(sources, TIMEOUT_S)
+    return _worker.score(name, answer, reference, params)
 
 
 def score(name: str, answer: str, reference: str, params: dict[str, Any]) -> float:
+    """The answer's reward in [0, 1]; 0 for a verifier that raised, crashed or returned something else. Raises
+    VerifierTimeout for a user verifier that ran past TIMEOUT_S (the caller dead-letters the task)."""
     fn = REGISTRY.get(name)
     if fn is None:
         return 0.0
     try:
-        value = float(fn(answer, reference, params))
+        value = float(fn(answer, reference, params) if name in BUILTIN else _user_score(name, answer, reference,
+                                                                                          params))
+    except VerifierTimeout:
+        raise
     except Exception as e:  # a user verifier's bug must not stop the agent: the answer scores 0
         log.warning("verifier %s raised %r: scored 0", name, e)
         return 0.0

@@ -25,3 +25,13 @@ def family_of(task: Task) -> Family:
     """The family that runs and scores `task`: a spec naming a verifier is a recorded stream's task, whatever its
     family tag; any other task belongs to the simulator family of its name."""
     return VERIFIED if "verifier" in task.spec else get_family(task.family)
+
+
+def check_task_spec(task: Task) -> None:
+    """The task's spec is one its family runs (a verified task's reference too, where it is the regex pattern);
+    raises ValueError naming the field."""
+    family = family_of(task)
+    if family is VERIFIED:
+        VERIFIED.check_spec(task.spec, task.answer)
+    else:
+        family.check_spec(task.spec)

@@ -27,9 +27,10 @@ class Verified:
         if not concept:
             raise ValueError("verified concept: empty")
 
-    def check_spec(self, spec: dict[str, Any]) -> None:
+    def check_spec(self, spec: dict[str, Any], reference: str | None = None) -> None:
+        """`reference`: the task's answer, checked too where the verifier reads it as a pattern (`regex`)."""
         try:
-            verifiers.check(spec.get("verifier"), spec.get("params", {}))
+            verifiers.check(spec.get("verifier"), spec.get("params", {}), reference)
             if spec.get("tools") is not None:
                 tool_envs.check(spec["tools"])
         except PluginError as e:
@@ -48,7 +49,10 @@ class Verified:
             return rejected({"too_long": 1.0})
         if any(m in text for m in MARKUP):
             return rejected({"markup": 1.0})
-        reward = verifiers.score(task.spec["verifier"], text, task.answer, task.spec.get("params", {}))
+        try:
+            reward = verifiers.score(task.spec["verifier"], text, task.answer, task.spec.get("params", {}))
+        except verifiers.VerifierTimeout as e:  # a ValueError: the agent dead-letters the task with this reason
+            raise verifiers.VerifierTimeout(f"task {task.task_id}: {e}; scored 0, task dead-lettered") from None
         return Verdict(reward, {"correct": reward}, reward >= 1.0)
 
     def demonstrate(self, task: Task) -> str:

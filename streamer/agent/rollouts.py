@@ -104,6 +104,9 @@ class Rollouts:
     """Tasks in flight on one engine. `start` a task, call `advance` until it returns the task."""
 
     def __init__(self, engine: Any, tokenizer: Any, s: AgentSettings, agent_id: str = "", latency: Any = None) -> None:
+        from simulator import verifiers
+
+        verifiers.set_timeout(s.verifier_timeout_s)  # user verifiers: killed past it, their task dead-lettered
         self.engine, self.tokenizer, self.s, self.agent_id = engine, tokenizer, s, agent_id
         self.latency = latency  # a LatencyConfig for every tool call, instead of each task's own
         self.limit = context_limit(engine)

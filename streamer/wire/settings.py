@@ -223,6 +223,8 @@ class AgentSettings:
     verifiers: list[str] = field(default_factory=list)
     # user tool environments of recorded streams, by entry-point name (group sao_lab.tools; simulator.tool_envs)
     tool_envs: list[str] = field(default_factory=list)
+    # a user verifier's limit per answer: it runs in a worker process, killed past this; the task is dead-lettered
+    verifier_timeout_s: float = 5.0
     client: ClientSettings = field(default_factory=ClientSettings)
     topics: TopicSettings = field(default_factory=TopicSettings)
 
@@ -263,6 +265,8 @@ class AgentSettings:
                 raise ConfigError(f"AgentSettings.{name}: expected [open, close], two non-empty strings; got {pair!r}")
         if self.max_new_tokens < 1 or self.max_turns < 1:
             raise ConfigError("AgentSettings.max_new_tokens / max_turns: must be >= 1")
+        if not 0 < self.verifier_timeout_s < float("inf"):
+            raise ConfigError("AgentSettings.verifier_timeout_s: must be a finite number of seconds > 0")
         self._validate_weights()
         self.client.validate()
         self.topics.validate()
