@@ -6,6 +6,7 @@ Dataclasses with defaults; build one with `streamer.wire.config.load_config(Agen
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Literal
@@ -52,6 +53,16 @@ class BrokerSettings:
     stop_timeout_s: float = 5.0  # after SIGINT, then SIGKILL
 
 
+_warned: set[str] = set()
+
+
+def warn_once(text: str) -> None:
+    """A warning logged once per process (settings are resolved for every client)."""
+    if text not in _warned:
+        _warned.add(text)
+        logging.getLogger(__name__).warning(text)
+
+
 SECURITY_ENV = {  # the environment fills each setting left empty (compose and secrets stores set these)
     "security_protocol": "SAO_KAFKA_SECURITY_PROTOCOL", "sasl_mechanism": "SAO_KAFKA_SASL_MECHANISM",
     "sasl_username": "SAO_KAFKA_SASL_USERNAME", "sasl_password": "SAO_KAFKA_SASL_PASSWORD",
@@ -79,6 +90,9 @@ class KafkaSecurity:
         out = KafkaSecurity(**{k: getattr(self, k) or os.environ.get(env, "") for k, env in SECURITY_ENV.items()})
         out.security_protocol = out.security_protocol or "PLAINTEXT"
         out.check()
+        if out.security_protocol == "SASL_PLAINTEXT" and out.sasl_mechanism == "PLAIN":
+            warn_once("SASL PLAIN over SASL_PLAINTEXT sends the Kafka password UNENCRYPTED to the broker: anyone on "
+                      "the network path can read it; use SASL_SSL, or a SCRAM mechanism at least")
         return out
 
     def check(self) -> None:
