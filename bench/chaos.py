@@ -1,38 +1,37 @@
-"""Chaos: SIGKILL the learner, an agent and the metrics app at random moments of `sao up`, then account for every task.
+"""Chaos: faults injected for real into `sao up` (2 agents), then every task and every bad record accounted for.
 
-One invocation: (1) an embedded broker of its own (so the run's topics outlive the run); (2) a few malformed
-messages on the task topic, which must end in the DLQ; (3) `sao up --bootstrap <it> --restarts 100 --limit N`
-(weights published, checkpoints every 10 learner steps, the dashboard off, 120 s for the learner to train its
-backlog after the last trajectory) while a killer thread sends SIGKILL to
-a random one of the learner, agent-0 and the metrics app every `--every` seconds (uniform 0.5x-1.5x) until
-`--kills` kills (the launcher restarts each); (4) the accounting, from the broker and the run directory:
+Per seed, two runs:
 
-- every task the simulator published (read back from `<run>.tasks`, plus any the agents answered) is trained
-  exactly once (the learner's standing events:
-  `streamer.runs.artifacts.read_learner`), or buffered in the learner's last checkpoint (`pending.jsonl`: a run that
-  stops mid-batch), or dead-lettered (`<run>.dlq`, with its reason);
-- every malformed record is dead-lettered exactly once;
-- the learner's stale drops (`learner/count_stale`), which pacing keeps at 0 without restarts: any here would be
-  restart-caused.
+1. **Main run**: an embedded broker of the bench's own (so the topics outlive the run and can be read back), then
+   `sao up --bootstrap <it> --agents 2 --seed <seed> --restarts 100 --limit N` while a plan of faults runs
+   (`bench.chaos_faults`): SIGKILL of the learner, each agent and the metrics app (the launcher restarts each);
+   SIGSTOP of an agent and of the learner for longer than the consumers' session timeout
+   (`ClientSettings.session_timeout_ms`), then SIGCONT; bad records on every consumed topic (tasks, trajectories,
+   policy, learner: bytes that do not decode, a record of the wrong shape, and one that decodes but lies, e.g. a
+   forged unsigned policy announcement of version 10^15). The roles are found as `sao up`'s child processes.
+2. **Broker run**: `sao up` with its own embedded broker, which is SIGKILLed once the learner has trained; the
+   time until `sao up` stops (and whether its reason names the broker), and what the memory-only broker took
+   with it.
 
-Goal: 0 lost, 0 trained twice, 0 stale drops, 0 letters sent twice. Writes <out>/chaos.json.
+Accounting (`bench.chaos_accounting`): lost, trained twice, dead letters per (consumer, record), time to detect and
+to recover, per fault class. Goals: every requested fault injected, 0 lost, 0 trained twice, every bad record
+dead-lettered and by no consumer twice, no bad record trained. Exits 1 when a goal is missed (2 when a requested
+fault was not injected). The JSON is written by this script only.
 
-    .venv/bin/python bench/chaos.py                       # 12 kills over ~6,000 tasks (~6 min on 2 cores)
-    .venv/bin/python bench/chaos.py --quick               # 3 kills over 1,500 tasks
+    .venv/bin/python bench/chaos.py                       # 3 seeds -> docs/results/chaos.json
+    .venv/bin/python bench/chaos.py --quick               # 1 seed, 4 faults -> runs/bench/chaos/chaos.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import signal
+import shlex
+import shutil
 import subprocess
 import sys
-import threading
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -40,168 +39,174 @@ ROOT = Path(__file__).resolve().parent.parent
 if __package__ in (None, ""):  # `python bench/chaos.py`
     sys.path.insert(0, str(ROOT))
 
-from bench.common import machine, save_json  # noqa: E402
-from streamer.runs import artifacts as art  # noqa: E402
+from bench.chaos_accounting import account, timings  # noqa: E402
+from bench.chaos_faults import Fault, Injector, send_bad_records  # noqa: E402
+from bench.chaos_report import broker_result, goals, summarize  # noqa: E402
+from bench.common import git_commit, machine, save_json  # noqa: E402
 from streamer.transport.broker import EmbeddedBroker  # noqa: E402
-from streamer.transport.kafka_bus import KafkaBus, read_topic  # noqa: E402
-from streamer.wire.schema import (  # noqa: E402
-    DeadLetter,  # noqa: E402
-    SchemaError,
-    Task,
-    Trajectory,
-    decode,
-    decode_json,
-)
 from streamer.wire.settings import BrokerSettings, ClientSettings  # noqa: E402
-from streamer.wire.topics import Topics, partitions_by_topic  # noqa: E402
+from streamer.wire.topics import partitions_by_topic  # noqa: E402
 
-TARGETS = {"learner": "learn", "agent-0": "agent", "metrics": "metrics"}  # role -> its `sao` command
-MALFORMED = [b"\x00not msgpack", b"\x82\xa1v\x63\xa7task_id\xa1x", b"{}"]
-
-
-def role_pids(run: str) -> dict[str, int]:
-    """PIDs of the run's roles, from /proc: `python -m streamer.launch.cli <command> ... --run <run>`."""
-    out: dict[str, int] = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            argv = (d / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        args = [a.decode(errors="replace") for a in argv]
-        if "streamer.launch.cli" not in args or run not in args:
-            continue
-        command = args[args.index("streamer.launch.cli") + 1]
-        for role, cmd in TARGETS.items():
-            if command == cmd:
-                out[role] = int(d.name)
-    return out
+PAUSE_S = 2.5 * ClientSettings().session_timeout_ms / 1000  # a pause the group must notice (15 s at 6 s)
+FULL_PLAN = [(8, "bad_records", ""), (20, "sigkill", "learner"), (35, "sigkill", "agent-0"),
+             (50, "sigstop", "agent-1"), (80, "sigkill", "metrics"), (95, "sigkill", "agent-1"),
+             (110, "sigstop", "learner"), (140, "sigkill", "learner"), (155, "sigkill", "agent-0")]
+QUICK_PLAN = [(5, "bad_records", ""), (12, "sigkill", "learner"), (22, "sigkill", "agent-0"),
+              (30, "sigstop", "agent-1"), (55, "sigkill", "metrics")]
+QUICK_WARM_START = ["--set", "pretrain.steps=120", "--set", "pretrain.eval_every=0"]  # a cold cache costs ~30 s
+UP_FLAGS = ["--agents", "2", "--no-dashboard", "--no-eval", "--restarts", "100", "--cores", "2"]
 
 
-def killer(run: str, kills: int, every_s: float, stop: threading.Event, log: list[dict[str, Any]], t0: float) -> None:
-    rng = random.Random(0)
-    time.sleep(every_s)
-    while len(log) < kills and not stop.is_set():
-        pids = role_pids(run)
-        if pids:
-            role = rng.choice(sorted(pids))
-            try:
-                os.kill(pids[role], signal.SIGKILL)
-                log.append({"t": round(time.monotonic() - t0, 1), "role": role, "pid": pids[role]})
-                print(f"chaos: SIGKILL {role} (pid {pids[role]}) at {log[-1]['t']} s, kill {len(log)} of {kills}",
-                      flush=True)
-            except ProcessLookupError:
-                pass
-        stop.wait(every_s * rng.uniform(0.5, 1.5))
+def plan(rows: list[tuple[float, str, str]], seed: int) -> list[Fault]:
+    """The plan's faults, each moved by up to +-15% (seeded), pauses of PAUSE_S."""
+    rng = random.Random(seed)
+    return [Fault(at_s=round(t * rng.uniform(0.85, 1.15), 1), kind=kind, role=role,
+                  pause_s=PAUSE_S if kind == "sigstop" else 0.0) for t, kind, role in rows]
 
 
-def whole_topic(bootstrap: str, topic: str) -> list[tuple[int, int, bytes]]:
-    """Every record of `topic`: to its end offsets, then until 3 s (12 polls) brought nothing."""
-    return read_topic(bootstrap, ClientSettings(), topic, timeout_s=120.0, idle_polls=12)
+def follow(proc: subprocess.Popen, log_path: Path, on_line=None) -> list[tuple[float, str]]:
+    """`sao up`'s output lines with the wall time each was read, echoed and logged; `on_line(line)` sees each."""
+    lines: list[tuple[float, str]] = []
+    with open(log_path, "w") as log:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            lines.append((time.time(), line.rstrip("\n")))
+            log.write(line)
+            print(f"  | {line}", end="", flush=True)
+            if on_line is not None:
+                on_line(line)
+    return lines
 
 
-def account_run(run_dir: Path, task_ids: set[str], dead_tasks: set[str]) -> dict[str, Any]:
-    """Every task (those read from the topic, and those the agents answered) trained once, buffered in the last
-    checkpoint, or dead-lettered; the learner's drop counts."""
-    tasks = task_ids | set(art.read_trajectories(run_dir)["task_id"].astype(str))
-    learner = art.read_learner(run_dir)
-    trained = Counter(t for ids in learner["task_ids"] for t in (json.loads(ids) if isinstance(ids, str) else ids)
-                      ) if len(learner) else Counter()
-    ckpt = max((run_dir / "checkpoints").glob("step_*"), default=None)
-    pending = ({decode_json(line, Trajectory).task_id for line in (ckpt / "pending.jsonl").read_bytes().splitlines()
-                if line} if ckpt is not None else set())
-    last = learner.iloc[-1].dropna().to_dict() if len(learner) else {}
-    return {
-        "tasks": len(tasks), "trained_once": sum(1 for t in tasks if trained[t] == 1),
-        "trained_twice": sorted(t for t in tasks if trained[t] > 1),
-        "buffered_in_last_checkpoint": len(pending & tasks), "dead_lettered_tasks": len(dead_tasks & tasks),
-        "lost": sorted(t for t in tasks if trained[t] == 0 and t not in pending and t not in dead_tasks),
-        "stale_drops": float(last.get("learner/count_stale", 0.0)),
-        "duplicate_drops": float(last.get("learner/count_duplicate", 0.0)), "learner_steps": int(len(learner)),
-    }
+def up_command(run: str, runs_dir: Path, seed: int, tasks: int, drain_s: float, extra: list[str]) -> list[str]:
+    return [sys.executable, "-m", "streamer.launch.cli", "up", "--run", run, "--runs-dir", str(runs_dir),
+            "--seed", str(seed), "--limit", str(tasks), "--drain-seconds", str(drain_s), *UP_FLAGS, *extra]
 
 
-def account(bootstrap: str, run: str, run_dir: Path, malformed: int) -> dict[str, Any]:
-    topics = Topics(run)
-    tasks, bad_records, records = set(), set(), whole_topic(bootstrap, topics.tasks)
-    for part, off, value in records:
-        try:
-            tasks.add(decode(value, Task).task_id)
-        except SchemaError:
-            bad_records.add((part, off))
-    letters = [decode(v, DeadLetter) for _, _, v in whole_topic(bootstrap, topics.dlq)]
-    letter_keys = Counter((x.consumer, x.topic, x.partition, x.offset) for x in letters)  # once per consumer
-    dead_tasks = {x.key.decode() for x in letters if x.key and x.expected == "Task"}
-    bad_dead = {(p, o) for (_, topic, p, o) in letter_keys if topic == topics.tasks} & bad_records
-    return {"task_records": len(records), "tasks_in_topic": len(tasks), "malformed_published": len(bad_records),
-            "malformed_sent": malformed, "malformed_dead_lettered": len(bad_dead),
-            "letters_sent_twice": sum(1 for n in letter_keys.values() if n > 1),
-            "dlq_reasons": sorted({x.reason[:120] for x in letters}), **account_run(run_dir, tasks, dead_tasks)}
+def fresh(run_dir: Path) -> None:
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+
+
+def main_run(a: argparse.Namespace, seed: int, out: Path) -> dict[str, Any]:
+    """One seed's run under the fault plan, on a broker of the bench's own; its accounting."""
+    run, runs_dir = f"chaos-s{seed}", Path(a.runs_dir)
+    fresh(runs_dir / run)
+    broker = EmbeddedBroker(BrokerSettings(port=0, log_path=str(out / f"broker-s{seed}.log"))).start()
+    try:
+        from streamer.transport.kafka_bus import KafkaBus
+
+        KafkaBus(broker.bootstrap).create_topics(partitions_by_topic(run, agents=2))
+        cmd = up_command(run, runs_dir, seed, a.tasks, a.drain, ["--bootstrap", broker.bootstrap, *a.up_args,
+                                                                 "--max-seconds", str(a.max_seconds)])
+        print("running: " + shlex.join(cmd), flush=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        faults = plan(QUICK_PLAN if a.quick else FULL_PLAN, seed)
+        injector = Injector(proc.pid, faults, lambda: send_bad_records(broker.bootstrap, run))
+
+        def on_line(line: str) -> None:
+            if line.startswith("[4/4]"):
+                injector.start()
+
+        lines = follow(proc, out / f"up-s{seed}.log", on_line)
+        rc = proc.wait()
+        injector.stop.set()
+        if injector.thread.is_alive():
+            injector.thread.join(timeout=PAUSE_S + 5)
+        log = injector.log()
+        bad = [r for f in log for r in f["done"].get("records", [])]
+        result = {"seed": seed, "run": run, "command": cmd, "rc": rc, "stopped": stopped(lines),
+                  "wall_s": round(lines[-1][0] - lines[0][0], 1) if lines else 0.0,
+                  **account(broker.bootstrap, run, runs_dir / run, bad)}
+    finally:
+        broker.stop()
+    result["faults"] = timings(runs_dir / run, lines, log)
+    return result
+
+
+def stopped(lines: list[tuple[float, str]]) -> str:
+    return next((line[len("stopping: "):] for _, line in reversed(lines) if line.startswith("stopping: ")), "")
+
+
+def broker_run(a: argparse.Namespace, seed: int, out: Path) -> dict[str, Any]:
+    """`sao up` on its own embedded broker; the broker SIGKILLed once the learner has trained a step."""
+    run, runs_dir = f"chaos-broker-s{seed}", Path(a.runs_dir)
+    fresh(runs_dir / run)
+    cmd = up_command(run, runs_dir, seed, a.broker_tasks, a.drain, [*a.up_args, "--max-seconds", "240"])
+    print("running: " + shlex.join(cmd), flush=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    fault = Fault(at_s=0.0, kind="sigkill", role="broker")
+    injector = Injector(proc.pid, [fault], lambda: [])
+    progress: dict[str, str] = {}
+
+    def on_line(line: str) -> None:  # the kill once the learner has trained (`learner step N`, N >= 1)
+        if " learner step " in line and "learner step -" not in line and not injector.thread.is_alive() \
+                and not fault.done:
+            progress["at_kill"] = line.strip()
+            injector.start()
+
+    lines = follow(proc, out / f"up-broker-s{seed}.log", on_line)
+    rc, exit_wall = proc.wait(), time.time()
+    injector.stop.set()
+    reason = stopped(lines)
+    return {"seed": seed, "run": run, "command": cmd, "rc": rc, "stopped": reason,
+            "progress_at_kill": progress.get("at_kill", ""),
+            **broker_result(runs_dir / run, timings(runs_dir / run, lines, injector.log())[0], lines, reason,
+                            exit_wall)}
+
+
+def command_line(argv: list[str] | None) -> str:
+    """The command that produced the result, as typed from the checkout's root."""
+    python = Path(sys.executable)
+    python_shown = str(python.relative_to(ROOT)) if python.is_relative_to(ROOT) else str(python)
+    return shlex.join([python_shown, "bench/chaos.py", *(sys.argv[1:] if argv is None else argv)])
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="1 seed, 4 faults, 2,400 tasks (a few minutes on 2 cores)")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--tasks", type=int, default=6000, help="sao up --limit of each main run")
+    p.add_argument("--broker-tasks", type=int, default=1200, help="sao up --limit of each broker run")
+    p.add_argument("--drain", type=float, default=60.0, help="sao up --drain-seconds")
+    p.add_argument("--max-seconds", type=float, default=600.0, help="sao up --max-seconds of each main run")
+    p.add_argument("--no-broker-run", dest="broker_run", action="store_false")
+    p.add_argument("--up-args", default="", help="more `sao up` arguments, one shell-quoted string")
+    p.add_argument("--out", default=None, help="the JSON (default: docs/results/chaos.json; --quick: "
+                                               "runs/bench/chaos/chaos.json)")
+    p.add_argument("--runs-dir", default="runs/chaos", help="sao up --runs-dir")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.seeds, a.tasks, a.broker_tasks, a.drain, a.max_seconds = a.seeds[:1], 2400, 600, 30.0, 360.0
+    a.up_args = shlex.split(a.up_args) + (QUICK_WARM_START if a.quick else [])
+    a.out = Path(a.out or ("runs/bench/chaos/chaos.json" if a.quick else "docs/results/chaos.json"))
+    return a
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="3 kills over 1,500 tasks")
-    p.add_argument("--tasks", type=int, default=6000, help="sao up --limit")
-    p.add_argument("--kills", type=int, default=12)
-    p.add_argument("--every", type=float, default=14.0, help="mean seconds between kills")
-    p.add_argument("--out", default="runs/bench/chaos")
-    p.add_argument("--runs-dir", default="runs", help="sao up --runs-dir (the run goes to <runs-dir>/chaos)")
-    a = p.parse_args(argv)
-    if a.quick:
-        a.tasks, a.kills, a.every = 1500, 3, 10.0
-    out, run = Path(a.out), "chaos"
-    runs_dir = Path(a.runs_dir)  # its cache holds the warm start
-    if (runs_dir / run).exists():
-        import shutil
-
-        shutil.rmtree(runs_dir / run)
-    broker = EmbeddedBroker(BrokerSettings(port=0, log_path=str(out / "broker.log"))).start()
-    try:
-        bus = KafkaBus(broker.bootstrap)
-        bus.create_topics(partitions_by_topic(run))
-        prod = bus.producer()
-        for i, value in enumerate(MALFORMED):
-            prod.send_raw(Topics(run).tasks, value, key=f"malformed-{i}".encode())
-        prod.flush()
-        cmd = [sys.executable, "-m", "streamer.launch.cli", "up", "--bootstrap", broker.bootstrap, "--run", run,
-               "--runs-dir", str(runs_dir), "--no-dashboard", "--restarts", "100", "--limit", str(a.tasks),
-               "--drain-seconds", "120"]  # a learner restarted often has a backlog left when the last task is answered
-        print("running: " + " ".join(cmd), flush=True)
-        stop, kills, t0 = threading.Event(), [], time.monotonic()
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        thread = threading.Thread(target=killer, args=(run, a.kills, a.every, stop, kills, t0), daemon=True)
-        started = False
-        with open(out / "up.log", "w") as log:
-            for line in proc.stdout:  # type: ignore[union-attr]
-                log.write(line)
-                print(f"  | {line}", end="", flush=True)
-                if not started and line.startswith("[4/4]"):
-                    started = True
-                    t0 = time.monotonic()
-                    thread.start()
-        rc = proc.wait()
-        stop.set()
-        wall = time.monotonic() - t0
-        result = {"bench": "chaos", "mode": "quick" if a.quick else "full", "command": cmd, "rc": rc,
-                  "wall_s": wall, "machine": machine(), "kills": kills, "kills_by_role": dict(Counter(k["role"]
-                                                                                                   for k in kills)),
-                  **account(broker.bootstrap, run, runs_dir / run, len(MALFORMED))}
-    finally:
-        broker.stop()
-    r = result
-    r["goals"] = {"lost": len(r["lost"]) == 0, "trained_twice": not r["trained_twice"],
-                  "stale_drops": r["stale_drops"] == 0, "letters_sent_twice": r["letters_sent_twice"] == 0,
-                  "kills": len(kills) >= a.kills,
-                  "malformed_dead_lettered": r["malformed_dead_lettered"] == r["malformed_published"]}
-    r["goals_met"] = all(r["goals"].values())
-    save_json(r, out / "chaos.json")
-    shown = ("kills_by_role", "tasks", "trained_once", "trained_twice", "buffered_in_last_checkpoint",
-             "dead_lettered_tasks", "malformed_dead_lettered", "letters_sent_twice", "stale_drops", "lost", "goals_met")
-    print(json.dumps({k: r[k] for k in shown}, default=str))
-    print(f"saved {out / 'chaos.json'}")
-    return 0 if rc == 0 else rc
+    a = parse(argv)
+    out = ROOT / "runs" / "bench" / "chaos"
+    out.mkdir(parents=True, exist_ok=True)
+    t0, runs, broker_runs = time.monotonic(), [], []
+    for seed in a.seeds:
+        runs.append(main_run(a, seed, out))
+        if a.broker_run:
+            broker_runs.append(broker_run(a, seed, out))
+    result = {"bench": "chaos", "mode": "quick" if a.quick else "full",
+              "command": command_line(argv),
+              "commit": git_commit(), "machine": machine(), "seeds": a.seeds, "pause_s": PAUSE_S,
+              "session_timeout_s": ClientSettings().session_timeout_ms / 1000, "wall_s": time.monotonic() - t0,
+              "runs": runs, "broker_runs": broker_runs}
+    result["by_fault_class"] = summarize(runs, broker_runs)
+    result["goals"] = goals(runs, broker_runs)
+    result["goals_met"] = all(result["goals"].values())
+    save_json(result, a.out)
+    print(json.dumps({"by_fault_class": result["by_fault_class"], "goals": result["goals"]}, default=str, indent=1))
+    print(f"saved {a.out}")
+    if not result["goals"]["every_fault_injected"]:
+        print("chaos: a requested fault was not injected (see runs[].faults[].done.missed)", file=sys.stderr)
+        return 2
+    return 0 if result["goals_met"] else 1
 
 
 if __name__ == "__main__":

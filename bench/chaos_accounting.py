@@ -1,0 +1,146 @@
+"""Chaos accounting: what a run under faults lost, trained twice and dead-lettered, and how fast it noticed and
+recovered, from the broker's topics (which outlive the run) and the run directory's tables.
+
+- every task the simulator published (read back from `<run>.tasks`, plus any the agents answered) is trained
+  exactly once (the learner's standing events), buffered in the learner's last checkpoint (`pending.jsonl`: a run
+  that stops mid-batch), or dead-lettered; anything else is lost;
+- every bad record is dead-lettered, by at least one consumer and by no consumer twice ((consumer, record) pairs);
+- each fault's time to detect (the `sao up` line that reports the role's exit) and to recover (the role's next
+  output in the run's tables: a learner event, a trajectory of the restarted agent, a metric point).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from bench.chaos_faults import BAD_PREFIX
+from streamer.runs import artifacts as art
+from streamer.runs.readers import read_table
+from streamer.transport.kafka_bus import read_topic
+from streamer.wire.schema import DeadLetter, SchemaError, Task, Trajectory, decode, decode_json
+from streamer.wire.settings import ClientSettings
+from streamer.wire.topics import Topics
+
+
+def whole_topic(bootstrap: str, topic: str) -> list[tuple[int, int, bytes]]:
+    """Every record of `topic`: to its end offsets, then until 3 s (12 polls) brought nothing."""
+    return read_topic(bootstrap, ClientSettings(), topic, timeout_s=120.0, idle_polls=12)
+
+
+def trained_counts(run_dir: Path) -> tuple[Counter, pd.DataFrame]:
+    learner = art.read_learner(run_dir)
+    ids = learner["task_ids"] if len(learner) and "task_ids" in learner else []
+    return Counter(t for x in ids for t in (json.loads(x) if isinstance(x, str) else x)), learner
+
+
+def pending_in_last_checkpoint(run_dir: Path) -> set[str]:
+    ckpt = max((run_dir / "checkpoints").glob("step_*"), default=None)
+    if ckpt is None or not (ckpt / "pending.jsonl").is_file():
+        return set()
+    return {decode_json(line, Trajectory).task_id for line in (ckpt / "pending.jsonl").read_bytes().splitlines()
+            if line}
+
+
+def account_tasks(run_dir: Path, task_ids: set[str], dead_tasks: set[str]) -> dict[str, Any]:
+    """Every task trained once, buffered in the last checkpoint, or dead-lettered; the learner's drop counts."""
+    tasks = task_ids | set(art.read_trajectories(run_dir).get("task_id", pd.Series(dtype=str)).astype(str))
+    tasks = {t for t in tasks if not t.startswith(BAD_PREFIX)}
+    trained, learner = trained_counts(run_dir)
+    pending = pending_in_last_checkpoint(run_dir)
+    last = learner.iloc[-1].dropna().to_dict() if len(learner) else {}
+    return {
+        "tasks": len(tasks), "trained_once": sum(1 for t in tasks if trained[t] == 1),
+        "trained_twice": sorted(t for t in tasks if trained[t] > 1),
+        "buffered_in_last_checkpoint": len(pending & tasks), "dead_lettered_tasks": len(dead_tasks & tasks),
+        "lost": sorted(t for t in tasks if trained[t] == 0 and t not in pending and t not in dead_tasks),
+        "bad_records_trained": sorted(t for t in trained if t.startswith(BAD_PREFIX)),
+        "stale_drops": float(last.get("learner/count_stale", 0.0)),
+        "duplicate_drops": float(last.get("learner/count_duplicate", 0.0)), "learner_steps": int(len(learner)),
+    }
+
+
+def account_bad_records(bad: list[dict[str, Any]], letters: list[DeadLetter]) -> list[dict[str, Any]]:
+    """Each bad record with the consumers that dead-lettered it (name -> letters sent)."""
+    by_record: dict[tuple[str, int, int], Counter] = defaultdict(Counter)
+    reasons: dict[tuple[str, int, int], set[str]] = defaultdict(set)
+    for x in letters:
+        by_record[(x.topic, x.partition, x.offset)][x.consumer] += 1
+        reasons[(x.topic, x.partition, x.offset)].add(x.reason[:160])
+    out = []
+    for r in bad:
+        key = (r["topic"], r["partition"], r["offset"])
+        consumers = dict(by_record.get(key, {}))
+        out.append({**r, "letters_by_consumer": consumers, "dead_lettered": bool(consumers),
+                    "sent_twice_by": sorted(c for c, n in consumers.items() if n > 1),
+                    "reasons": sorted(reasons.get(key, ()))})
+    return out
+
+
+def account(bootstrap: str, run: str, run_dir: Path, bad: list[dict[str, Any]]) -> dict[str, Any]:
+    """Tasks and bad records of one run, read from its (still running) broker and its directory."""
+    topics = Topics(run)
+    tasks, records = set(), whole_topic(bootstrap, topics.tasks)
+    for _, _, value in records:
+        try:
+            tasks.add(decode(value, Task).task_id)
+        except SchemaError:
+            pass
+    letters = []
+    for _, _, value in whole_topic(bootstrap, topics.dlq):
+        try:
+            letters.append(decode(value, DeadLetter))
+        except SchemaError:
+            pass
+    dead_tasks = {x.key.decode(errors="replace") for x in letters if x.key and x.expected == "Task"}
+    pairs = Counter((x.consumer, x.topic, x.partition, x.offset) for x in letters)
+    return {"task_records": len(records), "tasks_in_topic": len(tasks), "dead_letters": len(letters),
+            "letters_sent_twice": sum(1 for n in pairs.values() if n > 1),
+            "dlq_reasons": sorted({x.reason[:120] for x in letters}),
+            "bad_records": account_bad_records(bad, letters), **account_tasks(run_dir, tasks, dead_tasks)}
+
+
+def first_after(times: pd.Series, t: float) -> float | None:
+    later = times[times > t]
+    return round(float(later.min()) - t, 2) if len(later) else None
+
+
+def recovery_s(run_dir: Path, fault: dict[str, Any]) -> float | None:
+    """Seconds from the fault (its SIGCONT for a pause) to the role's next output in the run's tables."""
+    done, role = fault["done"], fault["role"]
+    if "wall" not in done:
+        return None
+    t = done.get("cont_wall", done["wall"])
+    if role == "learner":
+        table = read_table(run_dir, "learner")
+        return first_after(table["time"], t) if "time" in table else None
+    if role == "metrics":
+        table = art.read_metrics(run_dir)
+        return first_after(table["time"], t) if "time" in table else None
+    if role.startswith("agent-"):
+        pid = done["pid"] if fault["kind"] != "sigkill" else done.get("new_pid")  # a restarted agent: a new pid
+        traj = art.read_trajectories(run_dir)
+        if not len(traj) or "agent_id" not in traj:
+            return None
+        return first_after(traj.loc[traj["agent_id"] == f"{socket.gethostname()}-{pid}", "finished_at"], t)
+    return None
+
+
+def detection_s(up_lines: list[tuple[float, str]], fault: dict[str, Any]) -> float | None:
+    """Seconds from the fault to `sao up`'s line reporting it: the role's exit (a kill), or the run's stop (the
+    broker). A pause is not a crash: the supervisor has nothing to detect, the consumer group does."""
+    done, role = fault["done"], fault["role"]
+    if "wall" not in done or fault["kind"] != "sigkill":
+        return None
+    marker = "stopping:" if role == "broker" else f"{role} exited"
+    t = next((w for w, line in up_lines if w >= done["wall"] and line.startswith(marker)), None)
+    return None if t is None else round(t - done["wall"], 2)
+
+
+def timings(run_dir: Path, up_lines: list[tuple[float, str]], faults: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{**f, "detect_s": detection_s(up_lines, f), "recover_s": recovery_s(run_dir, f)} for f in faults]
