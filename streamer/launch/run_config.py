@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +33,7 @@ from streamer.launch.resources import (
     plan_resources,
 )
 from streamer.metrics.app import MetricsSettings
-from streamer.wire.config import ConfigError, load_config, read_yaml, to_dict
+from streamer.wire.config import ConfigError, load_config, read_yaml, to_dict, write_yaml
 from streamer.wire.settings import (
     WEIGHTS_TRANSPORTS,
     AgentSettings,
@@ -246,6 +247,48 @@ def derive_weights(up: UpConfig, io: IOConfig, agent: AgentSettings, cluster: bo
         port = port or free_port(host)
         io.weights_group_bind = f"{host}:{port}"
         agent.weights_group = f"{io.weights_advertised.rpartition(':')[0]}:{port}"
+
+
+SECRETS = {"sasl_password": "SAO_KAFKA_SASL_PASSWORD"}  # a field never written to config.yaml -> the variable
+
+
+def _without_secrets(tree: dict, found: dict[str, dict[str, str]], path: str = "") -> dict:
+    """`tree` with each non-empty secret field emptied; `found`: variable -> {dotted key: value}."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            value = _without_secrets(value, found, f"{path}{key}.")
+        elif key in SECRETS and value:
+            found.setdefault(SECRETS[key], {})[f"{path}{key}"] = value
+            value = ""
+        out[key] = value
+    return out
+
+
+def role_env(cfg: RunConfig) -> dict[str, str]:
+    """The secrets every role gets in its environment, never in config.yaml: the run's policy key
+    (`streamer.transport.signing.run_key`) and the Kafka password (each role's empty field reads it from there)."""
+    from streamer.transport.signing import KEY_ENV, run_key
+
+    found: dict[str, dict[str, str]] = {}
+    _without_secrets(to_dict(cfg), found)
+    env = {KEY_ENV: run_key(Path(cfg.launch.runs_dir) / cfg.launch.run)}
+    for var in SECRETS.values():
+        values = set(found.get(var, {}).values())
+        if len(values) > 1:
+            raise ConfigError(f"{', '.join(found[var])}: different values; every role gets one, in ${var}")
+        value = values.pop() if values else os.environ.get(var, "")
+        if value:
+            env[var] = value
+    return env
+
+
+def write_run_config(cfg: RunConfig, path: str | Path) -> dict[str, str]:
+    """Write `cfg` to `path` (config.yaml) with its secrets left empty; returns `role_env`, what the roles need
+    in their environment instead (the run's policy key made now if it is not there yet)."""
+    env = role_env(cfg)
+    write_yaml(_without_secrets(to_dict(cfg), {}), path)
+    return env
 
 
 def is_derived(key: str) -> bool:

@@ -37,9 +37,11 @@ from streamer.launch.run_config import (
     bind_init,
     load_run_config,
     max_lag_default,
+    role_env,
     seed_of,
+    write_run_config,
 )
-from streamer.wire.config import ConfigError, add_config_args, set_args, write_yaml
+from streamer.wire.config import ConfigError, add_config_args, set_args
 
 FLAGS = {  # flag -> (type, help); each sets the launch field of the same name (defaults: UpConfig)
     "scenario": (str, "scenario file or name under simulator/scenarios/"),
@@ -150,7 +152,7 @@ def prepare(cfg: RunConfig) -> Path:
     up.max_lag = max_lag_default(cfg)  # for a simulator started elsewhere (`sao simulate --run-config`)
     config_file = Path(up.runs_dir) / up.run / "config.yaml"
     config_file.parent.mkdir(parents=True, exist_ok=True)
-    write_yaml(cfg, config_file)
+    write_run_config(cfg, config_file)  # secrets left out: the roles get them in their environment (role_env)
     if not up.stream:  # the scenario as run: its file may be edited later, and a replay must read what ran
         scenario = resolve_path(up.scenario)
         if scenario.is_file():
@@ -242,9 +244,10 @@ def finished(up: UpConfig, sup: Supervisor, simulator: Role, tap, t0: float, las
     bad = sup.failed()
     if bad:
         return "failed: " + ", ".join(f"{r.name} exited {r.proc.returncode}" for r in bad)
-    done = simulator.proc.poll() == 0 and tap.tasks > 0 and len(tap.task_ids) >= tap.tasks
+    done = simulator.proc.poll() == 0 and tap.tasks > 0 and tap.accounted >= tap.tasks
     if done and time.monotonic() - last_new[0] > up.drain_seconds:
-        return "scenario finished: every task answered"
+        return "scenario finished: every task answered" + (f" or dead-lettered ({len(tap.given_up)})"
+                                                            if tap.given_up else "")
     return None
 
 
@@ -289,14 +292,14 @@ def run(cfg: RunConfig, stop: Stop | None = None) -> int:
         broker = EmbeddedBroker(BrokerSettings(port=0, log_path=str(run_dir / "logs" / "broker.log"))).start()
         print(f"      embedded Tansu at {broker.bootstrap}", flush=True)
     bootstrap = up.bootstrap or broker.bootstrap
-    env = {"SAO_BOOTSTRAP": bootstrap, "SAO_RUN": up.run}
+    env = {"SAO_BOOTSTRAP": bootstrap, "SAO_RUN": up.run, **role_env(cfg)}  # the policy key, the Kafka password
     if up.ray:  # agents and learner as Ray actors; broker, simulator, metrics, dashboard stay local
         from streamer.launch.ray_launch import RaySupervisor
         from streamer.launch.ray_nodes import driver_ip, learner_on_driver
 
         sup = RaySupervisor(run_dir / "logs", env, cfg.ray, up.weights_transport)
         if learner_on_driver(cfg.ray, up.weights_transport) and advertise_on(cfg, driver_ip()):
-            write_yaml(cfg, config_file)  # the weight server at the learner node's IP
+            write_run_config(cfg, config_file)  # the weight server at the learner node's IP
         sup.ship(run_dir, {"config.yaml": config_file.read_text()})  # by value: no node reads ours
     else:
         sup = Supervisor(run_dir / "logs", env=env, restarts=up.restarts)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import logging
 import os
 import secrets
 from pathlib import Path
@@ -33,9 +32,8 @@ import msgspec
 from streamer.transport.bus import Consumer, Producer
 from streamer.wire.config import ConfigError
 from streamer.wire.schema import PolicyVersion
+from streamer.wire.settings import warn_once
 from streamer.wire.topics import Topics
-
-log = logging.getLogger(__name__)
 
 KEY_ENV = "SAO_POLICY_KEY"
 KEY_FILE_ENV = "SAO_POLICY_KEY_FILE"
@@ -135,31 +133,25 @@ def resolved_key(key: bytes | None, role: str) -> bytes | None:
     return key
 
 
-_warned = False
-
-
 def warn_unsigned(role: str) -> None:
     """Once per process: policy announcements are not authenticated here."""
-    global _warned
-    if not _warned:
-        _warned = True
-        log.warning("%s: policy announcements are NOT authenticated (no $%s or $%s): anyone who can write to the "
-                    "broker can announce a version; `sao up` sets a key per run", role, KEY_ENV, KEY_FILE_ENV)
+    warn_once(f"{role}: policy announcements are NOT authenticated (no ${KEY_ENV} or ${KEY_FILE_ENV}): anyone who "
+              "can write to the broker can announce a version; `sao up` sets a key per run")
 
 
 def run_key(run_dir: str | Path, env: Mapping[str, str] = os.environ) -> str:
-    """The run's key for `sao up`: $SAO_POLICY_KEY if set, else `<run_dir>/policy.key`, made (mode 0600, 32 random
-    bytes in hex) when missing, so a resumed run and a restarted role keep the key of the announcements on the
-    topic."""
-    if env.get(KEY_ENV, "").strip():
-        return _checked(env[KEY_ENV], f"${KEY_ENV}").decode()
+    """The run's key for `sao up`: the environment's if it has one (`policy_key`), else `<run_dir>/policy.key`,
+    made (mode 0600, 32 random bytes in hex) when missing, so a resumed run and a restarted role keep the key of
+    the announcements already on the topic."""
+    named = env.get(KEY_FILE_ENV, "").strip()
+    if env.get(KEY_ENV, "").strip() or (named and Path(named).is_file()):
+        return policy_key(env).decode()
     path = Path(run_dir) / KEY_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        if path.stat().st_mode & 0o077:
-            os.chmod(path, 0o600)
+        os.chmod(path, 0o600)
         return _checked(path.read_text(), str(path)).decode()
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32))
