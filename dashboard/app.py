@@ -102,6 +102,8 @@ def load_frames(cfg: DashboardSettings, window: int, delta: float) -> list[dict]
             tap = live.shared_taps(cfg.max_live).get(access.check_broker(bootstrap), access.check_live_run(live_run))
         except access.Refused as e:
             st.error(f"live topics: {e}")
+        except live.ReadersBusy as e:
+            st.warning(f"live topics: {e}")
         else:
             (st.success if tap.ok else st.warning)(tap.status)
             snap = tap.snapshot()

@@ -23,6 +23,7 @@ from streamer.runs import artifacts as art
 from streamer.wire.schema import DriftEvent, LearnerEvent, MetricPoint
 
 RETRY_S = 3.0  # after a failure
+BOOTSTRAP_TIMEOUT_MS = 5000  # the Kafka client's first metadata (its default, 30 s, would pin a stopped thread)
 RESYNC_S = 10.0  # quiet this long: re-read the topics from the start (doubling up to 5 min)
 _TAPS: "weakref.WeakSet[LiveTap]" = weakref.WeakSet()
 
@@ -54,7 +55,8 @@ def kafka_consumer_factory(bootstrap: str, run: str):
 
     t = Topics(run)
     types = {t.metrics: MetricPoint, t.learner: LearnerEvent, t.drift: DriftEvent}
-    return KafkaBus(bootstrap).consumer(types, group_id=None)
+    # a bounded bootstrap: a stopped tap's thread ends within seconds even on a host that accepts but never answers
+    return KafkaBus(bootstrap).consumer(types, group_id=None, bootstrap_timeout_ms=BOOTSTRAP_TIMEOUT_MS)
 
 
 class LiveTap:
@@ -152,31 +154,50 @@ class LiveTap:
         self.thread.join(timeout=timeout)
 
 
-class LiveTaps:
-    """One LiveTap per (bootstrap, run), at most `capacity` at once: asking for another stops the least recently
-    used first (its thread joined), so the pairs the page is asked for cannot pile up threads and consumers."""
+class ReadersBusy(RuntimeError):
+    """Every live-reader slot is held by a thread still stopping (a client stuck on an unresponsive broker)."""
 
-    def __init__(self, capacity: int, **tap_options: Any) -> None:
-        self.capacity, self.tap_options = capacity, tap_options
+
+class LiveTaps:
+    """One LiveTap per (bootstrap, run), at most `capacity` threads at once: asking for another stops the least
+    recently used first (its thread joined for `join_s`). A thread that outlives its join (its Kafka client still
+    bootstrapping) keeps its slot until it ends; while every slot is so held, `get` raises ReadersBusy."""
+
+    def __init__(self, capacity: int, join_s: float = 2.0, **tap_options: Any) -> None:
+        self.capacity, self.join_s, self.tap_options = capacity, join_s, tap_options
         self._taps: OrderedDict[tuple[str, str], LiveTap] = OrderedDict()
+        self._stopping: list[LiveTap] = []
         self._lock = threading.Lock()
 
     def get(self, bootstrap: str, run: str) -> LiveTap:
         with self._lock:
             key = (bootstrap, run)
             tap = self._taps.pop(key, None)
-            while len(self._taps) >= max(1, self.capacity):
-                self._taps.popitem(last=False)[1].close()
+            while self._taps and len(self._taps) + len(self._stopping) >= max(1, self.capacity):
+                old = self._taps.popitem(last=False)[1]
+                old.close(timeout=self.join_s)
+                self._stopping.append(old)
+                self._stopping = [t for t in self._stopping if t.thread.is_alive()]
+            self._stopping = [t for t in self._stopping if t.thread.is_alive()]
+            if tap is None and len(self._taps) + len(self._stopping) >= max(1, self.capacity):
+                raise ReadersBusy(f"all {self.capacity} live readers are busy stopping (a broker that does not "
+                                  f"answer); try again in a few seconds")
             self._taps[key] = tap or LiveTap(bootstrap, run, **self.tap_options)
             return self._taps[key]
+
+    def threads(self) -> list[threading.Thread]:
+        """The threads this holds that are alive (the current taps' and those still stopping)."""
+        with self._lock:
+            return [t.thread for t in [*self._taps.values(), *self._stopping] if t.thread.is_alive()]
 
     def __len__(self) -> int:
         return len(self._taps)
 
     def close(self) -> None:
         with self._lock:
-            while self._taps:
-                self._taps.popitem()[1].close()
+            taps = [*self._taps.values(), *self._stopping]
+            self._taps.clear()
+            self._stopping = _close_together(taps)
 
 
 _SHARED = LiveTaps(4)  # the server's: every session's page asks this one
@@ -191,8 +212,16 @@ def shared_taps(capacity: int) -> LiveTaps:
 def close_all() -> None:
     """Stop every tap of this process (tests; the server's taps end with it)."""
     _SHARED.close()
-    for tap in list(_TAPS):
-        tap.close()
+    _close_together(list(_TAPS))
+
+
+def _close_together(taps: list[LiveTap], timeout: float = 5.0) -> list[LiveTap]:
+    """Stop every tap at once, then join each; returns those whose thread is still running."""
+    for tap in taps:
+        tap.stop_event.set()
+    for tap in taps:
+        tap.close(timeout=timeout)
+    return [t for t in taps if t.thread.is_alive()]
 
 
 def _reason(e: Exception) -> str:
