@@ -19,10 +19,21 @@ import threading
 from collections import deque
 
 from streamer.runs.artifacts import RunWriter
-from streamer.wire.schema import DriftEvent, LearnerEvent, MetricPoint, Task, Trajectory
+from streamer.wire.schema import (
+    DeadLetter,
+    DriftEvent,
+    LearnerEvent,
+    MetricPoint,
+    SchemaError,
+    Task,
+    Trajectory,
+    decode,
+)
+from streamer.wire.settings import ClientSettings
 from streamer.wire.topics import Topics
 
 log = logging.getLogger("streamer.runs.tap")
+TAP_CONSUMER = "sao-tap"  # its client id, and the `consumer` of its dead letters
 
 
 class Tap:
@@ -32,6 +43,7 @@ class Tap:
         self.consumer, self.writer = consumer, writer
         self.tasks = 0
         self.task_ids: set[str] = set()  # tasks answered (de-duplicated)
+        self.given_up: set[str] = set()  # tasks an agent dead-lettered (it could not run or score them)
         self.trajectories = 0
         self.recent_rewards: deque[float] = deque(maxlen=window)
         self.concept_rewards: dict[tuple[str, str], deque[float]] = {}  # (family, concept) -> last 64 rewards
@@ -57,6 +69,16 @@ class Tap:
             self.writer.metric(msg)
         elif isinstance(msg, LearnerEvent):
             self.learner = msg
+        elif isinstance(msg, DeadLetter) and msg.expected == "Task":
+            try:  # a task an agent gave up on holds the whole task; a record nobody could decode does not count
+                self.given_up.add(decode(msg.value, Task).task_id)
+            except SchemaError:
+                pass
+
+    @property
+    def accounted(self) -> int:
+        """Tasks answered or dead-lettered by an agent: either way, no agent will take them again."""
+        return len(self.task_ids | self.given_up)
 
     def run(self) -> None:
         while not self._stop.is_set():
@@ -85,8 +107,11 @@ def open_tap(bootstrap: str | None, run: str, run_dir: str, config: dict | None 
 
     t = Topics(run)
     types = {t.tasks: Task, t.trajectories: Trajectory, t.drift: DriftEvent, t.metrics: MetricPoint,
-             t.learner: LearnerEvent}
-    consumer = KafkaBus(bootstrap).consumer(types, group_id=None, dlq=t.dlq)
+             t.learner: LearnerEvent, t.dlq: DeadLetter}
+    # its dead letters carry its own consumer name: the learner reads <run>.trajectories too, and a record both
+    # reject must be two letters (each consumer skips only its own letters when it reads the topic again)
+    bus = KafkaBus(bootstrap, ClientSettings(client_id=TAP_CONSUMER))
+    consumer = bus.consumer(types, group_id=None, dlq=t.dlq)
     return Tap(consumer, RunWriter(run_dir, config=config, writer_id="tap"))
 
 
