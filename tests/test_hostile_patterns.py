@@ -193,3 +193,60 @@ def test_a_timed_out_task_is_dead_lettered_and_the_agent_goes_on(user_verifiers,
     assert letter.reason == ("rollout failed: VerifierTimeout: task loops: verifier 'loop' ran past its limit of "
                              "0.5 s (agent.verifier_timeout_s); scored 0, task dead-lettered")
     assert sum(bus.committed["h.agents"].values()) == 4  # the looping task is committed too: no agent retries it
+
+
+def install_looping_verifier(site) -> None:
+    """A package on PYTHONPATH whose entry point `loop` (group sao_lab.verifiers) never returns, as a user would
+    install one (`pip install`): the `sao up` roles find it by its metadata, as they find any user verifier."""
+    site.mkdir()
+    (site / "loopy_verifiers.py").write_text("def loop(answer, reference, params):\n    while True:\n        pass\n")
+    info = site / "loopy_verifiers-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: loopy-verifiers\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[sao_lab.verifiers]\nloop = loopy_verifiers:loop\n")
+
+
+@pytest.mark.slow
+@pytest.mark.kafka
+def test_up_replays_hostile_rows_and_finishes_with_every_task_accounted_for(tmp_path):
+    """`sao up --stream FILE` on a stream with the issue's hostile row, two patterns RE2 refuses and a row whose user
+    verifier never ends: the run ends by itself; the refused rows are set aside by row and field, the looping row is
+    dead-lettered by the agent with its reason, and every other task (the hostile one included, scored 0) is
+    answered once."""
+    import os
+    import subprocess
+    import sys
+
+    from test_up_stream import stream_rows
+
+    from streamer.runs.readers import read_summary, read_trajectories
+
+    rows = [r for r in stream_rows() if r["task_id"] != "bad"][:96]
+    rows.insert(5, row(task_id="hostile", prompt="f:aaaa=", reference=HOSTILE, time=0.26))  # the issue's row
+    rows.insert(20, row(task_id="backref", params={"pattern": r"(a)\1"}, time=0.96))
+    rows.insert(40, row(task_id="lookahead", reference="(?=a)a", time=1.96))
+    rows.insert(60, row(task_id="loops", verifier="loop", time=2.96))
+    stream = tmp_path / "stream.jsonl"
+    stream.write_text("".join(json.dumps({**r, "tags": {"source": "fmt", "concept": "brackets"}}) + "\n"
+                              for r in rows))
+    install_looping_verifier(tmp_path / "site")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "streamer.launch.cli", "up", "--run", "h", "--runs-dir", str(tmp_path / "runs"),
+           "--scenario", "smoke", "--stream", str(stream), "--no-dashboard", "--no-eval", "--agents", "1",
+           "--cores", "2", "--batch", "32", "--set", "pretrain.steps=40", "--set", "pretrain.eval_every=0",
+           "--set", "agent.verifiers=[loop]", "--set", "agent.verifier_timeout_s=1", "--max-seconds", "400"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    run_dir = tmp_path / "runs" / "h"
+    assert read_summary(run_dir)["stopped"] == "scenario finished: every task answered or dead-lettered (1)"
+    rejects = [json.loads(line) for line in (run_dir / "rejects.jsonl").read_text().splitlines()]
+    assert [(r["row"], r["field"]) for r in rejects] == [(21, "params.pattern"), (41, "reference")]
+    trajs = read_trajectories(run_dir)
+    answered = {r["task_id"] for r in rows} - {"backref", "lookahead", "loops"}
+    assert len(trajs) == trajs["task_id"].nunique() == len(answered) == 97
+    assert set(trajs["task_id"]) == answered
+    assert trajs[trajs["task_id"] == "hostile"]["reward"].tolist() == [0.0]
+    agent_log = (run_dir / "logs" / "agent-0.log").read_text()
+    assert ("task loops rollout failed: VerifierTimeout: task loops: verifier 'loop' ran past its limit of 1 s "
+            "(agent.verifier_timeout_s); scored 0, task dead-lettered -> DLQ") in agent_log
+    assert json.loads((run_dir / "agent-0.json").read_text())["failed"] == 1
