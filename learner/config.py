@@ -119,6 +119,9 @@ class BatchConfig:
     sync_batch: int = 64
     flush_at_end: bool = True  # when a finite source ends, train on the last partial batch
     dedup_window: int = 100_000  # remember this many recent keys for de-duplication
+    # a batch whose training raises (an exception, out of memory) this many times, across restarts, is dead-lettered
+    # ("poison batch: <error>") instead of redone until the restarts are spent (learner.trainer.quarantine)
+    poison_after: int = 2
 
 
 @dataclass
@@ -127,6 +130,9 @@ class CheckpointConfig:
     every: int = 10  # checkpoint every this many steps (offsets are committed only with a checkpoint)
     keep: int = 2  # checkpoints kept on disk
     resume: bool = True  # resume from the latest checkpoint in `dir` if there is one
+    # every checkpoint in `dir` damaged: move them into dir/damaged/ and start from zero (sao learn --from-scratch);
+    # without it the learner stops, since a start from offset 0 would train every trajectory again
+    from_scratch: bool = False
 
 
 @dataclass
@@ -278,6 +284,7 @@ def _validate_numbers(c: LearnerConfig) -> None:
                 "optim.updates_per_batch": c.optim.updates_per_batch, "batch.tokens": c.batch.tokens,
                 "batch.max_trajectories": c.batch.max_trajectories, "batch.micro_batch": c.batch.micro_batch,
                 "batch.sync_every": c.batch.sync_every, "batch.sync_batch": c.batch.sync_batch,
+                "batch.poison_after": c.batch.poison_after,
                 "checkpoint.every": c.checkpoint.every, "checkpoint.keep": c.checkpoint.keep,
                 "value.spike_factor": c.value.spike_factor, "threads": c.threads}
     for name, v in positive.items():

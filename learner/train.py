@@ -56,6 +56,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.add_argument(f"--{flag.replace('_', '-')}", dest=flag, help=f"sets {FLAGS[flag]}")
     p.add_argument("--sync", action="store_true", help="synchronous: wait for a full batch of the current version")
     p.add_argument("--follow", action="store_true", help="keep reading the trajectory file as it grows")
+    p.add_argument("--from-scratch", action="store_true", help="every checkpoint in checkpoint.dir damaged: move "
+                   "them into its damaged/ and start from zero (sets checkpoint.from_scratch)")
     p.add_argument("--nproc", type=int, default=0,
                    help="megatron: run N ranks on this machine (re-executes under torchrun)")
     p.add_argument("--nnodes", type=int, default=1, help="with --nproc: nodes of the job, each running this command")
@@ -75,6 +77,8 @@ def build_config(args: argparse.Namespace) -> LearnerConfig:
         overrides.append("batch.sync=true")
     if args.follow:
         overrides.append("io.follow=true")
+    if args.from_scratch:
+        overrides.append("checkpoint.from_scratch=true")
     return load_config(LearnerConfig, args.config, overrides + args.overrides, section="learner")
 
 
@@ -264,6 +268,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"sao learn: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        from learner.trainer.checkpoint import EXIT_NO_SPACE, is_no_space
+
+        if not is_no_space(e):
+            raise
+        print(f"sao learn: {e}", file=sys.stderr)  # a restart cannot help: a distinct code (sao up's supervisor)
+        return EXIT_NO_SPACE
 
 
 def train(cfg: LearnerConfig) -> int:

@@ -17,27 +17,46 @@ checkpoint or the new one, never a half-written one. Should a file still be dama
 ranks: the leader makes the temporary directory (`begin_checkpoint`), every rank writes its
 optimizers into it (`save_optimizers`), then the leader writes the rest and renames it
 (`finish_checkpoint`); the directory must be shared by the ranks (one machine, or a shared path).
+
+Faults that a restart cannot mend stop the learner with what to do instead of looping: a full filesystem
+(`OutOfSpace`, exit code `EXIT_NO_SPACE`: the temporary directory is removed, and a start with less free space than
+the newest checkpoint takes is refused at once), and a directory whose checkpoints are all damaged
+(`DamagedCheckpoints`: starting from offset 0 would train every trajectory again; `checkpoint.from_scratch` moves
+them into `damaged/` and starts over on purpose).
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
 import re
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from streamer.wire.config import ConfigError
 from streamer.wire.schema import Trajectory, decode_json, encode_json
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 MANIFEST = "manifest.json"
+EXIT_NO_SPACE = 74  # sysexits' EX_IOERR: `sao learn` ends with it on a full filesystem (a restart cannot help)
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 log = logging.getLogger(__name__)
+
+
+class OutOfSpace(OSError):
+    """A filesystem the learner writes to is full: names the directory, its free space and what to do."""
+
+
+class DamagedCheckpoints(ConfigError):
+    """checkpoint.dir holds checkpoints, none of them intact: the learner refuses to start from zero by itself."""
 
 
 def flatten_optimizer(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -129,14 +148,97 @@ def damage(path: Path) -> str | None:
     return None
 
 
-def intact_checkpoint(root: str | Path) -> Path | None:
-    """The newest checkpoint whose files all match their manifest; each newer, damaged one is named in a warning."""
-    for path in reversed(step_dirs(root)):
+def _named_step_dirs(root: Path) -> list[Path]:
+    """Every directory named like a checkpoint, whole or not (one that lost its state.json is a damaged one)."""
+    return sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()) if root.is_dir() else []
+
+
+def intact_checkpoint(root: str | Path, from_scratch: bool = False) -> Path | None:
+    """The newest checkpoint whose files all match their manifest; each newer, damaged one is named in a warning.
+    None for an empty `root`; `DamagedCheckpoints` when every checkpoint in it is damaged, unless `from_scratch`,
+    which moves them into `root/damaged/` (kept for inspection) and returns None: a start from zero on purpose."""
+    damaged = []
+    for path in reversed(_named_step_dirs(Path(root))):
         why = damage(path)
         if why is None:
             return path
         log.warning("checkpoint %s is damaged (%s): falling back to an older one", path, why)
+        damaged.append((path, why))
+    if damaged and not from_scratch:
+        named = "; ".join(f"{p.name}: {why}" for p, why in damaged)
+        raise DamagedCheckpoints(
+            f"checkpoint.dir {root}: every checkpoint is damaged ({named}). Starting from zero would train every "
+            "trajectory again from offset 0, so the learner stops. Restore the checkpoints from a copy, or start "
+            "over on purpose: sao learn --from-scratch (--set checkpoint.from_scratch=true moves them into "
+            f"{Path(root) / 'damaged'}), or delete the directory")
+    for path, _ in damaged:
+        (Path(root) / "damaged").mkdir(exist_ok=True)
+        os.rename(path, Path(root) / "damaged" / path.name)
+        log.warning("checkpoint %s moved into damaged/: starting over (checkpoint.from_scratch)", path)
     return None
+
+
+def free_bytes(path: str | Path) -> int:
+    """Free bytes on the filesystem of `path` (of its nearest existing parent)."""
+    path = Path(path).absolute()
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def is_no_space(error: BaseException) -> bool:
+    """A write failed on a full filesystem (or quota): an OSError's errno, or the text of safetensors' writer, which
+    names only the OS error ("No space left on device (os error 28)")."""
+    if isinstance(error, OSError) and error.errno is not None:
+        return error.errno in NO_SPACE
+    return any(f"(os error {n})" in str(error) for n in NO_SPACE)
+
+
+def out_of_space(directory: str | Path, what: str, error: BaseException) -> OutOfSpace:
+    """The error that ends the learner when `directory`'s filesystem is full (`error`: the failed write's)."""
+    cause = getattr(error, "strerror", None) or str(error)
+    return OutOfSpace(errno.ENOSPC,
+                      f"{what} {directory}: no space left on its filesystem ({free_bytes(directory):,} bytes free; "
+                      f"{cause}). The half-written files were removed. Free space there or point {what} elsewhere, "
+                      "then start the learner again: it resumes from its newest intact checkpoint")
+
+
+@contextmanager
+def space_guard(directory: str | Path | None, what: str):
+    """A write under `directory` (the setting `what` names it) that fails on a full filesystem raises `OutOfSpace`,
+    its temporary files removed. None: no guard (a rank that writes only into the leader's directory)."""
+    try:
+        yield
+    except Exception as e:
+        if directory is None or isinstance(e, OutOfSpace) or not is_no_space(e):
+            raise
+        clean_tmp(directory)
+        raise out_of_space(directory, what, e) from e
+
+
+def check_space(root: str | Path) -> None:
+    """`OutOfSpace` when `root`'s filesystem has less free space than the newest checkpoint in it takes: the
+    learner would redo its steps since that checkpoint and fail again writing the next one."""
+    newest = latest_checkpoint(root)
+    if newest is None:
+        return
+    need = sum(p.stat().st_size for p in newest.iterdir() if p.is_file())
+    if free_bytes(root) < need:
+        raise OutOfSpace(errno.ENOSPC, f"checkpoint.dir {root}: {free_bytes(root):,} bytes free, less than the "
+                         f"{need:,} a checkpoint takes ({newest.name}). Free space there or copy the directory "
+                         "to a larger filesystem and point checkpoint.dir at it, then start the learner again")
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """`data` into `path` through a temporary file, fsynced, renamed, and the directory fsynced."""
+    tmp = path.with_name(f".tmp-{path.name}")
+    try:
+        tmp.write_bytes(data)
+        _fsync(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync(path.parent)
 
 
 def save_checkpoint(root: str | Path, step: int, models: dict[str, torch.nn.Module],
@@ -222,8 +324,9 @@ def load_checkpoint(path: str | Path, models: dict[str, torch.nn.Module],
 
 
 def clean_tmp(root: str | Path) -> None:
-    """Remove half-written checkpoints left by a killed process."""
+    """Remove what a killed process or a full disk left half-written under `root`: checkpoints and files
+    (`.tmp-*`, `.trash-step_*`), and a weight store's versions (`.v000123.tmp<pid>`, streamer.transport.weights)."""
     root = Path(root)
     if root.is_dir():
-        for p in [*root.glob(".tmp-step_*"), *root.glob(".trash-step_*")]:
-            shutil.rmtree(p, ignore_errors=True)
+        for p in [*root.glob(".tmp-*"), *root.glob(".trash-step_*"), *root.glob(".v*.tmp*")]:
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)

@@ -12,6 +12,11 @@ weight store and commits offsets; it broadcasts each batch (or the decision to s
 trains on its rows. Exporting weights (publication, checkpoints) is collective: every rank calls it; a backend
 that splits the model (megatron) publishes each version by shard, every rank writing its own part into the
 leader's store (learner.trainer.publish_shards).
+
+A batch whose training raises is counted against its trajectories and, once it has failed `batch.poison_after`
+times (across restarts), dead-lettered instead of redone (learner.trainer.quarantine). A full filesystem under the
+checkpoints or the weight store ends the learner with `checkpoint.OutOfSpace` (its temporary directories removed),
+and a checkpoint directory whose checkpoints are all damaged stops it instead of starting from offset 0.
 """
 
 from __future__ import annotations
@@ -30,10 +35,11 @@ from learner.trainer import checkpoint as ckpt
 from learner.trainer.batching import Batcher, by_length, collate, group_key
 from learner.trainer.publish import Publisher
 from learner.trainer.publish_shards import publish_sharded
+from learner.trainer.quarantine import Quarantine, injected_fault
 from learner.trainer.ranks import RankGroup
 from learner.trainer.source import Source
 from learner.trainer.staleness import Admission, histogram, staleness
-from learner.trainer.step import Models, prepare, update
+from learner.trainer.step import HalfApplied, Models, prepare, update
 from streamer.wire.schema import LearnerEvent, Trajectory
 
 log = logging.getLogger(__name__)
@@ -65,6 +71,9 @@ class Trainer:
         self.admission = Admission(b.max_staleness, grouped, b.dedup_window, b.sync, vocab, positions)
         self.batcher = Batcher(b.tokens, b.max_trajectories, cfg.advantage.group_size if grouped else None,
                                b.sync_batch if b.sync else None, grouped and cfg.advantage.dynamic_sampling)
+        # the leader's: failure counts of batches, offsets of buffered trajectories (for their dead letters)
+        self.quarantine = None if source is None else Quarantine(cfg.checkpoint.dir, b.poison_after,
+                                                                 self.admission.key)
         self.step = self.policy_steps = self.version = 0
         self.vindex = 0  # the lineage index of `version` (staleness counts it; see staleness.Lineage)
         self.redo_until = -1  # after a restart: publication points up to this index were published before the crash
@@ -123,11 +132,12 @@ class Trainer:
         while not self.batcher.has_batch() and not self.stop:
             if self.source.exhausted:
                 rest = self.batcher.take(flush=True) if self.cfg.batch.flush_at_end else []
-                return rest or None
+                return self._without_poison(rest) if rest else None
             for traj, off in self.source.poll(max_records=256, timeout_s=0.2):
                 self.positions[off.partition] = off.next
                 verdict = self.admission.admit(traj, self.vindex)
                 if verdict == "ok":
+                    self.quarantine.remember(traj, off)
                     self.batcher.add(traj)
                 elif verdict == "invalid":
                     self.source.reject(traj, off, self.admission.last_invalid)
@@ -135,7 +145,17 @@ class Trainer:
                 self.idle_s += time.monotonic() - t0
                 return []
         self.idle_s += time.monotonic() - t0
-        return self.batcher.take() or None
+        batch = self.batcher.take()
+        return self._without_poison(batch) if batch else None
+
+    def _without_poison(self, trajs: list[Trajectory]) -> list[Trajectory]:
+        """`trajs` less the poison ones (and their groups), which go to the dead letters."""
+        grouped = not self.cfg.uses_value_model
+        keep, poison = self.quarantine.split(trajs, group_key if grouped else None)
+        if poison:
+            self.quarantine.dead_letter(poison, self.source)
+            self.counters["poison"] += len(poison)
+        return keep
 
     def train_on(self, trajs: list[Trajectory]) -> LearnerEvent | None:
         grouped = not self.cfg.uses_value_model
@@ -144,22 +164,49 @@ class Trainer:
             return None
         t0 = time.monotonic()
         hist = histogram(fresh, self.vindex, self.admission.lineage)  # against the version the update starts from
-        batch = collate(by_length(fresh)).to(self.device)
-        shard = self.group.shard(len(fresh)) if self.group is not None else None
         warm = self.models.value is not None and self.warm_left > 0
-        ref = prepare(self.cfg, self.models, batch, values_from_update=shard is None, train_policy=not warm)
-        n_applied, metrics = 0, {}
-        for _ in range(self.cfg.optim.updates_per_batch):
-            metrics, ok = update(self.cfg, self.models, batch, ref, train_policy=not warm, shard=shard)
-            if not ok:  # the weights keep the updates already applied; the rest of the batch is dropped
-                self.counters["skipped_updates"] += 1
-                break
-            n_applied += 1
+        try:
+            n_tokens, metrics, n_applied = self._learn(fresh, warm)
+        except Exception as e:
+            if not self._dead_letters_it(fresh, e):
+                raise
+            return self.train_on(self._without_poison(fresh))
+        if self.quarantine is not None:
+            self.quarantine.trained(fresh)
         self.step += 1
         self._after_update(metrics, n_applied > 0, warm)
         metrics["updates_applied"] = float(n_applied)
         step_s = time.monotonic() - t0
-        return self._event(fresh, batch.n_tokens, metrics, n_applied > 0, warm, step_s, hist)
+        return self._event(fresh, n_tokens, metrics, n_applied > 0, warm, step_s, hist)
+
+    def _learn(self, fresh: list[Trajectory], warm: bool) -> tuple[int, dict[str, float], int]:
+        """The batch's updates: (its tokens, metrics, updates applied). What raises here is the batch's failure."""
+        injected_fault(fresh)
+        batch = collate(by_length(fresh)).to(self.device)
+        shard = self.group.shard(len(fresh)) if self.group is not None else None
+        ref = prepare(self.cfg, self.models, batch, values_from_update=shard is None, train_policy=not warm)
+        n_applied, metrics = 0, {}
+        for _ in range(self.cfg.optim.updates_per_batch):
+            try:
+                metrics, ok = update(self.cfg, self.models, batch, ref, train_policy=not warm, shard=shard)
+            except Exception as e:
+                if n_applied:
+                    raise HalfApplied(f"update {n_applied + 1} of the batch failed ({type(e).__name__}: {e})") from e
+                raise
+            if not ok:  # the weights keep the updates already applied; the rest of the batch is dropped
+                self.counters["skipped_updates"] += 1
+                break
+            n_applied += 1
+        return batch.n_tokens, metrics, n_applied
+
+    def _dead_letters_it(self, fresh: list[Trajectory], error: Exception) -> bool:
+        """Count the failure; True when the poison it found can be dead-lettered here and the learner go on: one
+        rank, and weights the failed batch did not touch. Otherwise the learner goes down (and, restarted, drops
+        the poison when the batch forms again)."""
+        if self.quarantine is None:  # a rank other than the leader: the leader counts
+            return False
+        poison = self.quarantine.failed(fresh, error)
+        return poison and self.group is None and not isinstance(error, HalfApplied)
 
     # ------------------------------------------------------------------ bookkeeping
     def _after_update(self, metrics: dict[str, float], applied: bool, warm: bool) -> None:
@@ -206,6 +253,13 @@ class Trainer:
         self._publish(self.version + 1, self.vindex)
 
     def _publish(self, number: int, index: int) -> None:
+        store = getattr(self.publisher, "store", None)  # a full disk under it ends the learner (OutOfSpace)
+        with ckpt.space_guard(store.root if store else None, "io.weights_dir"):
+            self._write_version(number)
+        self.version = number
+        self.admission.lineage.anchor(number, index)
+
+    def _write_version(self, number: int) -> None:
         shard = self.backend.export_shard("policy") if self.by_shard else None
         if shard is not None:  # each rank writes its own part (a collective); no rank holds the whole model
             publish_sharded(self.publisher, shard, self.backend.hf_config, number, self.step, self.group)
@@ -213,8 +267,6 @@ class Trainer:
             model = self.backend.export_hf("policy")  # a collective over the ranks
             if self.publisher is not None:
                 self.publisher.publish(model, number, self.step)
-        self.version = number
-        self.admission.lineage.anchor(number, index)
 
     def _event(self, trajs, n_tokens, metrics, applied, warm, step_s, hist) -> LearnerEvent:
         m = {f"learner/{k}": float(v) for k, v in metrics.items()}
@@ -243,10 +295,17 @@ class Trainer:
         return opts
 
     def checkpoint(self) -> None:
+        """Write a checkpoint; `checkpoint.OutOfSpace` (its temporary directory removed) on a full filesystem."""
+        with ckpt.space_guard(self.cfg.checkpoint.dir if self.leader else None, "checkpoint.dir"):
+            self._save()
+
+    def _save(self) -> None:
         state = {"version": self.version, "version_index": self.vindex, "redo_until": self.redo_until,
                  "policy_steps": self.policy_steps, "positions": self.positions,
                  "admission": self.admission.state(), "counters": dict(self.counters),
                  "value_ema": self.value_ema, "warm_left": self.warm_left, "layout": self.backend.layout()}
+        if self.quarantine is not None:
+            state["offsets"] = self.quarantine.state(self.batcher.pending())
         opts = self._optimizers()
         hf = {name: self.backend.export_hf(name) for name in opts}  # a collective over the ranks
         root, g = self.cfg.checkpoint.dir, self.group
@@ -267,11 +326,16 @@ class Trainer:
 
     def resume(self) -> bool:
         """Restore from the latest checkpoint in checkpoint.dir, if any; the source seeks to its offsets."""
+        c = self.cfg.checkpoint
         if self.leader:
-            ckpt.clean_tmp(self.cfg.checkpoint.dir)
-        if self.group is not None:
+            ckpt.clean_tmp(c.dir)
+            ckpt.check_space(c.dir)
+            if hasattr(self.publisher, "store"):
+                ckpt.clean_tmp(self.publisher.store.root)
+        path = ckpt.intact_checkpoint(c.dir, c.from_scratch) if c.resume and self.leader else None
+        if self.group is not None:  # the others look once the leader has moved damaged ones (from_scratch)
             self.group.barrier()
-        path = ckpt.intact_checkpoint(self.cfg.checkpoint.dir) if self.cfg.checkpoint.resume else None
+            path = ckpt.intact_checkpoint(c.dir) if c.resume and not self.leader else path
         if path is None:
             return False
         self._check_layout(path)
@@ -287,6 +351,8 @@ class Trainer:
         self.admission.load_state(state["admission"])
         self.counters = Counter(state["counters"])
         self.value_ema, self.warm_left = state["value_ema"], state["warm_left"]
+        if self.quarantine is not None:
+            self.quarantine.load_state(state.get("offsets", {}))
         for t in pending:
             self.batcher.add(t)
         log.info("resumed from %s: step %d, version %d, %d buffered", path, self.step, self.version, len(pending))

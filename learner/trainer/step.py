@@ -7,7 +7,8 @@ Log-probs and entropies (the policy loss, decoupled PPO's proximal policy) are t
 trajectory's sampling temperature (`Batch.temperature`), so the ratio is 1 on-policy.
 
 A non-finite loss or gradient norm anywhere in the batch skips the whole update (both models), so
-non-finite values never reach the weights.
+non-finite values never reach the weights. The weights change only in the optimizer steps at the end of `update`:
+an exception before them leaves the weights and the optimizers as they were, one during them is a `HalfApplied`.
 
 Over several ranks (`shard`, see learner.trainer.ranks) the references are computed on the whole
 batch, each rank back-propagates its own rows weighted against the whole batch's token count, and
@@ -304,11 +305,19 @@ def update(cfg: LearnerConfig, models: Models, batch: Batch, ref: dict, train_po
         for o in opts:
             o.zero_grad(set_to_none=True)
         return metrics, False
-    if models.value_opt is not None:
-        models.value_opt.step()
-    if train_policy:
-        models.policy_opt.step()
+    try:
+        if models.value_opt is not None:
+            models.value_opt.step()
+        if train_policy:
+            models.policy_opt.step()
+    except Exception as e:
+        raise HalfApplied(f"an optimizer step failed part way ({type(e).__name__}: {e})") from e
     return metrics, True
+
+
+class HalfApplied(RuntimeError):
+    """A batch failed after some of its updates reached the weights: only a restart from the checkpoint undoes
+    them (learner.trainer.quarantine)."""
 
 
 def _finite(x: float) -> bool:
