@@ -132,8 +132,17 @@ def _answer(fns: dict[str, Any], req: dict[str, Any]) -> dict[str, Any]:
     return {"value": value if value == value else -1.0}  # NaN is out of range: the caller scores it 0
 
 
+def _orphan_watch(parent: int) -> None:
+    """End the worker when its caller is gone, even while a verifier loops (EOF on stdin is read only between
+    calls): a killed agent leaves no worker spinning."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
 def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the agent's to handle; EOF on stdin ends us
+    threading.Thread(target=_orphan_watch, args=(os.getppid(),), daemon=True).start()
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # a verifier's prints go to stderr, not into the replies
     hello = json.loads(sys.stdin.readline() or "{}")

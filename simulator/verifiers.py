@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import re
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -170,6 +171,7 @@ def check(name: object, params: object, reference: str | None = None) -> None:
 
 
 _worker: Worker | None = None
+_worker_lock = threading.Lock()
 
 
 def set_timeout(seconds: float) -> None:
@@ -182,11 +184,13 @@ def _user_score(name: str, answer: str, reference: str, params: dict[str, Any]) 
     """A user verifier's value, computed in the worker process (restarted when the enabled set or limit changed)."""
     global _worker
     sources = REGISTRY.sources()
-    if _worker is None or _worker.sources != sources or _worker.timeout_s != TIMEOUT_S:
-        if _worker is not None:
-            _worker.close()
-        _worker = Worker(sources, TIMEOUT_S)
-    return _worker.score(name, answer, reference, params)
+    with _worker_lock:
+        if _worker is None or _worker.sources != sources or _worker.timeout_s != TIMEOUT_S:
+            if _worker is not None:
+                _worker.close()
+            _worker = Worker(sources, TIMEOUT_S)
+        worker = _worker
+    return worker.score(name, answer, reference, params)
 
 
 def score(name: str, answer: str, reference: str, params: dict[str, Any]) -> float:

@@ -163,6 +163,42 @@ def test_a_user_verifier_that_ends_its_process_scores_0_and_the_next_call_goes_o
     assert verifiers.score("contains", "b", "b", {}) == 1.0
 
 
+ORPHAN = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from simulator.verifier_worker import Worker
+w = Worker({"contains": "test_hostile_patterns:contains", "loop": "test_hostile_patterns:loop_forever"}, 600)
+w.score("contains", "a", "a", {})
+print(w._proc.pid, flush=True)
+w.score("loop", "a", "a", {})
+"""
+
+
+def test_a_killed_caller_leaves_no_worker_spinning(tmp_path):
+    """SIGKILL of the agent while its user verifier loops: the worker notices it lost its parent and exits."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    caller = subprocess.Popen([sys.executable, "-c", ORPHAN, str(Path(__file__).parent)], stdout=subprocess.PIPE,
+                              text=True)
+    worker_pid = int(caller.stdout.readline())
+    time.sleep(0.5)  # the worker is in the loop now
+    assert Path(f"/proc/{worker_pid}").exists()
+    os.kill(caller.pid, signal.SIGKILL)
+    caller.wait()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{worker_pid}/stat").exists() and time.monotonic() < deadline:
+        state = Path(f"/proc/{worker_pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        if state == "Z":  # exited, waiting for init to reap it
+            break
+        time.sleep(0.1)
+    gone = not Path(f"/proc/{worker_pid}/stat").exists() or state == "Z"
+    assert gone, f"worker {worker_pid} still running after its caller was killed"
+
+
 def test_a_timed_out_task_is_dead_lettered_and_the_agent_goes_on(user_verifiers, tiny_policy_dir):
     from learner.engines import make_engine
     from streamer.agent.agent import build_agent
