@@ -32,6 +32,9 @@ Positions = dict[str, int]
 
 
 class Source(Protocol):
+    # a live topic: every version its trajectories claim was published by this learner (admission bounds them)
+    live: bool
+
     def poll(self, max_records: int, timeout_s: float) -> list[tuple[Trajectory, Offset]]: ...
 
     def seek(self, positions: Positions) -> None: ...
@@ -63,6 +66,7 @@ class FileSource:
     `follow=True` the source waits for more lines at the end of the file instead of ending."""
 
     PARTITION = "file"
+    live = False  # a recording (even one still written) may carry another run's version numbers
 
     def __init__(self, path: str | Path, follow: bool = False) -> None:
         self.path = Path(path)
@@ -138,6 +142,8 @@ class BusSource:
     Build the consumer with group_id=None for a lone learner: it is assigned every partition at
     once (no group join), and the positions from the checkpoint are the only offsets that count."""
 
+    live = True
+
     def __init__(self, consumer) -> None:
         self.consumer = consumer
 
@@ -146,12 +152,18 @@ class BusSource:
         return f"{tp.topic}:{tp.partition}"
 
     def seek(self, positions: Positions) -> None:
+        """Resume at a checkpoint's positions; refused (ResumeRefused) when the broker's topics end before them."""
         from kafka.structs import TopicPartition
+
+        from learner.trainer.resume_guard import check_resume
 
         tps = {}
         for key, n in positions.items():
             topic, _, part = key.rpartition(":")
             tps[TopicPartition(topic, int(part))] = n
+        kafka = getattr(self.consumer, "_c", None)  # KafkaConsumerClient's kafka-python consumer; in-memory: none
+        if tps and kafka is not None:
+            check_resume(kafka, tps)
         if tps:
             self.consumer.seek(tps)
 
