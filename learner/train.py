@@ -109,9 +109,11 @@ def build_source(cfg: LearnerConfig):
         return FileSource(cfg.io.trajectories, follow=cfg.io.follow)
     from streamer.transport.kafka_bus import KafkaBus
     from streamer.wire.schema import Trajectory
+    from streamer.wire.settings import ClientSettings
     from streamer.wire.topics import Topics, partitions_by_topic
 
-    bus = KafkaBus(cfg.io.bootstrap or None)
+    # its own consumer name: the tap (`sao-tap`) dead-letters the same records, and each skips only its own letters
+    bus = KafkaBus(cfg.io.bootstrap or None, ClientSettings(client_id="sao-learner"))
     bus.create_topics(partitions_by_topic(cfg.io.run))
     topics = Topics(cfg.io.run)
     return BusSource(bus.consumer({topics.trajectories: Trajectory}, group_id=None, dlq=topics.dlq))
