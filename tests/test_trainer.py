@@ -275,7 +275,8 @@ def test_trainer_drops_invalid_and_duplicates_from_a_bus(tmp_path, policy0):
     trainer.start()
     trainer.step_once()
     assert sorted(events[0].task_ids) == sorted(x.task_id for x in t[:4] + t[5:])
-    assert trainer.admission.counts == Counter(ok=7, duplicate=1, invalid=1)
+    # the NaN reward is refused when it is decoded (Trajectory.validate): dead-lettered, never admitted
+    assert trainer.admission.counts == Counter(ok=7, duplicate=1) and trainer.source.dead_letters == 1
     assert events[0].metrics["learner/count_duplicate"] == 1.0 and not events[0].skipped
 
 
@@ -473,20 +474,22 @@ def test_cli_config_errors_and_print(capsys):
 
 
 def test_trainer_skips_a_step_whose_loss_overflows(tmp_path, policy0):
-    # reward 1e38 is finite (admitted) but its squared value error overflows to inf
+    # reward 1e38 is refused when decoded (streamer.wire.schema.Limits); a batch holding it, handed to the update
+    # directly, still overflows the squared value error to inf, and the step is skipped
     t = synthetic_trajectories(policy0, 12)
-    t[5] = with_(t[5], reward=1e38)
+    bad = t[4:8]
+    bad[1] = with_(bad[1], reward=1e38)
     cfg = make_cfg(tmp_path, "batch.max_trajectories=4", "batch.tokens=100000")
-    trainer, events = make_trainer(cfg, file_source(tmp_path, t))
+    trainer, events = make_trainer(cfg, file_source(tmp_path, t[:4] + t[8:]))
     trainer.start()
     trainer.step_once()
     after_first = _params(trainer.models.policy), _params(trainer.models.value)
-    trainer.step_once()
-    assert events[1].skipped and events[1].metrics["learner/count_skipped_steps"] == 1.0
+    skipped = trainer.train_on(bad)
+    assert skipped.skipped and skipped.metrics["learner/count_skipped_steps"] == 1.0
     for model, before in zip((trainer.models.policy, trainer.models.value), after_first):
         assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     trainer.step_once()
-    assert not events[2].skipped
+    assert not events[1].skipped
     assert all(torch.isfinite(p).all() for p in trainer.models.value.parameters())
     assert not torch.equal(trainer.models.policy.lm_head.weight, after_first[0]["lm_head.weight"])
 

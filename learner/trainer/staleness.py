@@ -15,7 +15,6 @@ model's at temperature 1, which would make the ratio 1 and the update a biased o
 
 from __future__ import annotations
 
-import math
 from collections import Counter, OrderedDict
 
 from streamer.wire.schema import Trajectory
@@ -30,6 +29,9 @@ class Lineage:
 
     def __init__(self, anchors: list[list[int]] | None = None) -> None:
         self.anchors: list[tuple[int, int]] = [(int(n), int(i)) for n, i in anchors or []]  # (number, index)
+        # the newest number this process published (`anchor` sees every publication); None before its first:
+        # without a publisher, or while a resumed learner redoes steps whose versions the agents already hold
+        self.newest: int | None = None
 
     def index(self, number: int) -> int:
         for n, i in reversed(self.anchors):
@@ -39,6 +41,7 @@ class Lineage:
 
     def anchor(self, number: int, index: int) -> None:
         """Version `number` holds the weights of lineage `index` (recorded only where it breaks the pattern)."""
+        self.newest = number if self.newest is None else max(self.newest, number)
         if self.index(number) != index:
             self.anchors.append((number, index))
 
@@ -53,10 +56,13 @@ def histogram(trajs: list[Trajectory], version_index: int, lineage: Lineage | No
     return {str(k): v for k, v in sorted(Counter(staleness(t, version_index, lineage) for t in trajs).items())}
 
 
-def invalid_reason(t: Trajectory, vocab_size: int | None = None, max_tokens: int | None = None) -> str | None:
+def invalid_reason(t: Trajectory, vocab_size: int | None = None, max_tokens: int | None = None,
+                   newest: int | None = None) -> str | None:
     """Why a trajectory cannot be trained on (None when it can). With the model's `vocab_size` and
     `max_tokens` (its positions), token ids and lengths the forward pass would crash on are refused here,
-    before the trajectory can enter the buffer or a checkpoint."""
+    before the trajectory can enter the buffer or a checkpoint; with `newest` (the newest version this
+    learner published), a trajectory claiming a version from the future. Decoding checked the rest of
+    its meaning (`Trajectory.validate`); it is checked again for trajectories that did not come from bytes."""
     try:
         t.validate()
     except ValueError as e:
@@ -67,14 +73,12 @@ def invalid_reason(t: Trajectory, vocab_size: int | None = None, max_tokens: int
         bad = next((i for i, x in enumerate(t.tokens) if not 0 <= x < vocab_size), None)
         if bad is not None:
             return f"Trajectory.tokens[{bad}]: id {t.tokens[bad]} outside the vocabulary 0..{vocab_size - 1}"
-    if not math.isfinite(t.reward):
-        return f"Trajectory.reward: non-finite {t.reward}"
+    claimed = max([t.policy_version, *t.policy_versions])
+    if newest is not None and claimed > newest:
+        return f"Trajectory.policy_version: {claimed} is newer than the newest version this learner published " \
+               f"({newest})"
     if not any(t.loss_mask[max(1, t.prompt_len):]):
         return "Trajectory.loss_mask: no generated token after the prompt"
-    if not all(math.isfinite(x) for x, m in zip(t.logprobs, t.loss_mask) if m):
-        return "Trajectory.logprobs: non-finite behaviour log-prob on a generated token"
-    if not math.isfinite(t.temperature):
-        return f"Trajectory.temperature: non-finite {t.temperature}"
     return None
 
 
@@ -90,6 +94,9 @@ class Admission:
         self.max_staleness = 0 if sync else max_staleness
         self.vocab_size, self.max_tokens = vocab_size, max_tokens
         self.lineage = Lineage()
+        # True for a live topic (`Source.live`): a trajectory claiming a version newer than the newest this learner
+        # published is a lie. A replayed recording carries its own run's numbers, so they are not bounded.
+        self.live = False
         self.last_invalid = ""  # the reason of the latest 'invalid', for the dead-letter record
         self.grouped, self.window = grouped, window
         self.seen: OrderedDict[str, None] = OrderedDict()
@@ -103,9 +110,10 @@ class Admission:
     def admit(self, t: Trajectory, version: int) -> str:
         """'ok', 'duplicate', 'invalid', 'greedy' or 'stale' (counted in `counts`)."""
         key = self.key(t)
+        newest = self.lineage.newest if self.live else None
         if key in self.seen:
             reason = "duplicate"
-        elif (why := invalid_reason(t, self.vocab_size, self.max_tokens)) is not None:
+        elif (why := invalid_reason(t, self.vocab_size, self.max_tokens, newest)) is not None:
             reason, self.last_invalid = "invalid", why
         elif t.temperature <= 0:
             reason = "greedy"

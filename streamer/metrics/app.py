@@ -1,9 +1,14 @@
 """The faust metrics app: `<run>.trajectories` + `<run>.learner` -> windowed `MetricPoint`s on `<run>.metrics`.
 
-Values travel as raw bytes and are decoded with msgspec (`streamer.wire.schema.decode`), never with
+Values travel as raw bytes and are decoded with msgspec (`streamer.wire.schema.decode`, which checks their meaning
+too: finite, bounded rewards, masks in {0, 1}, log-probs <= 0, a sane temperature and group size), never with
 faust's codecs. Bad messages go to `<run>.dlq` as a `streamer.wire.schema.DeadLetter` (reason + original
-bytes) and are counted (`metrics/dlq`). The aggregation lives in `streamer.metrics.windows` (pure);
-`MetricsState` joins it to the learner version (no I/O); `build_app` wires both to faust.
+bytes) and are counted (`metrics/dlq`), once per record: the app reads its own letters (consumer `metrics-app`)
+when it starts, so records it reads again after a restart are not dead-lettered twice. A trajectory's policy
+version is not bounded here (the learner bounds it): the learner's events can arrive after the trajectories its
+new versions generated, and a version ahead of the learner's only counts as staleness 0.
+The aggregation lives in `streamer.metrics.windows` (pure); `MetricsState` joins it to the learner version
+(no I/O); `build_app` wires both to faust.
 At-least-once processing (faust's exactly-once needs idempotent producers, which Tansu lacks).
 One worker per run: every window is then complete in one process (see windows.py for why the
 windows are our own rather than faust's windowed tables). Open windows live in memory: a restart
@@ -21,7 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import math
 import os
 import sys
 import time
@@ -37,6 +41,8 @@ from streamer.wire.topics import Topics, check_run, partitions_by_topic
 log = logging.getLogger("sao.metrics")
 
 RUN_ENV = "SAO_RUN"
+CONSUMER = "metrics-app"  # the `consumer` of its dead letters
+Where = tuple[str, int, int]  # (topic, partition, offset) of a record
 
 
 @dataclass
@@ -50,6 +56,7 @@ class MetricsSettings:
     app_id: str = ""  # faust app id = consumer group; "" -> "<run>.metrics-app"
     max_message_bytes: int = 4 * 1024 * 1024  # larger values go to the DLQ
     max_clock_skew_s: float = 300.0  # a trajectory that finished further ahead of this clock goes to the DLQ
+    commit_interval_s: float = 2.8  # how often processed offsets are committed (faust's broker_commit_interval)
     web_port: int = 0  # faust's web server; 0: off (several workers may share a machine)
     web_host: str = "127.0.0.1"  # where faust's web server binds when on (faust's own default: every interface)
     loglevel: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = "WARNING"
@@ -59,8 +66,9 @@ class MetricsSettings:
             raise ConfigError("MetricsSettings.window_s: must be > 0 seconds")
         if self.max_clock_skew_s < 0:
             raise ConfigError("MetricsSettings.max_clock_skew_s: must be >= 0 seconds")
-        if self.lateness_s < 0 or self.idle_flush_s <= 0 or self.tick_s <= 0:
-            raise ConfigError("MetricsSettings.lateness_s >= 0, idle_flush_s > 0 and tick_s > 0 are required")
+        if self.lateness_s < 0 or self.idle_flush_s <= 0 or self.tick_s <= 0 or self.commit_interval_s <= 0:
+            raise ConfigError("MetricsSettings.lateness_s >= 0, idle_flush_s > 0, tick_s > 0 and commit_interval_s > 0 "
+                              "are required")
         try:
             check_run(self.run)
         except ValueError as e:
@@ -73,14 +81,18 @@ def dead_letter(topic: str, partition: int, offset: int, key: bytes | None, valu
     value = value or b""
     return encode(DeadLetter(topic=topic, partition=partition, offset=offset, key=key,
                              value=value[:DLQ_MAX_VALUE_BYTES], value_len=len(value), reason=reason,
-                             expected=expected, consumer="metrics-app", time=time.time()))
+                             expected=expected, consumer=CONSUMER, time=time.time()))
 
 
 @dataclass
 class MetricsState:
-    """Everything the app knows; each method returns what to publish. No I/O."""
+    """Everything the app knows; each method returns what to publish. No I/O.
+
+    `lettered`: the records already dead-lettered by this app (read from the DLQ at start, then each one it
+    rejects); one read again is neither counted nor dead-lettered again. `dlq` counts them all."""
 
     settings: MetricsSettings
+    lettered: set[Where] = field(default_factory=set)
     windows: TumblingWindows = field(init=False)
     learner_version: int = 0
     learner_step: int = 0
@@ -89,6 +101,7 @@ class MetricsState:
 
     def __post_init__(self) -> None:
         self.windows = TumblingWindows(self.settings.window_s, self.settings.lateness_s)
+        self.dlq = len(self.lettered)
 
     def _check(self, value: bytes | None) -> str | None:
         if value is None:
@@ -105,7 +118,12 @@ class MetricsState:
                                    trajectories=closed[-1].cumulative, learner_step=self.learner_step))
         return pts
 
-    def _reject(self, reason: str) -> tuple[list[MetricPoint], str]:
+    def _reject(self, reason: str, where: Where | None) -> tuple[list[MetricPoint], str | None]:
+        """A cumulative `metrics/dlq` point and the reason; nothing for a record dead-lettered before."""
+        if where is not None and where in self.lettered:
+            return [], None
+        if where is not None:
+            self.lettered.add(where)
         self.dlq += 1
         point = MetricPoint(name="metrics/dlq", value=float(self.dlq), time=time.time(),
                             trajectories=self.windows.on_time, learner_step=self.learner_step)
@@ -121,8 +139,10 @@ class MetricsState:
         except SchemaError as e:
             return None, str(e)
 
-    def on_trajectory(self, value: bytes | None, timestamp: float) -> tuple[list[MetricPoint], str | None]:
-        """(points to publish, DLQ reason or None). `timestamp`: the record's, in seconds.
+    def on_trajectory(self, value: bytes | None, timestamp: float,
+                      where: Where | None = None) -> tuple[list[MetricPoint], str | None]:
+        """(points to publish, DLQ reason or None). `timestamp`: the record's, in seconds; `where`: its
+        (topic, partition, offset), which keeps a record's dead letter from being sent twice.
 
         A rejected value yields a cumulative `metrics/dlq` point; closed windows yield their
         points followed by a cumulative `metrics/late` point.
@@ -130,30 +150,25 @@ class MetricsState:
         self.last_arrival = time.monotonic()
         traj, reason = self._decode(value, Trajectory)
         if reason is None:
-            reason = self._bad_times(traj, time.time())
+            reason = self._ahead(traj, time.time())
         if reason is not None:
-            return self._reject(reason)
+            return self._reject(reason, where)
         self.windows.add(observe(traj, self.learner_version, timestamp))
         return self._points(self.windows.close_due()), None
 
-    def _bad_times(self, traj: Trajectory, now: float) -> str | None:
-        """Event time drives the windows: one trajectory from the far future would make every later one late."""
-        for name in ("created_at", "started_at", "finished_at", "reward"):
-            v = getattr(traj, name)
-            if not math.isfinite(v):
-                return f"Trajectory.{name}: non-finite {v}"
+    def _ahead(self, traj: Trajectory, now: float) -> str | None:
+        """Event time drives the windows: one trajectory from the far future would make every later one late
+        (non-finite times are refused when it is decoded)."""
         ahead = traj.finished_at - now
         if ahead > self.settings.max_clock_skew_s:
             return (f"Trajectory.finished_at: {traj.finished_at} is {ahead:.0f} s ahead of this clock "
                     f"(max_clock_skew_s {self.settings.max_clock_skew_s:g})")
         return None
 
-    def on_learner(self, value: bytes | None) -> tuple[list[MetricPoint], str | None]:
+    def on_learner(self, value: bytes | None, where: Where | None = None) -> tuple[list[MetricPoint], str | None]:
         ev, reason = self._decode(value, LearnerEvent)
-        if reason is None and not math.isfinite(ev.time):
-            reason = f"LearnerEvent.time: non-finite {ev.time}"
         if reason is not None:
-            return self._reject(reason)
+            return self._reject(reason, where)
         # Events may be redelivered or reordered across restarts: versions only move forward.
         self.learner_version = max(self.learner_version, ev.version)
         self.learner_step = max(self.learner_step, ev.step)
@@ -172,8 +187,9 @@ class MetricsState:
         return self._points(self.windows.close_before(time.time() if now is None else now))
 
 
-def build_app(settings: MetricsSettings, bootstrap: str):
-    """The faust app (imported here: faust is slow to import and `sao --help` must stay fast)."""
+def build_app(settings: MetricsSettings, bootstrap: str, lettered: set[Where] | None = None):
+    """The faust app (imported here: faust is slow to import and `sao --help` must stay fast). `lettered`: the
+    records this app dead-lettered before (`streamer.transport.kafka_bus.letters_in`)."""
     import faust
 
     from streamer.wire.settings import KafkaSecurity
@@ -194,6 +210,7 @@ def build_app(settings: MetricsSettings, bootstrap: str):
         consumer_auto_offset_reset="earliest",  # Tansu reports end offsets wrongly: never rely on "latest"
         broker_session_timeout=6.0,  # Tansu: group joins take ~session_timeout/2
         broker_heartbeat_interval=1.0,
+        broker_commit_interval=settings.commit_interval_s,
     )
 
     def raw_topic(name: str):
@@ -201,7 +218,7 @@ def build_app(settings: MetricsSettings, bootstrap: str):
 
     traj_topic, learner_topic = raw_topic(names.trajectories), raw_topic(names.learner)
     metrics_topic, dlq_topic = raw_topic(names.metrics), raw_topic(names.dlq)
-    state = MetricsState(settings)
+    state = MetricsState(settings, set(lettered or ()))
     app.sao_state = state  # for introspection
 
     async def publish(points: list[MetricPoint]) -> None:
@@ -211,7 +228,7 @@ def build_app(settings: MetricsSettings, bootstrap: str):
     async def consume(stream, handle, expected: str) -> None:
         async for event in stream.events():
             msg = event.message
-            points, reason = handle(event.value, msg.timestamp)
+            points, reason = handle(event.value, msg.timestamp, (msg.topic, msg.partition, msg.offset))
             if reason is not None:
                 log.warning("%s[%d]@%d -> DLQ: %s", msg.topic, msg.partition, msg.offset, reason)
                 await dlq_topic.send(key=msg.key, value=dead_letter(msg.topic, msg.partition, msg.offset, msg.key,
@@ -224,7 +241,7 @@ def build_app(settings: MetricsSettings, bootstrap: str):
 
     @app.agent(learner_topic)
     async def learner_events(stream):
-        await consume(stream, lambda value, _ts: state.on_learner(value), "LearnerEvent")
+        await consume(stream, lambda value, _ts, where: state.on_learner(value, where), "LearnerEvent")
 
     @app.timer(settings.tick_s)
     async def idle_flush():
@@ -242,12 +259,13 @@ def run(settings: MetricsSettings) -> int:
     settings.validate()
     import faust
 
-    from streamer.transport.kafka_bus import KafkaBus
+    from streamer.transport.kafka_bus import KafkaBus, letters_in
 
     bus = KafkaBus(settings.bootstrap or None)
     # Create the run's topics with the project's partition counts before faust would guess them.
     bus.create_topics(partitions_by_topic(settings.run))
-    app = build_app(settings, bus.bootstrap)
+    lettered = letters_in(bus.bootstrap, bus.settings, Topics(settings.run).dlq, CONSUMER)
+    app = build_app(settings, bus.bootstrap, lettered)
     worker = faust.Worker(app, loglevel=settings.loglevel, quiet=True, redirect_stdouts=False)
     worker.spinner = None  # terminal escape codes would land in the launcher's log files
     try:

@@ -2,7 +2,10 @@
 
 A leaf module: it imports nothing from the project, and every package may import it.
 Encode with `encode(msg)` (msgpack) or `encode_json(msg)`; decode with `decode(data, Type)`,
-which raises `SchemaError` naming the message type and the field at fault.
+which raises `SchemaError` naming the message type and the field at fault. Decoding checks meaning too,
+not only shape (each type's `validate`, against `Limits`): a message that decodes but lies (a reward of 1e39, a
+loss mask of 5, a log-prob above 0, a temperature of 1e-30, a group of 1e9, a negative version) is refused
+there, so every consumer dead-letters it the way it does undecodable bytes.
 
 Versioning: `v` changes only for an incompatible change (a field removed, renamed or retyped, or a
 new field without a default). A new field with a default keeps `v`: older messages decode with the
@@ -12,7 +15,9 @@ default, and older readers ignore the field (`forbid_unknown_fields=False`). E.g
 
 from __future__ import annotations
 
+import math
 import time
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
@@ -24,8 +29,37 @@ class SchemaError(ValueError):
     """Bytes that are not a valid message of the expected type (the text names the field)."""
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What a message may claim beyond its shape: bounds no run of this project comes near, so a value past one is a
+    lie (forged, or a bug upstream), refused by `decode` at every consumer. A consumer that knows more (the learner:
+    its vocabulary, positions and newest published version) checks that on top (learner.trainer.staleness)."""
+
+    max_abs_reward: float = 1e6  # verifiers give [-1, 1]; 1e39 is inf in float32 and poisons a batch's advantages
+    min_temperature: float = 1e-2  # positive temperatures below it blow up logits / T (<= 0 is greedy, not a lie)
+    max_temperature: float = 100.0
+    max_group_size: int = 1024  # a group of 1e9 never completes and sits in the learner's buffer forever
+    logprob_slack: float = 1e-5  # rounding an engine may leave above log(1) = 0
+
+
+LIMITS = Limits()
+
+
+def _finite(where: str, x: float) -> None:
+    if not math.isfinite(x):
+        raise SchemaError(f"{where}: non-finite {x}")
+
+
+def _at_least(where: str, x: int | float, low: int | float) -> None:
+    if not x >= low:
+        raise SchemaError(f"{where}: {x} < {low}")
+
+
 class Message(msgspec.Struct, kw_only=True, forbid_unknown_fields=False):
     v: int = SCHEMA_VERSION  # schema version; decode() refuses any other
+
+    def validate(self) -> None:
+        """Meaning beyond shape (finite, in range, consistent); raises SchemaError naming the field."""
 
 
 class Task(Message, kw_only=True):
@@ -38,6 +72,13 @@ class Task(Message, kw_only=True):
     spec: dict[str, Any] = {}  # family-specific parameters the environment and verifier need
     seq: int = 0  # position in the task stream
     created_at: float = 0.0
+
+    def validate(self) -> None:
+        if not self.task_id:
+            raise SchemaError("Task.task_id: empty (it keys de-duplication and the agents' commits)")
+        _at_least("Task.seq", self.seq, 0)
+        _at_least("Task.phase", self.phase, 0)
+        _finite("Task.created_at", self.created_at)
 
 
 class Trajectory(Message, kw_only=True):
@@ -67,13 +108,53 @@ class Trajectory(Message, kw_only=True):
     gen_seconds: float = 0.0  # time spent generating
     env_seconds: float = 0.0  # time spent in the environment (tool latency)
 
-    def validate(self) -> None:
+    def validate(self, limits: Limits = LIMITS) -> None:
         n = len(self.tokens)
         for name in ("loss_mask", "logprobs"):
             if len(getattr(self, name)) != n:
                 raise SchemaError(f"Trajectory.{name}: length {len(getattr(self, name))} != len(tokens) {n}")
         if not 0 < self.prompt_len <= n:
             raise SchemaError(f"Trajectory.prompt_len: {self.prompt_len} outside 1..{n}")
+        self._check_reward(limits)
+        self._check_tokens(limits)
+        self._check_sampling(limits)
+        self._check_counts()
+
+    def _check_reward(self, limits: Limits) -> None:
+        for where, x in [("reward", self.reward), *((f"reward_parts[{k!r}]", v) for k, v in self.reward_parts.items())]:
+            _finite(f"Trajectory.{where}", x)
+            if abs(x) > limits.max_abs_reward:
+                raise SchemaError(f"Trajectory.{where}: {x:g} outside +-{limits.max_abs_reward:g}")
+
+    def _check_tokens(self, limits: Limits) -> None:
+        bad = next((i for i, m in enumerate(self.loss_mask) if m not in (0, 1)), None)
+        if bad is not None:
+            raise SchemaError(f"Trajectory.loss_mask[{bad}]: {self.loss_mask[bad]} is not 0 or 1")
+        bad = next((i for i, x in enumerate(self.tokens) if x < 0), None)
+        if bad is not None:
+            raise SchemaError(f"Trajectory.tokens[{bad}]: negative id {self.tokens[bad]}")
+        bad = next((i for i, x in enumerate(self.logprobs) if not -math.inf < x <= limits.logprob_slack), None)
+        if bad is not None:
+            raise SchemaError(f"Trajectory.logprobs[{bad}]: {self.logprobs[bad]} is not a finite log-probability "
+                              "(<= 0)")
+
+    def _check_sampling(self, limits: Limits) -> None:
+        _finite("Trajectory.temperature", self.temperature)
+        if 0 < self.temperature < limits.min_temperature or self.temperature > limits.max_temperature:
+            raise SchemaError(f"Trajectory.temperature: {self.temperature:g} outside {limits.min_temperature:g}.."
+                              f"{limits.max_temperature:g} (<= 0: greedy)")
+        if not 1 <= self.group_size <= limits.max_group_size:
+            raise SchemaError(f"Trajectory.group_size: {self.group_size} outside 1..{limits.max_group_size}")
+        _at_least("Trajectory.policy_version", self.policy_version, 0)
+        if self.policy_versions and self.policy_version > min(self.policy_versions):  # would look fresher than it is
+            raise SchemaError(f"Trajectory.policy_version: {self.policy_version} is newer than the oldest of "
+                              f"policy_versions {sorted(self.policy_versions)[:8]}")
+
+    def _check_counts(self) -> None:
+        for name in ("phase", "n_turns", "n_tool_calls"):
+            _at_least(f"Trajectory.{name}", getattr(self, name), 0)
+        for name in ("created_at", "started_at", "finished_at", "gen_seconds", "env_seconds"):
+            _finite(f"Trajectory.{name}", getattr(self, name))
 
 
 class PolicyVersion(Message, kw_only=True):
@@ -98,6 +179,14 @@ class LearnerEvent(Message, kw_only=True):
     task_ids: list[str] = []  # the tasks trained on in this step
     skipped: bool = False  # non-finite loss or gradient: the update was not applied
 
+    def validate(self) -> None:  # metrics may be non-finite: a skipped step reports its loss as it was
+        for name in ("step", "version", "n_trajectories", "n_tokens"):
+            _at_least(f"LearnerEvent.{name}", getattr(self, name), 0)
+        _finite("LearnerEvent.time", self.time)
+        bad = next((k for k, c in self.staleness.items() if c < 0), None)
+        if bad is not None:
+            raise SchemaError(f"LearnerEvent.staleness[{bad!r}]: negative count {self.staleness[bad]}")
+
 
 class DriftEvent(Message, kw_only=True):
     phase: int  # the phase that starts
@@ -110,6 +199,11 @@ class DriftEvent(Message, kw_only=True):
     at_seq: int  # task sequence number at which the phase starts
     time: float = 0.0
 
+    def validate(self) -> None:
+        _at_least("DriftEvent.phase", self.phase, 0)
+        _at_least("DriftEvent.at_seq", self.at_seq, 0)
+        _finite("DriftEvent.time", self.time)
+
 
 class MetricPoint(Message, kw_only=True):
     name: str  # namespaced, e.g. "metrics/reward"
@@ -120,6 +214,12 @@ class MetricPoint(Message, kw_only=True):
     count: int = 0  # observations in the window
     trajectories: int = 0  # trajectories seen so far (x-axis)
     learner_step: int = 0  # latest learner step seen (x-axis)
+
+    def validate(self) -> None:
+        for name in ("value", "time", "window"):
+            _finite(f"MetricPoint.{name}", getattr(self, name))
+        for name in ("window", "count", "trajectories", "learner_step"):
+            _at_least(f"MetricPoint.{name}", getattr(self, name), 0)
 
 
 class DeadLetter(Message, kw_only=True):
@@ -135,6 +235,11 @@ class DeadLetter(Message, kw_only=True):
     expected: str  # the message type the consumer expected
     consumer: str = ""  # group id / client id of the consumer that gave up on it
     time: float = 0.0
+
+    def validate(self) -> None:
+        for name in ("partition", "offset"):
+            _at_least(f"DeadLetter.{name}", getattr(self, name), 0)
+        _at_least("DeadLetter.value_len", self.value_len, len(self.value))
 
 
 M = TypeVar("M", bound=Message)
@@ -173,8 +278,7 @@ def decode(data: bytes, cls: type[M], fmt: str = "msgpack") -> M:
         raise SchemaError(f"{cls.__name__}: undecodable {fmt}: {e}") from None
     if msg.v != SCHEMA_VERSION:
         raise SchemaError(f"{cls.__name__}.v: schema version {msg.v}, this build reads {SCHEMA_VERSION}")
-    if isinstance(msg, Trajectory):
-        msg.validate()
+    msg.validate()
     return msg
 
 
