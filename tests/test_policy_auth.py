@@ -55,6 +55,7 @@ def test_the_signature_is_hmac_sha256_over_the_canonical_fields():
     # any field changed, another run's topic, another key, or no signature: refused, the reason naming the signature
     for forged, topic, key in [(msgspec.structs.replace(good, version=10**15), "exp1.policy", KEY),
                                (msgspec.structs.replace(good, sha256="cd" * 32), "exp1.policy", KEY),
+                               (msgspec.structs.replace(good, sig="é" * 64), "exp1.policy", KEY),
                                (good, "exp2.policy", KEY), (good, "exp1.policy", "another-key-of-32-characters....")]:
         assert "signature does not match" in signing.unverified(forged, topic, key.encode())
     assert "signature missing" in signing.unverified(pv, "exp1.policy", KEY.encode())
@@ -243,3 +244,57 @@ def test_a_published_version_is_fsynced_files_then_directory_then_the_store(tmp_
     assert sorted(ops[:4]) == [("fsync", f"{tmp}/{name}") for name in files]  # every file of the version
     assert ops[4:] == [("fsync", tmp), ("rename", tmp, f"{store}/v000001"), ("fsync", str(store))]
     assert [p.name for p in store.iterdir()] == ["v000001"]  # no temporary left
+
+
+@pytest.mark.slow  # `sao up` end to end: about 2 minutes on 2 cores
+@pytest.mark.kafka
+def test_sao_up_signs_every_announcement_and_its_agents_verify_them(tmp_path, monkeypatch):
+    """`sao up` makes the run's key, the learner signs with it and the agent, holding it too, takes every version:
+    none refused, no dead letter, no role unauthenticated; the key is in no log and not in config.yaml."""
+    import json
+
+    from test_weight_pull import short_up
+
+    for var in (signing.KEY_ENV, signing.KEY_FILE_ENV):
+        monkeypatch.delenv(var, raising=False)
+    run_dir, _ = short_up(tmp_path, "signed", "directory", agents=1)
+    key = (run_dir / signing.KEY_FILE).read_text()
+    assert len(key) == 64 and (run_dir / signing.KEY_FILE).stat().st_mode & 0o777 == 0o600
+    status = json.loads((run_dir / "agent-0.json").read_text())
+    assert status["version"] >= 2 and status["refused"] == {} and status["dead_letters"] == 0
+    logs = {p.name: p.read_text() for p in (run_dir / "logs").glob("*.log")}
+    assert logs["agent-0.log"].count("loaded from") >= 2
+    assert not any("NOT authenticated" in text or key in text for text in logs.values())
+    assert key not in (run_dir / "config.yaml").read_text()
+
+
+@pytest.mark.slow  # a local Ray cluster starts (10-15 s on 2 busy cores)
+def test_the_run_key_reaches_the_roles_ray_starts(tmp_path, monkeypatch):
+    """A Ray actor's role gets the environment `sao up` hands its supervisor, the run's key in it (not inherited:
+    the driver's own environment has none)."""
+    import json
+
+    from role_stub import role_script
+
+    ray = pytest.importorskip("ray")
+    from streamer.launch.processes import Role
+    from streamer.launch.ray_launch import RaySupervisor, ray_config
+
+    monkeypatch.delenv(signing.KEY_ENV, raising=False)
+    out = tmp_path / "out"
+    out.mkdir()
+    key = signing.run_key(tmp_path / "run", env={})
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    sup = RaySupervisor(tmp_path / "logs", {"OUT": str(out), "SAO_RUN": "keyed", signing.KEY_ENV: key},
+                        ray_config("", ["agent.num_cpus=0.5"]))
+    sup.entry = ["-c", role_script(f"rec = {{'key': os.environ.get({signing.KEY_ENV!r})}}")]
+    try:
+        sup.start(Role("agent-0", ["agent"]))
+        deadline = time.monotonic() + 60
+        while not list(out.glob("*.json")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        records = [json.loads(p.read_text()) for p in out.glob("*.json")]
+    finally:
+        sup.stop_all()
+        ray.shutdown()
+    assert records == [{"key": key}]

@@ -44,7 +44,8 @@ DOMAIN = "sao-policy/1"  # the first element of what is signed: a format change 
 
 def canonical(pv: PolicyVersion, topic: str) -> bytes:
     """The bytes the HMAC covers: every field of the announcement but `sig`, and the topic it is on."""
-    fields = [DOMAIN, topic, pv.v, pv.version, pv.step, pv.uri, pv.sha256, pv.tensors_sha256, pv.created_at]
+    fields = [DOMAIN, topic, int(pv.v), int(pv.version), int(pv.step), pv.uri, pv.sha256, pv.tensors_sha256,
+              float(pv.created_at)]  # as a reader decodes them (a struct built in Python may hold an int time)
     return json.dumps(fields, separators=(",", ":"), ensure_ascii=True).encode()
 
 
@@ -65,7 +66,7 @@ def unverified(pv: PolicyVersion, topic: str, key: bytes | None) -> str:
     if not pv.sig:
         return (f"policy v{pv.version}: unsigned announcement, this consumer has the run's key "
                 f"(${KEY_ENV}): signature missing, ignored")
-    if not hmac.compare_digest(pv.sig, sign(pv, topic, key)):
+    if not hmac.compare_digest(pv.sig.encode(), sign(pv, topic, key).encode()):  # bytes: any text compares
         return (f"policy v{pv.version}: signature does not match (HMAC-SHA256 with the run's key ${KEY_ENV} over "
                 f"its fields on {topic}): forged or from another run, ignored")
     return ""
