@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 class OutOfSpace(OSError):
     """A filesystem the learner writes to is full: names the directory, its free space and what to do."""
 
+    def __str__(self) -> str:
+        return self.strerror  # the message alone, without OSError's "[Errno 28] "
+
 
 class DamagedCheckpoints(ConfigError):
     """checkpoint.dir holds checkpoints, none of them intact: the learner refuses to start from zero by itself."""
