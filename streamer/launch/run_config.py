@@ -89,6 +89,7 @@ class UpConfig:
     max_seconds: float = 0.0  # stop after this long (0: at the scenario's end)
     drain_seconds: float = 5.0  # after the last trajectory, let the learner finish its batch
     restarts: int = 3  # times each crashed role (learner, agent, metrics app, dashboard) is started again
+    broker_silence_s: float = 30.0  # the run stops when its broker answers no Metadata request this long
     ray: bool = False  # agents and learner as Ray actors (streamer.launch.ray_launch)
     ray_address: str = ""  # join this Ray cluster ("auto", "ray://head:10001"); implies --ray
     # how policy versions reach the agents: "directory" (the run's weight store, a path every agent's host shares)

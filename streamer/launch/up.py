@@ -68,6 +68,7 @@ FLAGS = {  # flag -> (type, help); each sets the launch field of the same name (
     "max_seconds": (float, "stop after this long (0: at the scenario's end)"),
     "drain_seconds": (float, "after the last trajectory, let the learner finish its batch"),
     "restarts": (int, "restarts of each crashed role (it resumes from its checkpoint or committed offsets)"),
+    "broker_silence_s": (float, "stop the run when the broker answers no metadata request for this long (0: never)"),
     "ray_address": (str, "join this Ray cluster: auto, ray://head:10001 (implies --ray)"),
     "weights_transport": (str, "how versions reach the agents: directory (a shared path), http (pulled from a "
                                "weight server beside the learner) or broadcast (a torch.distributed group of the "
@@ -268,6 +269,7 @@ def _interrupt(signum, frame) -> None:
 
 def run(cfg: RunConfig, stop: Stop | None = None) -> int:
     """The whole pipeline; `stop.request(reason)` from another thread ends it as Ctrl-C does."""
+    from streamer.launch.broker_watch import BrokerWatch
     from streamer.runs.artifacts import summarize, write_json
     from streamer.runs.tap import close_tap, open_tap
     from streamer.transport.broker import BrokerSettings, EmbeddedBroker
@@ -292,6 +294,7 @@ def run(cfg: RunConfig, stop: Stop | None = None) -> int:
         broker = EmbeddedBroker(BrokerSettings(port=0, log_path=str(run_dir / "logs" / "broker.log"))).start()
         print(f"      embedded Tansu at {broker.bootstrap}", flush=True)
     bootstrap = up.bootstrap or broker.bootstrap
+    watch = BrokerWatch(bootstrap, broker, cfg.agent.client, up.broker_silence_s)
     env = {"SAO_BOOTSTRAP": bootstrap, "SAO_RUN": up.run, **role_env(cfg)}  # the policy key, the Kafka password
     if up.ray:  # agents and learner as Ray actors; broker, simulator, metrics, dashboard stay local
         from streamer.launch.ray_launch import RaySupervisor
@@ -343,7 +346,7 @@ def run(cfg: RunConfig, stop: Stop | None = None) -> int:
             if time.monotonic() - last_print >= 5:
                 print(progress_line(t0, tap), flush=True)
                 last_print = time.monotonic()
-            why = finished(up, sup, plan[-1], tap, t0, last_new, stop)
+            why = watch.lost() or finished(up, sup, plan[-1], tap, t0, last_new, stop)
             if why:
                 reason = why
                 break
@@ -353,6 +356,7 @@ def run(cfg: RunConfig, stop: Stop | None = None) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not leave children behind
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         print(f"stopping: {reason}", flush=True)
+        watch.close()
         sup.stop_all()
         for role in sup.failed():
             print(f"--- {role.name} exited {role.proc.returncode}; last log lines:\n{sup.tail(role)}", file=sys.stderr)

@@ -75,18 +75,25 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return buf
 
 
-def probe(host: str, port: int, timeout: float = 1.0) -> bool:
-    """True when a Kafka broker at host:port answers a Metadata request listing at least one broker."""
+def metadata_error(host: str, port: int, timeout: float = 1.0) -> str | None:
+    """None when a Kafka broker at host:port answers a Metadata request listing at least one broker, else why not."""
     try:
         with socket.create_connection((host, port), timeout=timeout) as sock:
             sock.settimeout(timeout)
             sock.sendall(_metadata_request(7))
             (size,) = struct.unpack(">i", _recv_exact(sock, 4))
             payload = _recv_exact(sock, size)
-    except (OSError, ConnectionError):
-        return False
+    except (OSError, ConnectionError) as e:
+        return f"{type(e).__name__}: {e}"
     correlation_id, n_brokers = struct.unpack(">ii", payload[:8])
-    return correlation_id == 7 and n_brokers >= 1
+    if correlation_id != 7 or n_brokers < 1:
+        return f"a Metadata answer with correlation id {correlation_id} and {n_brokers} broker(s)"
+    return None
+
+
+def probe(host: str, port: int, timeout: float = 1.0) -> bool:
+    """True when a Kafka broker at host:port answers a Metadata request listing at least one broker."""
+    return metadata_error(host, port, timeout) is None
 
 
 def wait_ready(host: str, port: int, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
