@@ -246,7 +246,7 @@ def test_a_published_version_is_fsynced_files_then_directory_then_the_store(tmp_
     assert [p.name for p in store.iterdir()] == ["v000001"]  # no temporary left
 
 
-@pytest.mark.slow  # `sao up` end to end: about 2 minutes on 2 cores
+@pytest.mark.slow  # `sao up` end to end: 75 s on 2 busy cores
 @pytest.mark.kafka
 def test_sao_up_signs_every_announcement_and_its_agents_verify_them(tmp_path, monkeypatch):
     """`sao up` makes the run's key, the learner signs with it and the agent, holding it too, takes every version:
