@@ -164,12 +164,13 @@ class Trainer:
             return None
         t0 = time.monotonic()
         hist = histogram(fresh, self.vindex, self.admission.lineage)  # against the version the update starts from
-        warm = self.models.value is not None and self.warm_left > 0
+        warm, rng = self.models.value is not None and self.warm_left > 0, torch.get_rng_state()
         try:
             n_tokens, metrics, n_applied = self._learn(fresh, warm)
         except Exception as e:
             if not self._dead_letters_it(fresh, e):
                 raise
+            torch.set_rng_state(rng)  # as if the batch had never come: a redo after a crash skips it the same way
             return self.train_on(self._without_poison(fresh))
         if self.quarantine is not None:
             self.quarantine.trained(fresh)
