@@ -38,8 +38,8 @@ from typing import Any, Protocol
 import msgspec
 
 from streamer.transport.bus import Consumer
-from streamer.transport.signing import Announcer, announce, resolved_key, verified  # noqa: F401 (the first two:
-from streamer.wire.schema import PolicyVersion, encode_json  # the learner's side, imported from here by its callers)
+from streamer.transport.signing import Announcer, announce, resolved_key, verified  # noqa: F401 (re-exported)
+from streamer.wire.schema import PolicyVersion, encode_json
 
 log = logging.getLogger(__name__)
 
