@@ -361,10 +361,11 @@ def run(cfg: RunConfig, stop: Stop | None = None) -> int:
         for role in sup.failed():
             print(f"--- {role.name} exited {role.proc.returncode}; last log lines:\n{sup.tail(role)}", file=sys.stderr)
         if tap is not None:
-            time.sleep(1.0)  # the last messages of the stopped roles
+            gone = watch.lost() is not None  # no last messages to read, and a poll of a dead broker can hang
+            time.sleep(0.0 if gone else 1.0)  # the last messages of the stopped roles
             tap.stop()
             if tap_thread is not None:
-                tap_thread.join(timeout=10)
+                tap_thread.join(timeout=2 if gone else 10)
             close_tap(tap, summary=False)
         if broker is not None:
             broker.stop()
