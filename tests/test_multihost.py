@@ -75,7 +75,8 @@ class Hosts:
     def __init__(self, project: str, files: list[str], name: str, **env: str) -> None:
         self.cmd = compose_binary() + ["-p", project] + [a for f in files for a in ("-f", f)]
         self.name, self.project = name, project  # name: where its logs go (runs/multihost/<name>.logs.txt)
-        self.env = {**os.environ, "SAO_RUN": RUN, "SAO_SCENARIO": "smoke", "SAO_AGENTS": str(AGENTS), **env}
+        self.env = {**os.environ, "SAO_RUN": RUN, "SAO_SCENARIO": "smoke", "SAO_AGENTS": str(AGENTS),
+                    "SAO_POLICY_KEY": "multihost-test-key-0123456789abcdef", **env}
         self.times: dict[str, float] = {}
         self.ids: dict[str, str] = {}  # service -> container id
         self.t0 = time.monotonic()
