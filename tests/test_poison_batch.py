@@ -37,10 +37,11 @@ def _trainer(tmp_path, path, *extra):
     return trainer, events
 
 
-def test_a_batch_is_dead_lettered_after_three_failures_and_the_rest_trains_once(tmp_path, monkeypatch):
+def test_a_poison_group_is_dead_lettered_after_three_failures_and_the_rest_trains_once(tmp_path, monkeypatch):
     """Each failure takes the learner down (a new Trainer resumes from the checkpoint, as a restart does); the
-    count survives in quarantine.json; the third failure dead-letters the batch (its two groups: a group estimator's
-    batch never splits a group) and the same learner trains everything else, each trajectory once."""
+    count survives in quarantine.json; after the third failure the same learner trains the batch's halves as batches
+    of their own: the group without the poison task trains, the poison task's group (a group estimator's unit: a
+    batch never splits a group) goes to the dead letters, and everything else is trained once."""
     trajs = synthetic_trajectories(build_policy(tiny_model_config(), seed=0), 24, seed=5, group_size=2)
     poison = trajs[10].task_id  # group 5: the third batch holds groups 4 and 5 (trajectories 8 to 11)
     monkeypatch.setenv(FAULT_ENV, poison)
@@ -57,17 +58,18 @@ def test_a_batch_is_dead_lettered_after_three_failures_and_the_rest_trains_once(
         counts = json.loads((tmp_path / "ck" / FILE).read_text())
         assert {k: v["failures"] for k, v in counts.items()} == dict.fromkeys(batch3, attempt)
     trainer, events = _trainer(tmp_path, path, *grpo)
-    assert trainer.run() == 3  # the three batches after the poison one
+    assert trainer.run() == 4  # group 4 alone, then the three batches after it
     trained.update({e.step: e.task_ids for e in events})
     flat = [tid for step in sorted(trained) for tid in trained[step]]
-    assert sorted(trained) == [1, 2, 3, 4, 5]
-    assert sorted(flat) == sorted(t.task_id for t in trajs[:8] + trajs[12:])  # each one once
-    assert trainer.source.dead_letters == 4 and trainer.counters["poison"] == 4
-    assert events[0].metrics["learner/count_poison"] == 4.0
-    # the poison trajectories stay poison: a crash before the next checkpoint must not train them either
+    assert sorted(trained) == [1, 2, 3, 4, 5, 6] and trained[3] == [trajs[8].task_id] * 2
+    assert sorted(flat) == sorted(t.task_id for t in trajs[:10] + trajs[12:])  # each one once
+    assert trainer.source.dead_letters == 2 and trainer.counters["poison"] == 2
+    assert events[-1].metrics["learner/count_poison"] == 2.0
+    # group 4 trained: its failures are forgotten; group 5 stays poison (failed alone once more): a crash before
+    # the next checkpoint must not train it either
     counts = json.loads((tmp_path / "ck" / FILE).read_text())
-    assert sorted(counts) == sorted(batch3)
-    assert all(v["failures"] == 3 and v["error"] == f"OutOfMemoryError: injected by ${FAULT_ENV}={poison}"
+    assert sorted(counts) == batch3[2:]
+    assert all(v["failures"] == 4 and v["error"] == f"OutOfMemoryError: injected by ${FAULT_ENV}={poison}"
                for v in counts.values())
 
 
@@ -75,8 +77,9 @@ def test_a_batch_is_dead_lettered_after_three_failures_and_the_rest_trains_once(
 @pytest.mark.slow  # two `sao learn` processes over the embedded broker
 def test_sao_learn_dead_letters_a_batch_that_fails_twice_and_spends_one_restart(tmp_path, kafka_bus, kafka_run):
     """The real learner process under sao up's supervisor: the batch fails, the learner exits, the supervisor
-    starts it again, the batch fails again and goes to the dead-letter topic with its error; the learner trains the
-    rest, each trajectory once, and ends with restarts to spare."""
+    starts it again, the batch fails again; the learner halves it until the trajectory that fails alone is found,
+    which goes to the dead-letter topic with its error; it trains the rest, each trajectory once, and ends with
+    restarts to spare."""
     from streamer.launch.processes import Role, Supervisor
     from streamer.wire.schema import DeadLetter
     from streamer.wire.topics import Topics, partitions_by_topic
@@ -92,7 +95,7 @@ def test_sao_learn_dead_letters_a_batch_that_fails_twice_and_spends_one_restart(
     ck = tmp_path / "ck"
     sup = Supervisor(tmp_path / "logs", env={FAULT_ENV: poison}, restarts=3)
     argv = ["learn", "--run", kafka_run, "--bootstrap", kafka_bus.bootstrap, "--checkpoint-dir", str(ck),
-            "--max-steps", "5", *set_args(OVERRIDES)]
+            "--max-steps", "7", *set_args(OVERRIDES)]
     role = sup.start(Role("learner", argv))
     deadline = time.monotonic() + 300
     while role.proc.poll() != 0 and not sup.failed() and time.monotonic() < deadline:
@@ -103,18 +106,15 @@ def test_sao_learn_dead_letters_a_batch_that_fails_twice_and_spends_one_restart(
     assert "--- exited 1: restart 1 of 3 ---" in log and log.count(f"injected by ${FAULT_ENV}={poison}") >= 2
 
     steps, _ = effective_events(ck / "events.jsonl")
+    # the failing batch (8 to 11) halved: [8, 9] fails, [8] trains as step 3, [9] fails alone; [10, 11] is step 4
+    assert [e.task_ids for e in steps[2:4]] == [[trajs[8].task_id], [trajs[10].task_id, trajs[11].task_id]]
+    assert [e.step for e in steps] == [1, 2, 3, 4, 5, 6, 7]
     trained = [tid for e in steps for tid in e.task_ids]
-    dead = {t.task_id for t in trajs[8:12]}
-    assert [e.step for e in steps] == [1, 2, 3, 4, 5]
-    assert sorted(trained) == sorted(t.task_id for t in trajs if t.task_id not in dead)  # each one once
+    assert sorted(trained) == sorted(t.task_id for t in trajs if t.task_id != poison)  # each one once
     dlq = kafka_bus.consumer({topics.dlq: DeadLetter}, group_id=None)
     letters: list[DeadLetter] = []
-    for _ in range(40):
+    for _ in range(10):
         letters += [m for m, _, _ in dlq.poll(max_records=50, timeout=0.5)]
-        if len(letters) >= 4:
-            break
     dlq.close()
-    by_offset = {x.offset: x for x in letters}
-    assert sorted(by_offset) == [8, 9, 10, 11] and len(letters) == 4  # once each, named by their records
-    assert all(x.reason == f"poison batch: OutOfMemoryError: injected by ${FAULT_ENV}={poison}"
-               and x.topic == topics.trajectories and x.expected == "Trajectory" for x in letters)
+    assert [(x.topic, x.offset, x.expected) for x in letters] == [(topics.trajectories, 9, "Trajectory")]
+    assert letters[0].reason == f"poison batch: OutOfMemoryError: injected by ${FAULT_ENV}={poison}"

@@ -301,6 +301,16 @@ def finish_checkpoint(root: str | Path, tmp: Path, step: int, models: dict[str, 
     return final
 
 
+def check_layout(path: Path, mine: dict) -> None:
+    """ValueError unless the checkpoint at `path` was written by a learner of layout `mine` (Backend.layout())."""
+    saved = json.loads((path / "state.json").read_text()).get("layout")
+    saved = saved or {"backend": "torch", "world_size": 1, "expert_parallel": 1}  # before layouts were saved
+    if saved != mine:
+        raise ValueError(f"checkpoint {path} was written by {saved}, this learner is {mine}: "
+                         "resume with the same backend, ranks and backend.expert_parallel, or use a new "
+                         "checkpoint.dir (io.init can start from its policy.safetensors' directory)")
+
+
 def load_checkpoint(path: str | Path, models: dict[str, torch.nn.Module],
                     optimizers: dict[str, torch.optim.Optimizer],
                     rank: int | None = None) -> tuple[dict[str, Any], list[Trajectory]]:

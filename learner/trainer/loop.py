@@ -21,7 +21,6 @@ and a checkpoint directory whose checkpoints are all damaged stops it instead of
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import time
@@ -116,11 +115,12 @@ class Trainer:
                 trajs = self.group.share_trajectories(self.next_batch(KEEPALIVE_S) if self.leader else None)
         if trajs is None:
             return False
-        event = self.train_on(trajs)
-        if event is not None:
-            for sink in self.sinks:
-                sink(event)
+        self._emit(self.train_on(trajs))
         return True
+
+    def _emit(self, event: LearnerEvent | None) -> None:
+        for sink in self.sinks if event is not None else ():
+            sink(event)
 
     def next_batch(self, max_wait_s: float | None = None) -> list[Trajectory] | None:
         """The next batch to train on; None once a finite source is drained; [] when none came within
@@ -171,7 +171,7 @@ class Trainer:
             if not self._dead_letters_it(fresh, e):
                 raise
             torch.set_rng_state(rng)  # as if the batch had never come: a redo after a crash skips it the same way
-            return self.train_on(self._without_poison(fresh))
+            return self._isolate(fresh)
         if self.quarantine is not None:
             self.quarantine.trained(fresh)
         self.step += 1
@@ -201,13 +201,21 @@ class Trainer:
         return batch.n_tokens, metrics, n_applied
 
     def _dead_letters_it(self, fresh: list[Trajectory], error: Exception) -> bool:
-        """Count the failure; True when the poison it found can be dead-lettered here and the learner go on: one
-        rank, and weights the failed batch did not touch. Otherwise the learner goes down (and, restarted, drops
-        the poison when the batch forms again)."""
+        """Count the failure; True when the poison it found can be isolated here and the learner go on: one rank,
+        and weights the batch did not touch. Otherwise the learner goes down (the restarted one drops the poison)."""
         if self.quarantine is None:  # a rank other than the leader: the leader counts
             return False
         poison = self.quarantine.failed(fresh, error)
         return poison and self.group is None and not isinstance(error, HalfApplied)
+
+    def _isolate(self, trajs: list[Trajectory]) -> LearnerEvent | None:
+        """A poison batch's halves train as batches of their own (a half that fails is halved again), so only a
+        unit (trajectory or group) that fails alone is dead-lettered; returns the last half's event."""
+        units = self.quarantine.units(trajs, group_key if not self.cfg.uses_value_model else None)
+        if len(units) == 1:
+            return self.train_on(self._without_poison(trajs))
+        self._emit(self.train_on([t for u in units[:len(units) // 2] for t in u]))
+        return self.train_on([t for u in units[len(units) // 2:] for t in u])
 
     # ------------------------------------------------------------------ bookkeeping
     def _after_update(self, metrics: dict[str, float], applied: bool, warm: bool) -> None:
@@ -339,7 +347,7 @@ class Trainer:
             path = ckpt.intact_checkpoint(c.dir) if c.resume and not self.leader else path
         if path is None:
             return False
-        self._check_layout(path)
+        ckpt.check_layout(path, self.backend.layout())
         opts = self._optimizers()
         hf = {name: self.backend.hf_target(name) for name in opts}  # the checkpoint holds HF-format weights
         state, pending = ckpt.load_checkpoint(path, hf, opts, self.group.rank if self.group else None)
@@ -358,15 +366,6 @@ class Trainer:
             self.batcher.add(t)
         log.info("resumed from %s: step %d, version %d, %d buffered", path, self.step, self.version, len(pending))
         return True
-
-    def _check_layout(self, path) -> None:
-        saved = json.loads((path / "state.json").read_text()).get("layout")
-        saved = saved or {"backend": "torch", "world_size": 1, "expert_parallel": 1}  # before layouts were saved
-        mine = self.backend.layout()
-        if saved != mine:
-            raise ValueError(f"checkpoint {path} was written by {saved}, this learner is {mine}: "
-                             "resume with the same backend, ranks and backend.expert_parallel, or use a new "
-                             "checkpoint.dir (io.init can start from its policy.safetensors' directory)")
 
     def start(self) -> None:
         """Seek the source to the restored positions and publish the starting version."""

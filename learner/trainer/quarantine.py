@@ -5,15 +5,18 @@ which resumed from its checkpoint, read the same records, formed the same batch 
 restarts were spent. Now each failure adds one to the count of every trajectory of the batch, kept in
 `<checkpoint.dir>/quarantine.json` (written atomically before the learner goes down, so the count survives the
 crash). A trajectory that has failed `batch.poison_after` times is poison: it goes to the dead-letter topic with
-the reason "poison batch: <error>" (a group estimator's whole group with it, since a batch never splits a group),
-and the learner trains the rest. Counting trajectories rather than whole batches finds the culprit even when the
-batch around it differs after a restart (records of several partitions interleave differently).
+the reason "poison batch: <error>" (a group estimator's whole group with it, since a batch never splits a group).
+Counting trajectories rather than whole batches follows the culprit even when the batch around it differs after a
+restart (records of several partitions interleave differently).
 
 The failure that reaches the count is handled in the same process when the batch left the weights as they were
-(no optimizer step had run: `learner.trainer.step.HalfApplied` says otherwise) and there is one rank; otherwise the
-learner goes down once more and the restarted one dead-letters the batch when it forms it again. A failure below
-the count always takes the learner down: a restart clears what a fault of the machine leaves behind (a broken
-device context), so a batch is dead-lettered only once it has failed after a fresh start too.
+(no optimizer step had run: `learner.trainer.step.HalfApplied` says otherwise) and there is one rank: the learner
+trains the batch's halves as batches of their own, halving again each half that fails, so that only the units
+(trajectories, or groups) that fail alone are dead-lettered (`Trainer._isolate`); a batch that failed only for its
+size (out of memory) trains whole in halves. Otherwise the learner goes down once more and the restarted one
+dead-letters the poison trajectories when the batch forms again. A failure below the count always takes the
+learner down: a restart clears what a fault of the machine leaves behind (a broken device context), so nothing is
+dead-lettered before its batch has failed after a fresh start too.
 
 The learner remembers each buffered trajectory's source offset (`remember`, and in its checkpoints: `state`) so
 that its dead letter names the record, as every other dead letter does.
@@ -107,7 +110,7 @@ class Quarantine:
             entry["error"] = describe(error)
         self._save()
         worst = max(self.failures[self.key(t)]["failures"] for t in trajs)
-        log.error("batch of %d trajectories failed (%s): %d of %d failures before it is dead-lettered",
+        log.error("batch of %d trajectories failed (%s): failure %d (poison from %d: halved, dead-lettered alone)",
                   len(trajs), describe(error), worst, self.after)
         return worst >= self.after
 
@@ -115,8 +118,19 @@ class Quarantine:
         """A batch trained: its trajectories' failures (a fault of the machine, not theirs) are forgotten."""
         for t in trajs:
             self.offsets.pop(self.key(t), None)
-        if self.failures and any(self.failures.pop(self.key(t), None) for t in trajs):
+        forgotten = [self.failures.pop(self.key(t), None) for t in trajs] if self.failures else []
+        if any(forgotten):
             self._save()
+
+    @staticmethod
+    def units(trajs: list[Trajectory], group: Callable[[Trajectory], str] | None) -> list[list[Trajectory]]:
+        """`trajs` as the units a batch never splits: each trajectory, or with `group` each group, in order."""
+        if group is None:
+            return [[t] for t in trajs]
+        out: dict[str, list[Trajectory]] = {}
+        for t in trajs:
+            out.setdefault(group(t), []).append(t)
+        return list(out.values())
 
     def split(self, trajs: list[Trajectory], group: Callable[[Trajectory], str] | None) -> tuple[list, list]:
         """(to train, poison): with `group`, a poison trajectory takes its whole group with it."""
