@@ -43,7 +43,7 @@ from streamer.wire.schema import Trajectory
 log = logging.getLogger(__name__)
 FILE = "quarantine.json"
 REASON = "poison batch"
-MAX_ENTRIES = 10_000  # trajectories remembered (oldest forgotten first): only those of failed batches are
+MAX_ENTRIES = 10_000  # trajectories remembered, the oldest forgotten first (only failed batches add any)
 FAULT_ENV = "SAO_FAULT_POISON_TASK"
 
 
