@@ -242,6 +242,7 @@ def test_the_metrics_app_dead_letters_every_lie_once_even_after_a_restart(tmp_pa
 
 
 @pytest.mark.kafka
+@pytest.mark.slow
 def test_an_agent_dead_letters_lying_tasks_at_intake_and_answers_the_rest(kafka_bus, kafka_run, tiny_policy_dir):
     from kafka_fixtures import scenario_tasks
 
