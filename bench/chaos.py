@@ -48,9 +48,9 @@ from streamer.wire.settings import BrokerSettings, ClientSettings  # noqa: E402
 from streamer.wire.topics import partitions_by_topic  # noqa: E402
 
 PAUSE_S = 2.5 * ClientSettings().session_timeout_ms / 1000  # a pause the group must notice (15 s at 6 s)
-FULL_PLAN = [(8, "bad_records", ""), (20, "sigkill", "learner"), (35, "sigkill", "agent-0"),
-             (50, "sigstop", "agent-1"), (80, "sigkill", "metrics"), (95, "sigkill", "agent-1"),
-             (110, "sigstop", "learner"), (140, "sigkill", "learner"), (155, "sigkill", "agent-0")]
+FULL_PLAN = [(6, "bad_records", ""), (15, "sigkill", "learner"), (28, "sigkill", "agent-0"),
+             (40, "sigstop", "agent-1"), (62, "sigkill", "metrics"), (75, "sigkill", "agent-1"),
+             (88, "sigstop", "learner"), (110, "sigkill", "learner"), (120, "sigkill", "agent-0")]
 QUICK_PLAN = [(5, "bad_records", ""), (12, "sigkill", "learner"), (22, "sigkill", "agent-0"),
               (30, "sigstop", "agent-1"), (55, "sigkill", "metrics")]
 QUICK_WARM_START = ["--set", "pretrain.steps=120", "--set", "pretrain.eval_every=0"]  # a cold cache costs ~30 s
@@ -132,7 +132,7 @@ def broker_run(a: argparse.Namespace, seed: int, out: Path) -> dict[str, Any]:
     """`sao up` on its own embedded broker; the broker SIGKILLed once the learner has trained a step."""
     run, runs_dir = f"chaos-broker-s{seed}", Path(a.runs_dir)
     fresh(runs_dir / run)
-    cmd = up_command(run, runs_dir, seed, a.broker_tasks, a.drain, [*a.up_args, "--max-seconds", "240"])
+    cmd = up_command(run, runs_dir, seed, a.broker_tasks, a.drain, [*a.up_args, "--max-seconds", "90"])
     print("running: " + shlex.join(cmd), flush=True)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     fault = Fault(at_s=0.0, kind="sigkill", role="broker")
@@ -166,10 +166,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="1 seed, 4 faults, 2,400 tasks (a few minutes on 2 cores)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--tasks", type=int, default=6000, help="sao up --limit of each main run")
+    p.add_argument("--tasks", type=int, default=4000, help="sao up --limit of each main run")
     p.add_argument("--broker-tasks", type=int, default=1200, help="sao up --limit of each broker run")
     p.add_argument("--drain", type=float, default=60.0, help="sao up --drain-seconds")
-    p.add_argument("--max-seconds", type=float, default=600.0, help="sao up --max-seconds of each main run")
+    p.add_argument("--max-seconds", type=float, default=400.0, help="sao up --max-seconds of each main run")
     p.add_argument("--no-broker-run", dest="broker_run", action="store_false")
     p.add_argument("--up-args", default="", help="more `sao up` arguments, one shell-quoted string")
     p.add_argument("--out", default=None, help="the JSON (default: docs/results/chaos.json; --quick: "
@@ -177,7 +177,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--runs-dir", default="runs/chaos", help="sao up --runs-dir")
     a = p.parse_args(argv)
     if a.quick:
-        a.seeds, a.tasks, a.broker_tasks, a.drain, a.max_seconds = a.seeds[:1], 2400, 600, 30.0, 360.0
+        a.seeds, a.tasks, a.broker_tasks, a.drain, a.max_seconds = a.seeds[:1], 2400, 600, 30.0, 300.0
     a.up_args = shlex.split(a.up_args) + (QUICK_WARM_START if a.quick else [])
     a.out = Path(a.out or ("runs/bench/chaos/chaos.json" if a.quick else "docs/results/chaos.json"))
     return a

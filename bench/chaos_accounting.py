@@ -3,7 +3,9 @@ recovered, from the broker's topics (which outlive the run) and the run director
 
 - every task the simulator published (read back from `<run>.tasks`, plus any the agents answered) is trained
   exactly once (the learner's standing events), buffered in the learner's last checkpoint (`pending.jsonl`: a run
-  that stops mid-batch), or dead-lettered; anything else is lost;
+  that stops mid-batch), dead-lettered, or still in a topic where a resumed run would find it (its trajectory at or
+  past the learner's checkpoint position, or the task at or past the agents' committed offset: a run stopped by
+  --max-seconds, or stalled); anything else is lost;
 - every bad record is dead-lettered, by at least one consumer and by no consumer twice ((consumer, record) pairs);
 - each fault's time to detect (the `sao up` line that reports the role's exit) and to recover (the role's next
   output in the run's tables: a learner event, a trajectory of the restarted agent, a metric point).
@@ -22,6 +24,8 @@ import pandas as pd
 from bench.chaos_faults import BAD_PREFIX
 from streamer.runs import artifacts as art
 from streamer.runs.readers import read_table
+from streamer.transport.backpressure import CommittedOffsets
+from streamer.transport.bus import TopicPartition
 from streamer.transport.kafka_bus import read_topic
 from streamer.wire.schema import DeadLetter, SchemaError, Task, Trajectory, decode, decode_json
 from streamer.wire.settings import ClientSettings
@@ -47,22 +51,51 @@ def pending_in_last_checkpoint(run_dir: Path) -> set[str]:
             if line}
 
 
-def account_tasks(run_dir: Path, task_ids: set[str], dead_tasks: set[str]) -> dict[str, Any]:
-    """Every task trained once, buffered in the last checkpoint, or dead-lettered; the learner's drop counts."""
-    tasks = task_ids | set(art.read_trajectories(run_dir).get("task_id", pd.Series(dtype=str)).astype(str))
-    tasks = {t for t in tasks if not t.startswith(BAD_PREFIX)}
+def last_checkpoint_positions(run_dir: Path) -> dict[str, int]:
+    """The learner's source positions ('<topic>:<partition>' -> next offset) in its newest checkpoint."""
+    ckpt = max((run_dir / "checkpoints").glob("step_*"), default=None)
+    if ckpt is None or not (ckpt / "state.json").is_file():
+        return {}
+    return {k: int(v) for k, v in json.loads((ckpt / "state.json").read_text()).get("positions", {}).items()}
+
+
+def still_in_topics(tasks: dict[str, tuple[int, int]], trajs: dict[str, list[tuple[int, int]]],
+                    committed: dict[int, int], positions: dict[str, int], topic: str) -> tuple[set[str], set[str]]:
+    """Tasks a resumed run would still get to: those with a trajectory at or past the learner's checkpoint position
+    (unread by it), and those with none at or past the agents' committed offset (unanswered)."""
+    unread = {t for t, recs in trajs.items() if any(o >= positions.get(f"{topic}:{p}", 0) for p, o in recs)}
+    unanswered = {t for t, (p, o) in tasks.items() if t not in trajs and o >= committed.get(p, 0)}
+    return unread, unanswered
+
+
+def account_tasks(run_dir: Path, tasks: dict[str, tuple[int, int]], trajs: dict[str, list[tuple[int, int]]],
+                  committed: dict[int, int], traj_topic: str, dead_tasks: set[str]) -> dict[str, Any]:
+    """Every task trained once, buffered in the last checkpoint, dead-lettered, or still in a topic for a resumed
+    run (its trajectory unread by the learner, or the task unanswered); anything else is lost."""
+    ids = {t for t in set(tasks) | set(trajs) if not t.startswith(BAD_PREFIX)}
     trained, learner = trained_counts(run_dir)
     pending = pending_in_last_checkpoint(run_dir)
+    unread, unanswered = still_in_topics(tasks, trajs, committed, last_checkpoint_positions(run_dir), traj_topic)
+    settled = {t for t in ids if trained[t]} | pending | dead_tasks
     last = learner.iloc[-1].dropna().to_dict() if len(learner) else {}
     return {
-        "tasks": len(tasks), "trained_once": sum(1 for t in tasks if trained[t] == 1),
-        "trained_twice": sorted(t for t in tasks if trained[t] > 1),
-        "buffered_in_last_checkpoint": len(pending & tasks), "dead_lettered_tasks": len(dead_tasks & tasks),
-        "lost": sorted(t for t in tasks if trained[t] == 0 and t not in pending and t not in dead_tasks),
+        "tasks": len(ids), "trained_once": sum(1 for t in ids if trained[t] == 1),
+        "trained_twice": sorted(t for t in ids if trained[t] > 1),
+        "buffered_in_last_checkpoint": len(pending & ids), "dead_lettered_tasks": len(dead_tasks & ids),
+        "unread_by_learner": len((ids & unread) - settled), "unanswered_in_topic": len((ids & unanswered) - settled),
+        "lost": sorted(ids - settled - unread - unanswered),
         "bad_records_trained": sorted(t for t in trained if t.startswith(BAD_PREFIX)),
         "stale_drops": float(last.get("learner/count_stale", 0.0)),
         "duplicate_drops": float(last.get("learner/count_duplicate", 0.0)), "learner_steps": int(len(learner)),
+        "longest_learner_gap_s": longest_gap(read_table(run_dir, "learner")),
     }
+
+
+def longest_gap(learner: pd.DataFrame) -> float | None:
+    """The longest time between two learner events: a stall shows here."""
+    if len(learner) < 2 or "time" not in learner:
+        return None
+    return round(float(learner["time"].sort_values().diff().max()), 1)
 
 
 def account_bad_records(bad: list[dict[str, Any]], letters: list[DeadLetter]) -> list[dict[str, Any]]:
@@ -82,27 +115,37 @@ def account_bad_records(bad: list[dict[str, Any]], letters: list[DeadLetter]) ->
     return out
 
 
+def decoded(records: list[tuple[int, int, bytes]], cls: type) -> list[tuple[int, int, Any]]:
+    out = []
+    for part, off, value in records:
+        try:
+            out.append((part, off, decode(value, cls)))
+        except SchemaError:
+            pass
+    return out
+
+
 def account(bootstrap: str, run: str, run_dir: Path, bad: list[dict[str, Any]]) -> dict[str, Any]:
     """Tasks and bad records of one run, read from its (still running) broker and its directory."""
     topics = Topics(run)
-    tasks, records = set(), whole_topic(bootstrap, topics.tasks)
-    for _, _, value in records:
-        try:
-            tasks.add(decode(value, Task).task_id)
-        except SchemaError:
-            pass
-    letters = []
-    for _, _, value in whole_topic(bootstrap, topics.dlq):
-        try:
-            letters.append(decode(value, DeadLetter))
-        except SchemaError:
-            pass
+    task_records = whole_topic(bootstrap, topics.tasks)
+    tasks = {m.task_id: (p, o) for p, o, m in decoded(task_records, Task)}
+    trajs: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for p, o, m in decoded(whole_topic(bootstrap, topics.trajectories), Trajectory):
+        trajs[m.task_id].append((p, o))
+    letters = [m for _, _, m in decoded(whole_topic(bootstrap, topics.dlq), DeadLetter)]
+    group = CommittedOffsets(bootstrap, f"{run}.agents", client_id="chaos-accounting")
+    try:
+        committed = {tp.partition: n for tp, n in group({TopicPartition(topics.tasks, p) for p, _ in
+                                                         tasks.values()}).items()}
+    finally:
+        group.close()
     dead_tasks = {x.key.decode(errors="replace") for x in letters if x.key and x.expected == "Task"}
     pairs = Counter((x.consumer, x.topic, x.partition, x.offset) for x in letters)
-    return {"task_records": len(records), "tasks_in_topic": len(tasks), "dead_letters": len(letters),
+    return {"task_records": len(task_records), "tasks_in_topic": len(tasks), "dead_letters": len(letters),
             "letters_sent_twice": sum(1 for n in pairs.values() if n > 1),
-            "dlq_reasons": sorted({x.reason[:120] for x in letters}),
-            "bad_records": account_bad_records(bad, letters), **account_tasks(run_dir, tasks, dead_tasks)}
+            "dlq_reasons": sorted({x.reason[:120] for x in letters}), "bad_records": account_bad_records(bad, letters),
+            **account_tasks(run_dir, tasks, dict(trajs), committed, topics.trajectories, dead_tasks)}
 
 
 def first_after(times: pd.Series, t: float) -> float | None:

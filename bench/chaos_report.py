@@ -34,9 +34,10 @@ def broker_result(run_dir: Path, fault: dict[str, Any], lines: list[tuple[float,
     trained = sum(1 for n in trained_counts(run_dir)[0].values() if n)
     buffered = len(pending_in_last_checkpoint(run_dir))
     answered = len(art.read_trajectories(run_dir))
-    return {"fault": fault, "killed": True, "detect_s": fault["detect_s"],
-            "exit_after_kill_s": round(exit_wall - done["wall"], 1),
-            "reason_names_broker": "broker" in stopped.lower(), "at_kill": at_kill,
+    named = "broker" in stopped.lower()
+    return {"fault": fault, "killed": True, "stopped_after_kill_s": fault["detect_s"],
+            "detect_s": fault["detect_s"] if named else None, "exit_after_kill_s": round(exit_wall - done["wall"], 1),
+            "reason_names_broker": named, "stopped": stopped, "at_kill": at_kill,
             "tasks_published": at_kill["tasks"], "trajectories_recorded": answered, "trained": trained,
             "buffered_in_last_checkpoint": buffered,
             "not_trained_gone_with_broker": max(0, at_kill["tasks"] - trained - buffered)}
@@ -60,7 +61,7 @@ def summarize(runs: list[dict[str, Any]], broker_runs: list[dict[str, Any]]) -> 
             c["injected"].append(int("wall" in f["done"]))
             c["detect"].append(f["detect_s"])
             c["recover"].append(f["recover_s"])
-    lost = sum(len(r["lost"]) for r in runs)
+    lost = sum(len(r["lost"]) for r in runs)  # in neither a step, the last checkpoint, the DLQ nor a topic
     twice = sum(len(r["trained_twice"]) for r in runs)
     out = {k: {"requested": sum(c["requested"]), "injected": sum(c["injected"]), "detect_s": spread(c["detect"]),
                "recover_s": spread(c["recover"]), "lost_in_its_runs": lost, "trained_twice_in_its_runs": twice}
@@ -77,6 +78,7 @@ def summarize(runs: list[dict[str, Any]], broker_runs: list[dict[str, Any]]) -> 
         out["sigkill_broker"] = {
             "requested": len(broker_runs), "injected": len(killed), "detect_s": spread([b["detect_s"] for b in killed]),
             "reason_names_broker": sum(b["reason_names_broker"] for b in killed),
+            "stop_reasons": sorted({b["stopped"][:160] for b in killed}),
             "tasks_published": sum(b["tasks_published"] for b in killed),
             "trained": sum(b["trained"] for b in killed),
             "not_trained_gone_with_broker": sum(b["not_trained_gone_with_broker"] for b in killed)}
@@ -99,6 +101,7 @@ def goals(runs: list[dict[str, Any]], broker_runs: list[dict[str, Any]]) -> dict
         "bad_records_sent": bool(bad) and all(f["done"].get("records") for f in faults if f["kind"] == "bad_records"),
         "lost": all(not r["lost"] for r in runs), "trained_twice": all(not r["trained_twice"] for r in runs),
         "stale_drops": all(r["stale_drops"] == 0 for r in runs),
+        "every_run_finished": all(r["stopped"].startswith("scenario finished") for r in runs),
         "every_bad_record_dead_lettered": all(x["dead_lettered"] for x in bad),
         "no_consumer_letters_a_record_twice": all(not x["sent_twice_by"] for x in bad),
         "no_bad_record_trained": all(not r["bad_records_trained"] for r in runs),
