@@ -9,7 +9,6 @@ within one loop of `sao up` (0.5 s). Any broker, embedded or `--bootstrap`, is a
 from __future__ import annotations
 
 import re
-import signal
 import threading
 import time
 from pathlib import Path
@@ -22,19 +21,11 @@ MEMORY_LOST = ("lost with its memory storage: unconsumed tasks, trajectories not
                "consumer-group offsets, the dead-letter topic and the policy announcements; the learner's "
                "checkpoints and the run's files are kept, but a rerun with the same --run is refused by the learner "
                "(its checkpoint's offsets lie beyond the new broker's empty topics): start a new run (--run NAME)")
+DURABLE_KEPT = ("the roles were stopped; its topics, records and group offsets are kept in {} (durable storage): "
+                "what the roles had sent but not yet had confirmed may be lost")
 EXTERNAL_LOST = ("the roles were stopped; what the broker had not stored durably may be lost. Once it answers again, "
                  "rerun with the same --run: the learner resumes from its checkpoint, and refuses if the broker no "
                  "longer holds what that checkpoint read")
-
-
-def exit_text(code: int) -> str:
-    """'exited 1', 'exited -9 (SIGKILL)'."""
-    if code < 0:
-        try:
-            return f"exited {code} ({signal.Signals(-code).name})"
-        except ValueError:
-            pass
-    return f"exited {code}"
 
 
 def answer_error(bootstrap: str, client: ClientSettings, timeout: float = 5.0) -> str | None:
@@ -84,18 +75,25 @@ class BrokerWatch:
             self._stop.wait(self.interval_s)
 
     def lost(self) -> str | None:
-        proc = self.broker.proc if self.broker is not None else None
-        if proc is not None and proc.poll() is not None:
+        ended = self.broker.exited() if self.broker is not None and self.broker.proc is not None else None
+        if ended:
             log = _last_line(self.broker.log_path)
-            return (f"failed: the embedded broker at {self.bootstrap} {exit_text(proc.returncode)}"
-                    + (f" (its log {self.broker.log_path} ends: {log})" if log else "") + f"; {MEMORY_LOST}")
+            return (f"failed: the embedded broker at {self.bootstrap} {ended}"
+                    + (f" (its log {self.broker.log_path} ends: {log})" if log else "") + f"; {self._lost_text()}")
         silent = time.monotonic() - self.last_answer
         if self.silence_s > 0 and silent > self.silence_s:
             kind = "embedded broker" if self.broker is not None else "broker"
             return (f"failed: the {kind} at {self.bootstrap} answered no Metadata request for {silent:.0f} s "
                     f"(launch.broker_silence_s {self.silence_s:g}; last error: {self.last_error}); "
-                    + (MEMORY_LOST if self.broker is not None else EXTERNAL_LOST))
+                    + self._lost_text())
         return None
+
+    def _lost_text(self) -> str:
+        if self.broker is None:
+            return EXTERNAL_LOST
+        if self.broker.durable:
+            return DURABLE_KEPT.format(self.broker.settings.data_dir)
+        return MEMORY_LOST
 
     def close(self) -> None:
         self._stop.set()
