@@ -143,7 +143,6 @@ def test_the_learner_dead_letters_every_lie_and_trains_every_valid_trajectory(tm
 
     source = BusSource(kafka_bus.consumer({topics.trajectories: Trajectory}, group_id=None, dlq=topics.dlq))
     trainer = Trainer(cfg, build_models(cfg), source, DirectoryPublisher(tmp_path / "w"), [sink])
-    trainer.admission.live = source.live  # what Trainer.__init__ is to set from its source (see the report)
     try:
         trainer.run()
     finally:

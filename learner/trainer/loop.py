@@ -68,6 +68,7 @@ class Trainer:
         hf = self.backend.hf_config
         vocab, positions = getattr(hf, "vocab_size", None), getattr(hf, "max_position_embeddings", None)
         self.admission = Admission(b.max_staleness, grouped, b.dedup_window, b.sync, vocab, positions)
+        self.admission.live = bool(getattr(source, "live", False))  # a topic: versions newer than ours are lies
         self.batcher = Batcher(b.tokens, b.max_trajectories, cfg.advantage.group_size if grouped else None,
                                b.sync_batch if b.sync else None, grouped and cfg.advantage.dynamic_sampling)
         # the leader's: failure counts of batches, offsets of buffered trajectories (for their dead letters)
@@ -384,6 +385,7 @@ class Trainer:
             # steps from the same records and RNG state (the same weights), publishing nothing until it is past
             # them: agents keep the versions they hold, and what they generated keeps its staleness.
             self.redo_until = max(self.redo_until, self.admission.lineage.index(latest))
+            self.admission.lineage.newest = latest  # the agents may hold versions up to it while we redo
         elif latest >= self.version:  # a new lineage over an old store: never reuse a number
             self._publish(latest + 1, self.vindex)
 

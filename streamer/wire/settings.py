@@ -267,8 +267,13 @@ class AgentSettings:
             raise ConfigError("AgentSettings.weights_timeout_s / weights_wait_s: must be > 0 / >= 0")
 
     def validate(self) -> None:
-        if self.group_size < 1:
-            raise ConfigError("AgentSettings.group_size: must be >= 1 (1 = single rollout)")
+        from streamer.wire.schema import LIMITS  # what every consumer accepts (refused there as a lie otherwise)
+
+        if not 1 <= self.group_size <= LIMITS.max_group_size:
+            raise ConfigError(f"AgentSettings.group_size: must be 1..{LIMITS.max_group_size} (1 = single rollout)")
+        if 0 < self.temperature < LIMITS.min_temperature or self.temperature > LIMITS.max_temperature:
+            raise ConfigError(f"AgentSettings.temperature: {self.temperature}: must be <= 0 (greedy) or within "
+                              f"{LIMITS.min_temperature}..{LIMITS.max_temperature}")
         if self.concurrency < 1:
             raise ConfigError("AgentSettings.concurrency: must be >= 1 (tasks in flight per agent)")
         if self.tasks_per_version < 0 or self.versions_ahead < 0:
