@@ -1,9 +1,9 @@
 """`sao up` watches its broker: a run whose broker is gone stops at once, and says which broker and what was lost.
 
-Without it the roles noticed one by one (an agent's send unconfirmed after the producer's delivery timeout, 120 s),
-and `sao up` ended minutes later with "agent-0 exited 1". The embedded broker is a child process: its exit is seen
-within one loop of `sao up` (0.5 s). Any broker, embedded or `--bootstrap`, is also asked for its metadata every
-`interval_s` from a thread; no answer for `silence_s` (launch.broker_silence_s, 30 s) stops the run too.
+Without it the roles noticed one by one (a send is given up after the producer's delivery timeout, 120 s) and
+`sao up` ended minutes later with "simulator exited 1", naming no broker. The embedded broker is a child process: its
+exit is seen within one loop of `sao up` (0.5 s). Any broker, embedded or `--bootstrap`, is also asked for its
+metadata every `interval_s` from a thread; no answer for `silence_s` (launch.broker_silence_s, 30 s) stops the run.
 """
 
 from __future__ import annotations
