@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if __package__ in (None, ""):  # `python bench/chaos.py`
     sys.path.insert(0, str(ROOT))
 
-from bench.chaos_accounting import account, timings  # noqa: E402
+from bench.chaos_accounting import account, learner_idle_before, timings  # noqa: E402
 from bench.chaos_faults import Fault, Injector, send_bad_records  # noqa: E402
 from bench.chaos_report import broker_result, goals, summarize  # noqa: E402
 from bench.common import git_commit, machine, save_json  # noqa: E402
@@ -121,6 +121,8 @@ def main_run(a: argparse.Namespace, seed: int, out: Path) -> dict[str, Any]:
     finally:
         broker.stop()
     result["faults"] = timings(runs_dir / run, lines, log)
+    stop_wall = next((w for w, line in lines if line.startswith("stopping: ")), lines[-1][0] if lines else time.time())
+    result["learner_idle_before_stop_s"] = learner_idle_before(runs_dir / run, stop_wall)
     return result
 
 

@@ -91,6 +91,12 @@ def account_tasks(run_dir: Path, tasks: dict[str, tuple[int, int]], trajs: dict[
     }
 
 
+def learner_idle_before(run_dir: Path, wall: float) -> float | None:
+    """Seconds from the learner's last event to `wall` (the run's stop): a stall that lasted to the end shows here."""
+    table = read_table(run_dir, "learner")
+    return round(wall - float(table["time"].max()), 1) if len(table) and "time" in table else None
+
+
 def longest_gap(learner: pd.DataFrame) -> float | None:
     """The longest time between two learner events: a stall shows here."""
     if len(learner) < 2 or "time" not in learner:

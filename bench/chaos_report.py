@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -23,24 +24,41 @@ def last_progress(lines: list[tuple[float, str]], before: float) -> dict[str, in
     return {"tasks": 0, "answered": 0, "learner_step": -1}
 
 
+def checkpointed(run_dir: Path) -> dict[str, int]:
+    """The learner's newest checkpoint: its step, and the tasks it holds as trained (admitted, not pending)."""
+    ckpt = max((run_dir / "checkpoints").glob("step_*"), default=None)
+    if ckpt is None or not (ckpt / "state.json").is_file():
+        return {"step": -1, "trained": 0}
+    state = json.loads((ckpt / "state.json").read_text())
+    seen = set(state.get("admission", {}).get("seen", []))
+    return {"step": int(state["step"]), "trained": len(seen - pending_in_last_checkpoint(run_dir))}
+
+
 def broker_result(run_dir: Path, fault: dict[str, Any], lines: list[tuple[float, str]], stopped: str,
                   exit_wall: float) -> dict[str, Any]:
-    """What a killed memory-only broker took with it: the tasks published (the tap's count when it died) that were
-    neither trained nor buffered in the learner's last checkpoint; and how long `sao up` took to notice."""
+    """What a killed memory-only broker took with it: the tasks published (the tap's count when it died) that no
+    learner checkpoint holds as trained or buffered (the topics, offsets and DLQ are gone, the checkpoints stay); and
+    how long `sao up` took to notice (`detect_s`: only when its reason names the broker) and to exit."""
     done = fault["done"]
     if "wall" not in done:
         return {"fault": fault, "killed": False}
-    at_kill = last_progress(lines, done["wall"] + 0.5)
-    trained = sum(1 for n in trained_counts(run_dir)[0].values() if n)
+    at_kill, ckpt = last_progress(lines, done["wall"] + 0.5), checkpointed(run_dir)
     buffered = len(pending_in_last_checkpoint(run_dir))
-    answered = len(art.read_trajectories(run_dir))
     named = "broker" in stopped.lower()
     return {"fault": fault, "killed": True, "stopped_after_kill_s": fault["detect_s"],
             "detect_s": fault["detect_s"] if named else None, "exit_after_kill_s": round(exit_wall - done["wall"], 1),
             "reason_names_broker": named, "stopped": stopped, "at_kill": at_kill,
-            "tasks_published": at_kill["tasks"], "trajectories_recorded": answered, "trained": trained,
+            "tasks_published": at_kill["tasks"], "trajectories_recorded": len(art.read_trajectories(run_dir)),
+            "trained_recorded": sum(1 for n in trained_counts(run_dir)[0].values() if n),
+            "checkpoint_step": ckpt["step"], "trained_in_last_checkpoint": ckpt["trained"],
             "buffered_in_last_checkpoint": buffered,
-            "not_trained_gone_with_broker": max(0, at_kill["tasks"] - trained - buffered)}
+            "not_in_a_checkpoint_gone_with_broker": max(0, at_kill["tasks"] - ckpt["trained"] - buffered)}
+
+
+def short_reason(stopped: str) -> str:
+    """`sao up`'s stop reason without its addresses, paths and advice: one per kind of stop across seeds."""
+    text = re.sub(r"\S+:\d+\b", "HOST:PORT", stopped)
+    return re.split(r" \(its log|; ", text)[0]
 
 
 def spread(values: list[float | None]) -> dict[str, Any]:
@@ -78,10 +96,10 @@ def summarize(runs: list[dict[str, Any]], broker_runs: list[dict[str, Any]]) -> 
         out["sigkill_broker"] = {
             "requested": len(broker_runs), "injected": len(killed), "detect_s": spread([b["detect_s"] for b in killed]),
             "reason_names_broker": sum(b["reason_names_broker"] for b in killed),
-            "stop_reasons": sorted({b["stopped"][:160] for b in killed}),
+            "stop_reasons": sorted({short_reason(b["stopped"]) for b in killed}),
             "tasks_published": sum(b["tasks_published"] for b in killed),
-            "trained": sum(b["trained"] for b in killed),
-            "not_trained_gone_with_broker": sum(b["not_trained_gone_with_broker"] for b in killed)}
+            "trained_in_last_checkpoint": sum(b["trained_in_last_checkpoint"] for b in killed),
+            "not_in_a_checkpoint_gone_with_broker": sum(b["not_in_a_checkpoint_gone_with_broker"] for b in killed)}
     return out
 
 

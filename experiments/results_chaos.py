@@ -27,22 +27,24 @@ def fault_row(name: str, c: dict) -> list:
         return [NAMES[name], f"{c['injected']} of {c['requested']}", median_max(c["detect_s"]),
                 f"run stopped: {'; '.join(c['stop_reasons'])} (names the broker in {c['reason_names_broker']} of "
                 f"{c['injected']})", "—",
-                f"{cnt(c['not_trained_gone_with_broker'])} of {cnt(c['tasks_published'])} published tasks untrained "
-                "(memory-only broker)"]
+                f"{cnt(c['not_in_a_checkpoint_gone_with_broker'])} of {cnt(c['tasks_published'])} published tasks "
+                "in no learner checkpoint (memory-only broker)"]
     return [NAMES.get(name, name), f"{c['injected']} of {c['requested']}", median_max(c["detect_s"]),
             median_max(c["recover_s"]), "—", f"{c['lost_in_its_runs']} / {c['trained_twice_in_its_runs']}"]
 
 
 RUN_HEAD = ["seed", "tasks", "trained once", "buffered in the last checkpoint", "dead-lettered",
             "still in a topic (unread by the learner / unanswered)", "lost / trained twice", "duplicates dropped",
-            "longest gap between learner steps (s)", "stopped"]
+            "learner steps; longest gap between them / idle before the stop (s)", "stopped"]
 
 
 def run_row(r: dict) -> list:
-    gap = "—" if r["longest_learner_gap_s"] is None else f"{r['longest_learner_gap_s']:.1f}"
+    gap = " / ".join("—" if x is None else f"{x:.1f}" for x in (r["longest_learner_gap_s"],
+                                                                 r["learner_idle_before_stop_s"]))
     return [r["seed"], cnt(r["tasks"]), cnt(r["trained_once"]), cnt(r["buffered_in_last_checkpoint"]),
             cnt(r["dead_lettered_tasks"]), f"{cnt(r['unread_by_learner'])} / {cnt(r['unanswered_in_topic'])}",
-            f"{len(r['lost'])} / {len(r['trained_twice'])}", cnt(r["duplicate_drops"]), gap, r["stopped"]]
+            f"{len(r['lost'])} / {len(r['trained_twice'])}", cnt(r["duplicate_drops"]), f"{r['learner_steps']}; {gap}",
+            r["stopped"]]
 
 
 def chaos_table(ch: dict) -> str:

@@ -96,8 +96,18 @@ def test_the_results_page_writes_each_fault_class_as_one_row():
         "bad records on policy", 6, "—", "—",
         "5 of 6 (sao, sao-tap), 2 twice by one consumer; not: forged unsigned announcement", "0 / 1"]
     broker = {"requested": 3, "injected": 3, "detect_s": {"n": 2, "median": 1.25, "max": 2.0}, "reason_names_broker": 2,
-              "stop_reasons": ["broker lost"], "tasks_published": 1800, "trained": 960,
-              "not_trained_gone_with_broker": 840}
+              "stop_reasons": ["broker lost"], "tasks_published": 1800, "trained_in_last_checkpoint": 960,
+              "not_in_a_checkpoint_gone_with_broker": 840}
     assert fault_row("sigkill_broker", broker) == [
         "SIGKILL broker", "3 of 3", "1.2 (2.0)", "run stopped: broker lost (names the broker in 2 of 3)", "—",
-        "840 of 1,800 published tasks untrained (memory-only broker)"]
+        "840 of 1,800 published tasks in no learner checkpoint (memory-only broker)"]
+
+
+def test_a_broker_stop_reason_is_shortened_to_one_kind_across_seeds():
+    from bench.chaos_report import short_reason
+
+    a = ("failed: the embedded broker at 127.0.0.1:34913 exited -9 (SIGKILL) (its log runs/x/logs/broker.log ends: "
+         "ready in 0ms); lost with its memory storage: unconsumed tasks")
+    assert short_reason(a) == short_reason(a.replace("34913", "40001")) == (
+        "failed: the embedded broker at HOST:PORT exited -9 (SIGKILL)")
+    assert short_reason("--max-seconds 90 reached") == "--max-seconds 90 reached"
