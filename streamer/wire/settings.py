@@ -49,7 +49,6 @@ class BrokerSettings:
     port: int = 9092  # 0 picks a free port
     advertised: str = ""  # HOST:PORT clients are told to use (a container's service name); "" -> host:port
     log_path: str = ""  # broker stdout/stderr; "" -> a temporary file
-    data_dir: str = ""  # "": memory storage (lost with the process); a directory: durable (S3 objects as files there)
     start_timeout_s: float = 15.0  # until it answers a Kafka Metadata request
     stop_timeout_s: float = 5.0  # after SIGINT, then SIGKILL
 
