@@ -69,6 +69,33 @@ def test_positions_within_a_topic_pass_and_positions_past_its_end_are_short(kafk
         consumer.close()
 
 
+@pytest.mark.kafka
+def test_a_checkpoint_from_another_cluster_is_refused_even_when_the_positions_fit(tmp_path):
+    """Each embedded broker start has its own cluster id; a source reads it once (for the checkpoint). A resume whose
+    checkpoint names another id is refused, naming both, although the partition holds its position; the same id and
+    an unknown one (an older checkpoint) pass."""
+    with EmbeddedBroker(BrokerSettings(port=0, log_path=str(tmp_path / "broker.log"))) as broker:
+        bus = KafkaBus(broker.bootstrap, ClientSettings(client_id="sao-test"))
+        bus.create_topics({"c.trajectories": 1})
+        prod = KafkaProducer(bootstrap_servers=broker.bootstrap)
+        for i in range(3):
+            prod.send("c.trajectories", value=b"%d" % i, partition=0)
+        prod.flush()
+        prod.close()
+        source = BusSource(bus.consumer({"c.trajectories": Trajectory}, group_id=None))
+        try:
+            assert source.cluster_id() == broker.cluster_id and broker.cluster_id.startswith("sao-")
+            source.seek({"c.trajectories:0": 3}, cluster=broker.cluster_id)
+            source.seek({"c.trajectories:0": 3}, cluster=None)
+            with pytest.raises(ResumeRefused) as refused:
+                source.seek({"c.trajectories:0": 3}, cluster="sao-0123456789ab")
+        finally:
+            source.close()
+    msg = str(refused.value)
+    assert "refusing to resume run 'c'" in msg and "cluster 'sao-0123456789ab'" in msg
+    assert f"the broker at {broker.bootstrap} is cluster {broker.cluster_id!r}" in msg and "--run NAME" in msg
+
+
 def _train(bus: KafkaBus, topic: str, ckpt: Path, n_expected: int) -> list[str]:
     """A learner over the trajectory topic until it has trained `n_expected` trajectories (resuming if it can)."""
     cfg = load_config(LearnerConfig, None, TINY_OVERRIDES + [

@@ -5,7 +5,9 @@ restarted empty (the embedded Tansu keeps its topics in memory) or another clust
 the learner would wait past the topic's end while the replayed stream's records, at the offsets it already passed,
 are never read, and the tasks they answer are dropped as duplicates. So before seeking, each position p > 0 must
 have a record at p - 1 (or later). Apache Kafka's end offsets say so directly; Tansu's ListOffsets answers can be
-short of the real end, so a short end is confirmed by fetching from p - 1 before the resume is refused.
+short of the real end, so a short end is confirmed by fetching from p - 1 before the resume is refused. When the
+checkpoint holds the cluster id it read from, a broker reporting another one is refused too: that catches a restarted
+embedded broker (a new id at each start) even once the replayed stream has grown past the positions.
 """
 
 from __future__ import annotations
@@ -74,8 +76,24 @@ def refusal(short: dict[TopicPartition, int], positions: dict[TopicPartition, in
             f"new run (sao up --run NAME, or another learner checkpoint.dir) or point at the original broker.")
 
 
-def check_resume(consumer: Any, positions: dict[TopicPartition, int], confirm_s: float = CONFIRM_S) -> None:
-    """Raise ResumeRefused when the broker's topics end before the checkpoint's positions."""
+def cluster_id(consumer: Any) -> str | None:
+    """The id the broker's Metadata answer carries (None from brokers that send none)."""
+    consumer.topics()  # a Metadata request
+    return consumer._client.cluster.cluster_id  # kafka-python keeps it on the client's ClusterMetadata only
+
+
+def check_resume(consumer: Any, positions: dict[TopicPartition, int], cluster: str | None = None,
+                 confirm_s: float = CONFIRM_S) -> None:
+    """Raise ResumeRefused when the broker is another cluster than `cluster` (the checkpoint's, if it has one) or its
+    topics end before the checkpoint's positions."""
+    bootstrap = ",".join(consumer.config["bootstrap_servers"])
+    now = cluster_id(consumer) if cluster else None
+    if cluster and now and now != cluster:
+        run = min(positions).topic.rpartition(".")[0] if positions else "?"
+        raise ResumeRefused(f"refusing to resume run {run!r}: its checkpoint read from cluster {cluster!r}, the "
+                            f"broker at {bootstrap} is cluster {now!r} (restarted empty, or another cluster), so the "
+                            f"checkpoint's positions mean nothing there. Start a new run (sao up --run NAME, or "
+                            f"another learner checkpoint.dir) or point at the original broker.")
     short = short_partitions(consumer, positions, confirm_s)
     if short:
-        raise ResumeRefused(refusal(short, positions, ",".join(consumer.config["bootstrap_servers"])))
+        raise ResumeRefused(refusal(short, positions, bootstrap))

@@ -37,7 +37,13 @@ class Source(Protocol):
 
     def poll(self, max_records: int, timeout_s: float) -> list[tuple[Trajectory, Offset]]: ...
 
-    def seek(self, positions: Positions) -> None: ...
+    def seek(self, positions: Positions, cluster: str | None = None) -> None:
+        """Resume at `positions`; `cluster` is the cluster id the checkpoint read from (None: unknown)."""
+        ...
+
+    def cluster_id(self) -> str | None:
+        """The id of the cluster the records come from, for the checkpoint (None: none)."""
+        ...
 
     def commit(self, positions: Positions) -> None: ...
 
@@ -78,7 +84,7 @@ class FileSource:
         self._at_end = False
         self.bad_lines = 0
 
-    def seek(self, positions: Positions) -> None:
+    def seek(self, positions: Positions, cluster: str | None = None) -> None:
         self._pos = positions.get(self.PARTITION, 0)
         self._f.seek(self._pos)
         self._at_end = False
@@ -109,6 +115,9 @@ class FileSource:
 
     def commit(self, positions: Positions) -> None:
         pass  # the checkpoint holds the positions; a file has nothing to tell
+
+    def cluster_id(self) -> str | None:
+        return None  # a file belongs to no cluster
 
     @property
     def dead_letters(self) -> int:
@@ -146,13 +155,15 @@ class BusSource:
 
     def __init__(self, consumer) -> None:
         self.consumer = consumer
+        self._cluster: str | None = None
 
     @staticmethod
     def _key(tp) -> str:
         return f"{tp.topic}:{tp.partition}"
 
-    def seek(self, positions: Positions) -> None:
-        """Resume at a checkpoint's positions; refused (ResumeRefused) when the broker's topics end before them."""
+    def seek(self, positions: Positions, cluster: str | None = None) -> None:
+        """Resume at a checkpoint's positions; refused (ResumeRefused) when the broker's topics end before them or,
+        given the checkpoint's `cluster` id, the broker is another cluster."""
         from kafka.structs import TopicPartition
 
         from learner.trainer.resume_guard import check_resume
@@ -161,11 +172,22 @@ class BusSource:
         for key, n in positions.items():
             topic, _, part = key.rpartition(":")
             tps[TopicPartition(topic, int(part))] = n
-        kafka = getattr(self.consumer, "_c", None)  # KafkaConsumerClient's kafka-python consumer; in-memory: none
+        kafka = self._kafka()
         if tps and kafka is not None:
-            check_resume(kafka, tps)
+            check_resume(kafka, tps, cluster)
         if tps:
             self.consumer.seek(tps)
+
+    def _kafka(self):
+        return getattr(self.consumer, "_c", None)  # KafkaConsumerClient's kafka-python consumer; in-memory: none
+
+    def cluster_id(self) -> str | None:
+        """The broker's cluster id (for the checkpoint), read once; None in memory or from a broker without one."""
+        from learner.trainer.resume_guard import cluster_id
+
+        if self._cluster is None and self._kafka() is not None:
+            self._cluster = cluster_id(self._kafka())
+        return self._cluster
 
     def poll(self, max_records: int, timeout_s: float) -> list[tuple[Trajectory, Offset]]:
         out = []

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -128,6 +129,8 @@ class EmbeddedBroker:
     proc: subprocess.Popen | None = None
     port: int = 0
     log_path: str = ""
+    # new at each start: a resumed learner tells a restarted (empty) broker from the one its checkpoint read
+    cluster_id: str = ""  # set at start
 
     @property
     def bootstrap(self) -> str:
@@ -136,12 +139,13 @@ class EmbeddedBroker:
     def command(self) -> list[str]:
         url = f"tcp://{self.settings.host}:{self.port}"
         advertised = f"tcp://{self.settings.advertised}" if self.settings.advertised else url
-        return [tansu_binary(), "broker", "--listener-url", url, "--advertised-listener-url", advertised,
-                "--storage-engine", "memory://tansu/"]
+        return [tansu_binary(), "broker", "--cluster-id", self.cluster_id, "--listener-url", url,
+                "--advertised-listener-url", advertised, "--storage-engine", "memory://tansu/"]
 
     def start(self) -> "EmbeddedBroker":
         if self.proc is not None:
             raise BrokerError("broker already started")
+        self.cluster_id = f"sao-{uuid.uuid4().hex[:12]}"
         self.port = self.settings.port or free_port(self.settings.host)
         if probe(self.settings.host, self.port, timeout=0.3):
             raise BrokerError(f"{self.bootstrap}: a broker already answers there (use --port or stop it)")
