@@ -61,11 +61,12 @@ class BrokerWatch:
         self.last_answer, self.last_error = time.monotonic(), ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._ask, name="broker-watch", daemon=True)
-        self._thread.start()
+        if silence_s > 0:  # 0: only the embedded broker's exit is watched
+            self._thread.start()
 
     def _ask(self) -> None:
         while not self._stop.is_set():
-            error = answer_error(self.bootstrap, self.client, timeout=min(5.0, self.silence_s / 3))
+            error = answer_error(self.bootstrap, self.client, timeout=min(5.0, max(0.5, self.silence_s / 3)))
             if error is None:
                 self.last_answer = time.monotonic()
             else:
