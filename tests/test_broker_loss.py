@@ -292,3 +292,23 @@ def test_a_killed_embedded_broker_comes_back_without_topics_records_or_group_off
             assert "d.records" not in c.topics() and [c.committed(tp) for tp in tps] == [None, None]
         finally:
             c.close(autocommit=False)
+
+
+@pytest.mark.kafka
+def test_sao_broker_exits_137_and_says_what_is_gone_when_tansu_is_killed():
+    """`sao broker` (compose's embedded-broker service, never restarted) ends with 137 when its Tansu is SIGKILLed and
+    says why, so `docker compose ps -a` and its log show the loss instead of an empty broker coming back."""
+    up = subprocess.Popen([sys.executable, "-m", "streamer.launch.cli", "broker", "--port", "0"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready = up.stdout.readline()
+        address = ready.split()[2]
+        tansu = [pid for pid, name in _child_pids(up.pid).items() if name == "tansu"]
+        assert ready.startswith("broker ready:") and len(tansu) == 1, ready
+        os.kill(tansu[0], signal.SIGKILL)
+        _, err = up.communicate(timeout=30)
+    finally:
+        if up.poll() is None:
+            up.kill()
+    assert up.returncode == 137
+    assert f"sao broker: Tansu at {address} exited -9 (SIGKILL): its topics, records and group offsets" in err

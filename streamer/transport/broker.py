@@ -207,6 +207,8 @@ def main(argv: list[str]) -> int:
               f"export SAO_BOOTSTRAP={broker.bootstrap}; Ctrl-C stops it", flush=True)
         while broker.running():
             time.sleep(0.5)
+        print(f"sao broker: Tansu at {broker.bootstrap} {broker.exited()}: its topics, records and group offsets "
+              "(memory storage) are gone; clients must start a new run", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         pass
     except BrokerError as e:
@@ -214,4 +216,4 @@ def main(argv: list[str]) -> int:
         return 1
     finally:
         code = broker.stop()
-    return 0 if code in (0, None, -signal.SIGINT) else int(code)
+    return 0 if code in (0, None, -signal.SIGINT) else 128 - code if code < 0 else int(code)  # -9 -> 137
