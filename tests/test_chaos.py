@@ -111,3 +111,29 @@ def test_a_broker_stop_reason_is_shortened_to_one_kind_across_seeds():
     assert short_reason(a) == short_reason(a.replace("34913", "40001")) == (
         "failed: the embedded broker at HOST:PORT exited -9 (SIGKILL)")
     assert short_reason("--max-seconds 90 reached") == "--max-seconds 90 reached"
+
+
+def test_a_task_is_lost_only_when_no_topic_a_resume_reads_still_holds_it():
+    from bench.chaos_accounting import still_in_topics
+
+    tasks = {"a": (0, 5), "b": (0, 9), "c": (1, 3), "d": (1, 2)}  # task -> (partition, offset) in <run>.tasks
+    trajs = {"a": [(0, 40)], "c": [(0, 12), (0, 50)]}  # task -> its trajectories' (partition, offset)
+    unread, unanswered = still_in_topics(tasks, trajs, committed={0: 9, 1: 3}, positions={"r.trajectories:0": 45},
+                                         topic="r.trajectories")
+    assert unread == {"c"}  # a copy at 50 >= the learner's position 45; "a" at 40 was read
+    assert unanswered == {"b"}  # no trajectory, offset 9 >= committed 9; "d" at 2 < 3 was committed: not here
+
+
+def test_each_bad_record_lists_the_consumers_that_dead_lettered_it():
+    from bench.chaos_accounting import account_bad_records
+    from streamer.wire.schema import DeadLetter
+
+    def letter(consumer: str, offset: int) -> DeadLetter:
+        return DeadLetter(topic="r.tasks", partition=1, offset=offset, value=b"x", value_len=1, reason="bad",
+                          expected="Task", consumer=consumer)
+
+    bad = [{"topic": "r.tasks", "partition": 1, "offset": 7, "what": "undecodable"},
+           {"topic": "r.tasks", "partition": 1, "offset": 8, "what": "lying task"}]
+    [first, second] = account_bad_records(bad, [letter("tap", 7), letter("agents", 7), letter("agents", 7)])
+    assert first["letters_by_consumer"] == {"tap": 1, "agents": 2} and first["sent_twice_by"] == ["agents"]
+    assert first["dead_lettered"] and not second["dead_lettered"] and second["letters_by_consumer"] == {}
