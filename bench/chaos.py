@@ -171,7 +171,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tasks", type=int, default=4000, help="sao up --limit of each main run")
     p.add_argument("--broker-tasks", type=int, default=1200, help="sao up --limit of each broker run")
     p.add_argument("--drain", type=float, default=60.0, help="sao up --drain-seconds")
-    p.add_argument("--max-seconds", type=float, default=380.0, help="sao up --max-seconds of each main run")
+    p.add_argument("--max-seconds", type=float, default=330.0, help="sao up --max-seconds of each main run")
     p.add_argument("--no-broker-run", dest="broker_run", action="store_false")
     p.add_argument("--up-args", default="", help="more `sao up` arguments, one shell-quoted string")
     p.add_argument("--out", default=None, help="the JSON (default: docs/results/chaos.json; --quick: "
