@@ -21,7 +21,7 @@ from learner.trainer.loop import Trainer
 from learner.trainer.publish import DirectoryPublisher
 from learner.trainer.source import FileSource, write_trajectories
 from learner.trainer.synthetic import TINY_OVERRIDES, synthetic_trajectories, tiny_model_config
-from streamer.wire.config import load_config, set_args
+from streamer.wire.config import EXIT_REFUSED, load_config, set_args
 
 ROOT = Path(__file__).resolve().parents[1]
 OVERRIDES = TINY_OVERRIDES + ["threads=1", "batch.max_trajectories=4", "batch.tokens=100000",
@@ -139,7 +139,7 @@ def test_when_every_checkpoint_is_damaged_the_learner_refuses_to_start_from_zero
     flipped.write_text(flipped.read_text().replace('"step": 2', '"step": 9'))
 
     refused = learn(path, ck)
-    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert refused.returncode == EXIT_REFUSED, refused.stderr[-2000:]  # never restarted by sao up
     err = refused.stderr
     assert f"sao learn: checkpoint.dir {ck}: every checkpoint is damaged" in err
     assert "step_00000003: policy.safetensors has 100 bytes, the manifest says" in err

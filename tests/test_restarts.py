@@ -120,3 +120,20 @@ def test_the_supervisor_restarts_a_crashed_role_a_bounded_number_of_times(tmp_pa
     assert codes == [2, 2] and crashing.restarts == 2 and sup.failed() == [crashing, once]
     log = (tmp_path / "crashing.log").read_text()
     assert log.count("no such file") == 3 and "--- exited 2: restart 2 of 2 ---" in log
+
+
+@pytest.mark.slow  # 5-10 s: one learner process builds its model and refuses
+def test_a_role_that_refuses_what_it_found_is_not_restarted(tmp_path):
+    """A learner whose every checkpoint is damaged exits EXIT_REFUSED (78); the supervisor fails the run at once
+    instead of spending its restarts on starts that would end the same way."""
+    from streamer.launch.processes import Role, Supervisor
+    from streamer.wire.config import EXIT_REFUSED
+
+    (tmp_path / "ck" / "step_00000001").mkdir(parents=True)  # a checkpoint without its state.json: damaged
+    (tmp_path / "t.jsonl").write_text("")
+    sup = Supervisor(tmp_path, restarts=3)
+    learner = sup.start(Role("learner", ["learn", "--trajectories", str(tmp_path / "t.jsonl"),
+                                         "--checkpoint-dir", str(tmp_path / "ck")]))
+    assert sup.wait(learner, timeout=120) == EXIT_REFUSED
+    assert sup.restart_dead() == [] and learner.restarts == 0 and sup.failed() == [learner]
+    assert "every checkpoint is damaged" in (tmp_path / "learner.log").read_text()

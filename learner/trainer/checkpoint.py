@@ -41,12 +41,11 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
-from streamer.wire.config import ConfigError
+from streamer.wire.config import EXIT_NO_SPACE, ConfigError, Refusal  # noqa: F401 (EXIT_NO_SPACE: re-exported)
 from streamer.wire.schema import Trajectory, decode_json, encode_json
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 MANIFEST = "manifest.json"
-EXIT_NO_SPACE = 74  # sysexits' EX_IOERR: `sao learn` ends with it on a full filesystem (a restart cannot help)
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 log = logging.getLogger(__name__)
 
@@ -58,7 +57,7 @@ class OutOfSpace(OSError):
         return self.strerror  # the message alone, without OSError's "[Errno 28] "
 
 
-class DamagedCheckpoints(ConfigError):
+class DamagedCheckpoints(Refusal):
     """checkpoint.dir holds checkpoints, none of them intact: the learner refuses to start from zero by itself."""
 
 

@@ -1,17 +1,16 @@
 """The continuous learner: read trajectories, batch them, update, publish versions, checkpoint.
 
-Exactly-once: a record read from the source is, at every moment, either trained (its effect is in
-the weights), dropped (counted), or buffered. A checkpoint stores the weights, the buffer and the
-source positions together, so a restart from it neither loses nor repeats a trajectory; the steps
-after the last checkpoint are simply redone from the same records.
+Exactly-once: a record read from the source is, at every moment, either trained (its effect is in the weights),
+dropped (counted), or buffered. A checkpoint stores the weights, the buffer and the source positions together, so a
+restart from it neither loses nor repeats a trajectory; the steps after it are redone from the same records.
 
 The models' backend (`Models.backend`, see learner.backends.base) says where batches go, exports and imports
 the weights, and names the ranks. Over several ranks (the backend's `group`; see learner.trainer.ranks) every
-rank runs this loop: the leader (rank 0) alone reads the source, batches, emits events, writes the
-weight store and commits offsets; it broadcasts each batch (or the decision to stop) and every rank
-trains on its rows. Exporting weights (publication, checkpoints) is collective: every rank calls it; a backend
-that splits the model (megatron) publishes each version by shard, every rank writing its own part into the
-leader's store (learner.trainer.publish_shards).
+rank runs this loop: the leader (rank 0) alone reads the source, batches, emits events, writes the weight store
+and commits offsets; it broadcasts each batch (or the decision to stop) and every rank trains on its rows.
+Exporting weights (publication, checkpoints) is collective: every rank calls it; a backend that splits the model
+(megatron) publishes each version by shard, every rank writing its own part into the leader's store
+(learner.trainer.publish_shards).
 
 A batch whose training raises is counted against its trajectories and, once it has failed `batch.poison_after`
 times (across restarts), dead-lettered instead of redone (learner.trainer.quarantine). A full filesystem under the
@@ -79,7 +78,7 @@ class Trainer:
         self.redo_until = -1  # after a restart: publication points up to this index were published before the crash
         self.resumed = False
         self.unpublished = 0  # steps since the last published version
-        self.positions: dict[str, int] = {}
+        self.positions, self.cluster = {}, None  # source positions, and the broker cluster they were read from
         self.counters: Counter[str] = Counter()
         self.value_ema: float | None = None
         self.warm_left = cfg.value.warmup_steps
@@ -313,7 +312,8 @@ class Trainer:
         state = {"version": self.version, "version_index": self.vindex, "redo_until": self.redo_until,
                  "policy_steps": self.policy_steps, "positions": self.positions,
                  "admission": self.admission.state(), "counters": dict(self.counters),
-                 "value_ema": self.value_ema, "warm_left": self.warm_left, "layout": self.backend.layout()}
+                 "value_ema": self.value_ema, "warm_left": self.warm_left, "layout": self.backend.layout(),
+                 "cluster_id": self.cluster}
         if self.quarantine is not None:
             state["offsets"] = self.quarantine.state(self.batcher.pending())
         opts = self._optimizers()
@@ -358,6 +358,7 @@ class Trainer:
         self.vindex, self.redo_until = state.get("version_index", self.version), state.get("redo_until", -1)
         self.resumed = True
         self.positions = {k: int(v) for k, v in state["positions"].items()}
+        self.cluster = state.get("cluster_id")
         self.admission.load_state(state["admission"])
         self.counters = Counter(state["counters"])
         self.value_ema, self.warm_left = state["value_ema"], state["warm_left"]
@@ -371,7 +372,8 @@ class Trainer:
     def start(self) -> None:
         """Seek the source to the restored positions and publish the starting version."""
         if self.source is not None:
-            self.source.seek(self.positions)
+            self.source.seek(self.positions, self.cluster)  # refused when the broker lost what the positions read
+            self.cluster = self.source.cluster_id()
         if not self.publishes:
             return
         latest = self.publisher.latest_version() if self.publisher is not None else None

@@ -17,14 +17,14 @@ from typing import Any
 
 from kafka.structs import TopicPartition
 
-from streamer.wire.config import ConfigError
+from streamer.wire.config import Refusal
 
 CONFIRM_S = 5.0  # how long a fetch from p - 1 may take to bring a record before the partition counts as short
 _CLIENT_KEYS = ("bootstrap_servers", "client_id", "security_protocol", "api_version", "request_timeout_ms")
 
 
-class ResumeRefused(ConfigError):
-    """The checkpoint's positions lie beyond the broker's topics (`sao learn` exits 2 with the message)."""
+class ResumeRefused(Refusal):
+    """The checkpoint's positions lie beyond the broker's topics, or another cluster (`sao learn` exits 78)."""
 
 
 def short_partitions(consumer: Any, positions: dict[TopicPartition, int],

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from streamer.wire.config import FINAL_EXIT_CODES
+
 
 @dataclass
 class Role:
@@ -58,7 +60,7 @@ class Supervisor:
         out = []
         for r in self.roles:
             code = r.proc.poll()
-            if code not in (None, 0) and r.restartable and r.restarts < self.restarts:
+            if code not in (None, 0, *FINAL_EXIT_CODES) and r.restartable and r.restarts < self.restarts:
                 r.restarts += 1
                 with open(self.log_dir / f"{r.name}.log", "ab") as log:
                     log.write(f"\n--- exited {code}: restart {r.restarts} of {self.restarts} ---\n".encode())
@@ -69,7 +71,7 @@ class Supervisor:
     def failed(self) -> list[Role]:
         """Required roles that exited with an error and will not be started again."""
         return [r for r in self.roles if r.required and r.proc.poll() not in (None, 0)
-                and not (r.restartable and r.restarts < self.restarts)]
+                and (r.proc.poll() in FINAL_EXIT_CODES or not (r.restartable and r.restarts < self.restarts))]
 
     def tail(self, role: Role, lines: int = 20) -> str:
         text = (self.log_dir / f"{role.name}.log").read_text(errors="replace").splitlines()

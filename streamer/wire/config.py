@@ -27,6 +27,17 @@ class ConfigError(ValueError):
     pass
 
 
+# Exit codes after which `sao up` does not start a role again: the same start would end the same way.
+EXIT_NO_SPACE = 74  # sysexits' EX_IOERR: a filesystem the role writes to is full
+EXIT_REFUSED = 78  # sysexits' EX_CONFIG: the role refuses what it found (Refusal)
+FINAL_EXIT_CODES = frozenset({EXIT_NO_SPACE, EXIT_REFUSED})
+
+
+class Refusal(ConfigError):
+    """A role refuses to go on with what it found at start (its checkpoints, its broker), not with how it was
+    configured: it exits EXIT_REFUSED and is not restarted."""
+
+
 def _check_keys(cls: type, data: dict[str, Any], where: str) -> None:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
