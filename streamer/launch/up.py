@@ -269,6 +269,7 @@ def _interrupt(signum, frame) -> None:
 
 def run(cfg: RunConfig, stop: Stop | None = None) -> int:
     """The whole pipeline; `stop.request(reason)` from another thread ends it as Ctrl-C does."""
+    from learner.models.tokenizer import load_tokenizer
     from streamer.launch.broker_watch import BrokerWatch
     from streamer.runs.artifacts import summarize, write_json
     from streamer.runs.tap import close_tap, open_tap
@@ -319,7 +320,8 @@ def run(cfg: RunConfig, stop: Stop | None = None) -> int:
         print("[3/4] starting the roles: metrics app, learner, agents" + (", evaluator" if up.plan().eval else "")
               + (", dashboard" if up.dashboard else "") + ", simulator", flush=True)
         tap = open_tap(bootstrap, up.run, str(run_dir), config={"up": asdict(up), "init": str(init),
-                                                                   "plan": asdict(up.plan()), "admission": asdict(adm)})
+                                                                   "plan": asdict(up.plan()), "admission": asdict(adm)},
+                       decode=load_tokenizer(init).decode)  # the answers' text in samples.jsonl
         tap_thread = threading.Thread(target=tap.run, name="tap", daemon=True)
         tap_thread.start()
         plan = roles(cfg, config_file, run_dir, bootstrap)

@@ -4,8 +4,9 @@
 
 Reads `<run>.tasks` (counted only), `<run>.trajectories`, `<run>.drift`, `<run>.metrics` and
 `<run>.learner` (progress only: the learner writes its own table) from the start, with no consumer
-group and no commits, and writes them with `streamer.runs.artifacts.RunWriter`. `sao up` runs a `Tap`
-in a thread and reads its counters for the progress line. On SIGINT/SIGTERM it flushes, compacts
+group and no commits, and writes them with `streamer.runs.artifacts.RunWriter`; a bounded sample of the
+answers, as text, goes to samples.jsonl (`streamer.runs.samples`, decoded with the tokenizer `sao up` hands in).
+`sao up` runs a `Tap` in a thread and reads its counters for the progress line. On SIGINT/SIGTERM it flushes, compacts
 and writes `summary.json`.
 """
 
@@ -19,6 +20,7 @@ import threading
 from collections import deque
 
 from streamer.runs.artifacts import RunWriter
+from streamer.runs.samples import AnswerSampler, Decode, SampleSettings
 from streamer.wire.schema import (
     DeadLetter,
     DriftEvent,
@@ -39,8 +41,8 @@ TAP_CONSUMER = "sao-tap"  # its client id, and the `consumer` of its dead letter
 class Tap:
     """Consumes a run's topics into a RunWriter and keeps progress counters."""
 
-    def __init__(self, consumer, writer: RunWriter, window: int = 200) -> None:
-        self.consumer, self.writer = consumer, writer
+    def __init__(self, consumer, writer: RunWriter, window: int = 200, sampler: AnswerSampler | None = None) -> None:
+        self.consumer, self.writer, self.sampler = consumer, writer, sampler
         self.tasks = 0
         self.task_ids: set[str] = set()  # tasks answered (de-duplicated)
         self.given_up: set[str] = set()  # tasks an agent dead-lettered (it could not run or score them)
@@ -60,6 +62,8 @@ class Tap:
             self.recent_rewards.append(msg.reward)
             self.concept_rewards.setdefault((msg.family, msg.concept), deque(maxlen=64)).append(msg.reward)
             self.latest_concept[msg.family] = msg.concept
+            if self.sampler is not None:
+                self.sampler.add(msg)
         elif isinstance(msg, Task):
             self.tasks += 1
         elif isinstance(msg, DriftEvent):
@@ -85,6 +89,8 @@ class Tap:
             for polled in self.consumer.poll(max_records=1000, timeout=0.5):
                 self.handle(polled.msg)
             self.writer.maybe_flush()
+            if self.sampler is not None:
+                self.sampler.maybe_flush()
 
     def stop(self) -> None:
         self._stop.set()
@@ -102,7 +108,9 @@ class Tap:
         return out
 
 
-def open_tap(bootstrap: str | None, run: str, run_dir: str, config: dict | None = None) -> Tap:
+def open_tap(bootstrap: str | None, run: str, run_dir: str, config: dict | None = None, decode: Decode | None = None,
+             samples: SampleSettings | None = None) -> Tap:
+    """A tap of `run`'s topics into `run_dir`; `decode` (the run's tokenizer) turns the sampled answers into text."""
     from streamer.transport.kafka_bus import KafkaBus
 
     t = Topics(run)
@@ -112,11 +120,14 @@ def open_tap(bootstrap: str | None, run: str, run_dir: str, config: dict | None 
     # reject must be two letters (each consumer skips only its own letters when it reads the topic again)
     bus = KafkaBus(bootstrap, ClientSettings(client_id=TAP_CONSUMER))
     consumer = bus.consumer(types, group_id=None, dlq=t.dlq)
-    return Tap(consumer, RunWriter(run_dir, config=config, writer_id="tap"))
+    return Tap(consumer, RunWriter(run_dir, config=config, writer_id="tap"),
+               sampler=AnswerSampler(run_dir, samples or SampleSettings(), decode))
 
 
 def close_tap(tap: Tap, summary: bool = True) -> None:
     tap.consumer.close()
+    if tap.sampler is not None:
+        tap.sampler.flush()
     tap.writer.close(summary=summary)
 
 
@@ -126,9 +137,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--run", required=True, help="run name (topic prefix)")
     ap.add_argument("--run-dir", required=True, help="run directory to write")
     ap.add_argument("--no-summary", action="store_true", help="do not write summary.json at the end")
+    ap.add_argument("--samples-keep", type=int, default=SampleSettings.keep,
+                    help="answers kept per (family, concept, phase) in samples.jsonl: the first K and the latest K")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s tap %(levelname)s %(message)s")
-    tap = open_tap(args.bootstrap, args.run, args.run_dir)
+    tap = open_tap(args.bootstrap, args.run, args.run_dir, samples=SampleSettings(keep=args.samples_keep))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: tap.stop())
     tap.run()
