@@ -18,8 +18,6 @@ COMMANDS = {
     "toy-model": ("learner.models.toy", "build a small HF model (Qwen3 dense or GLM-4-MoE) and BPE tokenizer locally"),
     "import": ("learner.models.importer",
                "a GGUF file or an HF directory -> a model directory for --model, its end token checked and fixed"),
-    "import": ("learner.models.importer",
-               "a GGUF file or an HF directory -> a model directory for --model, its end token checked and fixed"),
     "agent": ("streamer.agent.agent", "single-rollout agent: tasks -> trajectories"),
     "learn": ("learner.train", "continuous SAO learner: trajectories -> policy versions"),
     "weights-serve": ("streamer.transport.weight_server", "serve a weight store over HTTP (agents on other hosts)"),
