@@ -128,13 +128,17 @@ def views(cfg: DashboardSettings) -> None:
     x_col = data.X_AXES[x_title]
     header([f["header"] for f in frames], window)
 
-    st.subheader("Online reward per family")
-    reward = _concat(frames, "reward")
-    if len(reward):
-        chart = charts.reward_chart(reward, _concat(frames, "marks"), x_col, x_title)
-        st.altair_chart(chart, width="stretch", key="reward_chart")
-    else:
-        st.info("No trajectories or reward metrics yet.")
+    left, right = st.columns([3, 2])
+    with left:
+        st.subheader("Online reward per family")
+        reward = _concat(frames, "reward")
+        if len(reward):
+            chart = charts.reward_chart(reward, _concat(frames, "marks"), x_col, x_title)
+            st.altair_chart(chart, width="stretch", key="reward_chart")
+        else:
+            st.info("No trajectories or reward metrics yet.")
+    with right:
+        answers_table(_concat(frames, "answers"))
 
     st.subheader("Drift events and recovery")
     rec = _concat(frames, "recovery")
@@ -185,6 +189,17 @@ def views(cfg: DashboardSettings) -> None:
     left, _ = st.columns(2)
     with left:
         _metric_view(frames, "idle", "Learner idle time", "idle", x_col, x_title)
+
+
+def answers_table(answers: pd.DataFrame) -> None:
+    """The latest answers of each concept as text (samples.jsonl, `sao samples RUN` prints more)."""
+    st.subheader("Latest answers per concept")
+    if not len(answers):
+        st.info("No answers sampled yet (runs/<run>/samples.jsonl).")
+        return
+    cols = [c for c in data.ANSWER_COLUMNS if c != "run" or answers["run"].nunique() > 1]
+    st.dataframe(answers[cols], hide_index=True, key="answers_table",
+                 column_config={"reward": st.column_config.NumberColumn(format="%.2f")})
 
 
 def _chart_or_info(df: pd.DataFrame, build, key: str, empty: str) -> None:

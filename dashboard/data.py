@@ -21,6 +21,7 @@ import pandas as pd
 from dashboard.downsample import downsample
 from streamer.runs import adaptation as ad
 from streamer.runs import artifacts as art
+from streamer.runs.samples import SAMPLES_FILE, AnswerSample, latest_per_key, read_samples
 from streamer.wire.reductions import reduce_values
 
 X_AXES = {"wall time (s)": "x_time", "trajectories": "x_traj", "learner steps": "x_step"}
@@ -46,6 +47,7 @@ class RunData:
     drift: list[dict[str, Any]]
     config: dict[str, Any] | None = None
     summary: dict[str, Any] | None = None
+    samples: list[AnswerSample] = dataclasses.field(default_factory=list)  # samples.jsonl: answers as text
 
     _axes: "Axes | None" = dataclasses.field(default=None, repr=False)
 
@@ -79,7 +81,7 @@ def load_run(run_dir: str | Path, read_part: Callable[..., pd.DataFrame] = art.r
                    learner=art.standing(art.read_table(d, "learner", lambda p: read_part(p, None, ()))),
                    metrics=art.read_table(d, "metrics", lambda p: read_part(p, None, ())),
                    drift=[msgspec.to_builtins(e) for e in art.read_drift(d)], config=art.read_config(d),
-                   summary=art.read_summary(d))
+                   summary=art.read_summary(d), samples=read_samples(d))
 
 
 def start_time(run: RunData) -> float:
@@ -255,7 +257,7 @@ def run_signature(run_dir: str | Path) -> tuple:
     """(name, mtime, size) of every file the dashboard reads: changes whenever the run does."""
     d = Path(run_dir)
     files = [f for t in art.TABLES for f in art.table_files(d, t)]
-    files += [d / n for n in ("drift.jsonl", "summary.json", "config.json")]
+    files += [d / n for n in ("drift.jsonl", "summary.json", "config.json", SAMPLES_FILE)]
     sig = []
     for f in files:
         try:
@@ -264,6 +266,21 @@ def run_signature(run_dir: str | Path) -> tuple:
             continue
         sig.append((f.name, st.st_mtime_ns, st.st_size))
     return tuple(sig)
+
+
+ANSWER_COLUMNS = ["run", "family", "concept", "phase", "version", "reward", "prompt", "answer"]
+
+
+def answers_frame(run: RunData, n: int = 3, prompt_chars: int = 60) -> pd.DataFrame:
+    """The `n` latest answers of each (family, concept) as text, newest first (the prompt's end: its question)."""
+    latest = latest_per_key(run.samples, n, lambda s: (s.family, s.concept))
+    rows = [{"run": run.name, "family": s.family, "concept": s.concept, "phase": s.phase, "version": s.policy_version,
+             "reward": s.reward, "prompt": s.prompt[-prompt_chars:] if s.decoded else "(no text)",
+             "answer": s.answer if s.decoded else "(no text)", "seq": s.seq} for s in latest]
+    if not rows:
+        return pd.DataFrame(columns=ANSWER_COLUMNS)
+    df = pd.DataFrame(rows).sort_values(["family", "concept", "seq"], ascending=[True, True, False])
+    return df[ANSWER_COLUMNS].reset_index(drop=True)
 
 
 def header_values(run: RunData, window: int, staleness: pd.DataFrame) -> dict[str, Any]:
@@ -308,7 +325,7 @@ def run_frames(run: RunData, window: int, delta: float) -> dict[str, Any]:
     out: dict[str, Any] = {"recovery": rec, "recovery_summary": ad.recovery_summary(rec),
                            "reward": reward_frame(run, window), "marks": drift_marks(run), "eval": eval_frame(run),
                            "forgetting": forgetting_frame(run, window), "staleness": stal,
-                           "throughput": throughput(run)}
+                           "throughput": throughput(run), "answers": answers_frame(run)}
     for view in VIEW_METRICS:
         out[view] = learner_metrics(run, view)
     for key, y in (("throughput", "value"), *((v, "value") for v in VIEW_METRICS)):

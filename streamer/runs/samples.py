@@ -160,6 +160,7 @@ class AnswerSampler:
             return
         lines = b"".join(msgspec.json.encode(s) + b"\n" for s in self.samples())
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp.write_bytes(lines)
         os.replace(tmp, self.path)
         self.dirty = False
