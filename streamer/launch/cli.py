@@ -37,6 +37,10 @@ def pieces(name: str) -> dict[str, object]:
         from learner.models.tokenizer import load_tokenizer
 
         return {"load_tokenizer": load_tokenizer}
+    if name == "tap":  # the model's tokenizer, to write the sampled answers as text (--model)
+        from learner.models.tokenizer import load_tokenizer
+
+        return {"load_tokenizer": load_tokenizer}
     if name == "record":  # the file formats `sao replay` reads
         from simulator.sinks import file_sink
 

@@ -131,7 +131,7 @@ def close_tap(tap: Tap, summary: bool = True) -> None:
     tap.writer.close(summary=summary)
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], load_tokenizer=None) -> int:
     ap = argparse.ArgumentParser(prog="sao tap", description=__doc__.split("\n")[0])
     ap.add_argument("--bootstrap", default=None, help="Kafka bootstrap servers (default: $SAO_BOOTSTRAP)")
     ap.add_argument("--run", required=True, help="run name (topic prefix)")
@@ -139,9 +139,13 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--no-summary", action="store_true", help="do not write summary.json at the end")
     ap.add_argument("--samples-keep", type=int, default=SampleSettings.keep,
                     help="answers kept per (family, concept, phase) in samples.jsonl: the first K and the latest K")
+    ap.add_argument("--model", default=None, help="the run's model directory: its tokenizer writes the sampled answers "
+                    "as text (without it samples.jsonl holds rewards and ids only)")
     args = ap.parse_args(argv)
+    decode = load_tokenizer(args.model).decode if args.model and load_tokenizer else None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s tap %(levelname)s %(message)s")
-    tap = open_tap(args.bootstrap, args.run, args.run_dir, samples=SampleSettings(keep=args.samples_keep))
+    tap = open_tap(args.bootstrap, args.run, args.run_dir, decode=decode,
+                   samples=SampleSettings(keep=args.samples_keep))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: tap.stop())
     tap.run()
