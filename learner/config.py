@@ -18,6 +18,7 @@ from typing import Literal, get_args
 
 from learner.algorithms import AGGS, KL_TYPES, POLICY_LOSSES
 from learner.models.config import ModelConfig
+from learner.profiles import ProfileName
 from streamer.wire.config import ConfigError
 from streamer.wire.settings import PULLS, WEIGHTS_TRANSPORTS, WeightsTransport, parse_hostport
 
@@ -188,6 +189,9 @@ class LearnerConfig:
     io: IOConfig = field(default_factory=IOConfig)
     model: ModelConfig = field(default_factory=ModelConfig)  # used when io.init is empty
     backend: BackendConfig = field(default_factory=BackendConfig)
+    # which optimizer profile `sao up` applies under the keys the user did not set (learner.profiles): auto picks
+    # pretrained for a --model of 10M parameters or more, toy (these defaults) otherwise
+    profile: ProfileName = "auto"
     seed: int = 0
     max_steps: int = 0  # stop after this many steps (0: run until the source ends)
     threads: int = 2  # torch intra-op threads

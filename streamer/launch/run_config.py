@@ -23,6 +23,7 @@ from pathlib import Path
 from learner.config import IOConfig, LearnerConfig
 from learner.finetune import FinetuneConfig
 from learner.pretrain import PretrainConfig
+from learner.profiles import resolve as resolve_profile
 from streamer.launch.ray_launch import RayConfig
 from streamer.launch.resources import (
     Admission,
@@ -169,6 +170,7 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] = (), l
     cfg.launch.validate()
     cfg.ray.validate()
     derive(cfg, given)
+    resolve_profile(cfg.learner, cfg.launch.model, {k[8:] for k in given if k.startswith("learner.")})  # yours win
     return cfg
 
 

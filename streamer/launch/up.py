@@ -27,6 +27,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from learner.profiles import explain as explain_profile
 from simulator.scenario import resolve_path
 from streamer.launch.processes import Role, Supervisor
 from streamer.launch.resources import AGENT_NICE, SIDE_NICE, thread_env
@@ -149,6 +150,7 @@ def prepare(cfg: RunConfig) -> Path:
     print(f"{up.plan().describe()}\nadmission: learner batch {batch}, staleness "
           f"<= {staleness}; each agent starts {adm.tasks_per_version} task(s) per version, "
           f"{adm.versions_ahead} version(s) ahead", flush=True)
+    print("\n".join(explain_profile(cfg.learner, up.model)), flush=True)  # learner.profiles: which and why
     bind_init(cfg, initial_model(cfg))  # before the broker: the 2 cores of a small machine are the warm start's alone
     up.max_lag = max_lag_default(cfg)  # for a simulator started elsewhere (`sao simulate --run-config`)
     config_file = Path(up.runs_dir) / up.run / "config.yaml"
