@@ -158,9 +158,9 @@ class Hosts:
         OUT.mkdir(parents=True, exist_ok=True)
         self.log_file.write_text(self.run("logs", "--no-color", check=False).stdout)
 
-    def policy_versions(self) -> dict[int, dict]:
+    def policy_versions(self, host: str = "learner", run: str = RUN) -> dict[int, dict]:
         """The PolicyVersions the learner announced on <run>.policy, read from the broker on the learner host."""
-        out = self.python("learner", POLICY_READER.format(run=RUN))
+        out = self.python(host, POLICY_READER.format(run=run))
         return {pv["version"]: pv for pv in map(json.loads, (x for x in out.splitlines() if x.startswith("{")))}
 
     def start(self, services: list[str], tmp: Path) -> None:
@@ -197,12 +197,14 @@ class Hosts:
         self.run("down", "-v", "--remove-orphans", check=False)
 
 
-def loaded_versions(agent_logs: str, announced: dict[int, dict]) -> dict[str, dict[int, str]]:
-    """agent -> {version: sha256} of the versions each agent loaded, all from the learner's weight server and each
-    with the sha256 the learner announced for it; every agent loaded MIN_VERSIONS at least, none was refused."""
+def loaded_versions(agent_logs: str, announced: dict[int, dict],
+                    server: str = "http://learner:8765") -> dict[str, dict[int, str]]:
+    """agent -> {version: sha256} of the versions each agent loaded (`agent_logs`: lines prefixed `[agent-N] `), all
+    from the learner's weight server and each with the sha256 the learner announced for it; every agent loaded
+    MIN_VERSIONS at least, none was refused."""
     loaded: dict[str, dict[int, str]] = {}
     for agent, version, url, sha in LOADED.findall(agent_logs):
-        assert url == "http://learner:8765", url
+        assert url == server, url
         loaded.setdefault(agent, {})[int(version)] = sha
     assert sorted(loaded) == [f"agent-{i}" for i in range(AGENTS)], agent_logs[-3000:]
     for agent, versions in loaded.items():
@@ -283,14 +285,8 @@ def run_pipeline(h: Hosts, tmp_path: Path, image: dict) -> None:
 
     # Trajectories: every task answered, none trained twice, all but the last partial batch trained.
     trajs, learner = read_trajectories(out), read_learner(out)
-    assert trajs["task_id"].nunique() == TOTAL
     assert set(trajs["agent_id"]) == {f"agents-{i}" for i in range(AGENTS)}
-    trained = [t for ids in learner["task_ids"] for t in json.loads(ids)]
-    assert len(trained) == len(set(trained)), "a trajectory was trained twice"
-    assert set(trained) <= set(trajs["task_id"])
-    assert TOTAL - len(trained) < BATCH, f"{TOTAL - len(trained)} tasks never trained"
-    assert learner["step"].tolist() == list(range(1, len(learner) + 1))
-    assert len(learner) > 2 and not learner["skipped"].any()
+    trained = assert_trained_once(trajs, learner, TOTAL, BATCH)
 
     # The drift recovered as on one host (tests/test_up_e2e.py's assertions).
     summary = json.loads((out / "summary.json").read_text())
@@ -303,6 +299,19 @@ def run_pipeline(h: Hosts, tmp_path: Path, image: dict) -> None:
         "duplicate_trajectories": int(len(trajs) - trajs["task_id"].nunique()), "trained": len(trained),
         "trained_fraction": summary.get("trained_fraction"), "learner_steps": len(learner),
         "recovery": {k: rec[k] for k in ("status", "pre_level", "trajectories", "learner_steps")}})
+
+
+def assert_trained_once(trajs, learner, total: int, batch: int) -> list[str]:
+    """Every one of `total` tasks answered, none trained twice, all but the last partial batch trained, the learner's
+    steps 1..N without a gap or a skip. Returns the trained task ids."""
+    assert trajs["task_id"].nunique() == total
+    trained = [t for ids in learner["task_ids"] for t in json.loads(ids)]
+    assert len(trained) == len(set(trained)), "a trajectory was trained twice"
+    assert set(trained) <= set(trajs["task_id"])
+    assert total - len(trained) < batch, f"{total - len(trained)} tasks never trained"
+    assert learner["step"].tolist() == list(range(1, len(learner) + 1))
+    assert len(learner) > 2 and not learner["skipped"].any()
+    return trained
 
 
 def write_result(name: str, result: dict) -> None:
