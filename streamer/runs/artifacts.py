@@ -8,6 +8,7 @@
     runs/<run>/learner/part-*.parquet | learner.parquet   one row per LearnerEvent, metrics as columns
     runs/<run>/metrics/part-*.parquet | metrics.parquet   MetricPoint rows, labels as columns
     runs/<run>/drift.jsonl           DriftEvent JSON lines
+    runs/<run>/samples.jsonl         the first and latest answers per (family, concept, phase) as text (`samples`)
     runs/<run>/summary.json          `summarize(run_dir)` (written at close; present = finished)
     runs/<run>/checkpoints/          the learner's checkpoints
 
