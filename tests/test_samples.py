@@ -206,3 +206,31 @@ def test_dashboard_page_has_the_answers_table_beside_the_reward_chart(tmp_path, 
     table = next(d.value for d in at.dataframe if "answer" in d.value)
     assert table.to_dict("records") == [{"family": "arith", "concept": "c1", "phase": 1, "version": 0,
                                          "reward": 0.1, "prompt": "9+9=", "answer": "18"}]
+
+
+def test_an_hf_model_run_gives_the_chat_prompt_and_answer_as_text(tmp_path):
+    """A toy Qwen3 with a BPE tokenizer and a chat template (`sao toy-model`'s) answers 3 tasks: the sample holds
+    the prompt as the chat template renders it (its special tokens dropped) and the answer as its tokens decode."""
+    from learner.engines import make_engine
+    from learner.models import load_tokenizer
+    from learner.models.toy import build_toy_model
+    from simulator.warmstart import scenario_texts
+    from streamer.agent.rollouts import run_tasks
+    from streamer.wire.settings import AgentSettings
+
+    model_dir = build_toy_model("qwen3", scenario_texts(100) + ["Quelle est la capitale ?"], tmp_path / "m",
+                                vocab_size=400)
+    tok = load_tokenizer(model_dir)
+    tasks = [Task(task_id=f"k{i}", family="ops", concept="exact", prompt=f"Quelle est la capitale {i} ?",
+                  answer="oui", spec={"verifier": "exact", "params": {}, "tags": {"source": "ops"}}) for i in range(3)]
+    trajs = [t[0] for t in run_tasks(make_engine("torch", model_dir, tok), tok, tasks,
+                                     AgentSettings(concurrency=3, max_new_tokens=6, seed=1))]
+    s = AnswerSampler(tmp_path / "run", SampleSettings(keep=4), decode=tok.decode)
+    for t in trajs:
+        s.add(t)
+    s.flush()
+    samples = {x.task_id: x for x in read_samples(tmp_path / "run")}
+    for t, task in zip(trajs, tasks):
+        got = samples[task.task_id]
+        assert task.prompt in got.prompt and "<|im_start|>" not in got.prompt
+        assert got.answer == tok.decode(t.tokens[t.prompt_len:]) and got.decoded
