@@ -8,7 +8,7 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev,megatron,ray,import]"
+	$(PY) -m pip install -q -e ".[dev,megatron,ray,import,lora]"
 	touch $(STAMP)
 
 install: $(STAMP)
