@@ -5,7 +5,8 @@ Build one with `streamer.wire.config.load_config(LearnerConfig, yaml_path, ["los
   loss       which policy loss (learner.algorithms.POLICY_LOSSES) and its clip parameters
   advantage  GAE with decoupled lambda (value model) or a group estimator (GRPO family)
   optim      learning rates and gradient clipping of the policy and the value model
-  value      the critic: warm-up, re-warm-up on a value-loss spike, clipped loss
+  value      the critic: a copy of the backbone or a head on the policy's, warm-up, re-warm-up on a spike, clip
+  policy     LoRA adapters instead of training every weight
   batch      token-budgeted batches, staleness, weight publication, sync mode
   checkpoint where and how often (model + optimizers + RNG + consumed offsets, together)
   backend    torch (one process) or megatron (megatron-core GPTModel, expert parallel, under torchrun)
@@ -30,6 +31,7 @@ KLType = Literal["k1", "k3", "forward"]  # algorithms.KL_TYPES
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]  # algorithms.AGGS
 BackendName = Literal["torch", "megatron"]
 BackendDtype = Literal["float32", "bfloat16"]
+ValueKind = Literal["copy", "head"]
 ESTIMATORS = get_args(Estimator)
 
 
@@ -92,7 +94,28 @@ class OptimConfig:
 
 
 @dataclass
+class LoraSettings:
+    # LoRA adapters on the policy (the `lora` extra: peft): only the adapters train and hold optimizer state; each
+    # version is published as merged weights (base + B·A·alpha/r), which agents load as a full policy. 0: off
+    r: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+@dataclass
+class PolicyConfig:
+    lora: LoraSettings = field(default_factory=LoraSettings)
+
+
+@dataclass
 class ValueConfig:
+    # copy: a separate critic, the policy's backbone copied (its own weights and AdamW state); head: a linear head on
+    # the policy's own backbone (no second backbone, no optimizer state but the head's)
+    kind: ValueKind = "copy"
+    # head: the value loss trains the head alone (true) or also the shared backbone, stepped by the policy's
+    # optimizer with the policy loss's gradient (false; critic-only steps then train only the head)
+    detach_backbone: bool = True
     # critic-only steps before the first policy update: the head starts at random, and advantages from it would
     # move the policy in random directions (the first policy step's loss was -0.54 without it)
     warmup_steps: int = 5
@@ -184,6 +207,7 @@ class LearnerConfig:
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     value: ValueConfig = field(default_factory=ValueConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
     batch: BatchConfig = field(default_factory=BatchConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     io: IOConfig = field(default_factory=IOConfig)
@@ -307,8 +331,23 @@ def _validate_numbers(c: LearnerConfig) -> None:
     if c.value.layers is not None and c.backend.name == "megatron":
         _fail("value.layers", "a critic shallower than the policy is not supported on the megatron backend yet; "
                               "set value.layers=null or backend.name=torch")
+    _validate_memory_options(c)
     if c.value.value_clip is not None and c.value.value_clip <= 0:
         _fail("value.value_clip", f"{c.value.value_clip} must be > 0 (or null to disable the clip)")
     if c.batch.sync and c.advantage.estimator != "gae" and c.batch.sync_batch % c.advantage.group_size:
         _fail("batch.sync_batch", f"{c.batch.sync_batch} is not a multiple of advantage.group_size "
                                   f"{c.advantage.group_size}")
+
+
+def _validate_memory_options(c: LearnerConfig) -> None:
+    lora = c.policy.lora
+    if lora.r < 0 or (lora.r and not (lora.alpha > 0 and 0.0 <= lora.dropout < 1.0 and lora.target_modules)):
+        _fail("policy.lora", f"r={lora.r} alpha={lora.alpha} dropout={lora.dropout} target_modules="
+                             f"{lora.target_modules}: need r >= 0 (0: off), alpha > 0, dropout in [0, 1) and a module")
+    megatron = c.backend.name == "megatron"
+    if megatron and (lora.r or c.value.kind == "head"):
+        _fail("policy.lora.r" if lora.r else "value.kind", "LoRA and the value head are not supported on the megatron "
+                                                          "backend yet; use backend.name=torch")
+    if c.value.kind == "head" and (c.value.layers is not None or c.io.value_init):
+        _fail("value.kind", "head sits on the policy's own backbone: value.layers and io.value_init apply to "
+                            "value.kind=copy only")

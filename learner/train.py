@@ -86,16 +86,21 @@ def build_models(cfg: LearnerConfig):
     """The models to train, held by the backend `cfg.backend.name` names (`models.backend`), from io.init (and
     io.value_init) or a fresh seeded policy. Megatron joins the ranks' process group: every rank must call it."""
     from learner.backends import make_backend
+    from learner.models.lora import add_lora
     from learner.models.policy import build_policy, load_policy
-    from learner.models.value import ValueModel
+    from learner.models.value import ValueHead, ValueModel
 
     torch.manual_seed(cfg.seed)
     policy = load_policy(cfg.io.init) if cfg.io.init else build_policy(cfg.model, seed=cfg.seed)
-    value = None
+    value, lora = None, cfg.policy.lora
     if cfg.uses_value_model and cfg.io.value_init:
         value = ValueModel.load(cfg.io.value_init)
-    elif cfg.uses_value_model:
+    elif cfg.uses_value_model and cfg.value.kind == "copy":  # copied before LoRA layers rename the policy's weights
         value = ValueModel.from_policy(policy, seed=cfg.seed, layers=cfg.value.layers)
+    if lora.r:
+        policy = add_lora(policy, lora.r, lora.alpha, lora.dropout, lora.target_modules)
+    if cfg.uses_value_model and cfg.value.kind == "head":
+        value = ValueHead(policy, cfg.value.detach_backbone, seed=cfg.seed)
     policy.train()
     if value is not None:
         value.train()

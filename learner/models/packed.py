@@ -212,6 +212,8 @@ def packable(body) -> bool:
         return False
     if getattr(cfg, "model_type", None) != "qwen3_moe" or getattr(cfg, "use_sliding_window", False):
         return False
+    if any(hasattr(m, "lora_A") for m in body.modules()):  # peft's LoRA layers: `_layers` reads the bare weights
+        return False
     return all(hasattr(layer.mlp, "experts") and layer.self_attn.q_proj.bias is None for layer in layers)
 
 

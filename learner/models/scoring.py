@@ -23,7 +23,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from learner.models.packed import packable, packed_states
-from learner.models.value import ValueModel
+from learner.models.value import ValueHead, ValueModel
 
 Temperature = torch.Tensor | float | None  # None or 1.0: the model's own distribution
 
@@ -173,14 +173,15 @@ def logprobs_and_entropy(model: PreTrainedModel, input_ids: torch.Tensor,
     return out + (_shift(logp, mask, scored),) if full else out
 
 
-def values(value_model: ValueModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+def values(value_model: ValueModel | ValueHead, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
            at: torch.Tensor | None = None) -> torch.Tensor:
     """[B, T]: V(prefix ending at token t); 0 at padding and, given `at` ([B, T] bool), at positions not in it (the
     packed forward's last layer then runs on those positions alone)."""
     mask = _check(input_ids, attention_mask)
-    if isinstance(value_model, ValueModel) and _packed(value_model.backbone, mask):
-        h, pack = packed_states(value_model.backbone, input_ids, mask, at=at)
-        return pack.unpack(value_model.head(h).squeeze(-1))
+    if isinstance(value_model, (ValueModel, ValueHead)) and _packed(value_model.backbone, mask):
+        with value_model.backbone_grad():
+            h, pack = packed_states(value_model.backbone, input_ids, mask, at=at)
+        return pack.unpack(value_model.score(h))
     v = value_model(input_ids, mask, position_ids_from_mask(mask))
     keep = mask.bool() if at is None else mask.bool() & at.bool()
     return torch.where(keep, v, torch.zeros_like(v))

@@ -1,4 +1,5 @@
-"""The value model V_phi: a copy of the policy backbone with a fresh scalar head, its own weights.
+"""The value model V_phi: a copy of the policy backbone with a fresh scalar head, its own weights (`ValueModel`),
+or a scalar head on the policy's own backbone (`ValueHead`, `learner.value.kind: head`).
 
 Any HF causal LM's backbone serves (`AutoModel` of the policy's config: the tiny Qwen3-MoE, a Qwen3
 dense, a GLM-4-MoE, ...). Saved as its own directory: `config.json` (the backbone's HF config plus
@@ -7,6 +8,7 @@ dense, a GLM-4-MoE, ...). Saved as its own directory: `config.json` (the backbon
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 from pathlib import Path
@@ -58,7 +60,15 @@ class ValueModel(nn.Module):
         """[B, T] values; position t scores the prefix ending at (and including) token t."""
         h = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=False).last_hidden_state
+        return self.score(h)
+
+    def score(self, h: torch.Tensor) -> torch.Tensor:
+        """Values from the backbone's last hidden states ([..., H] -> [...])."""
         return self.head(h).squeeze(-1)
+
+    def backbone_grad(self) -> contextlib.AbstractContextManager:
+        """The context a forward of the backbone runs in (its own weights: with gradients)."""
+        return contextlib.nullcontext()
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -85,3 +95,42 @@ class ValueModel(nn.Module):
         vm = cls(config)
         vm.load_state_dict(load_file(str(path / "model.safetensors")), strict=True)
         return vm.to(dtype=torch.float32).eval()
+
+
+class ValueHead(nn.Module):
+    """A scalar head on the policy's backbone: no second backbone, no optimizer state but the head's.
+
+    The backbone is the policy's own module, reached through the policy and not registered here, so `parameters()`
+    and `state_dict()` (the critic's optimizer, its checkpoint) hold the head alone. `detach_backbone`: the backbone's
+    forward runs without gradients and the value loss trains the head alone; otherwise its gradient also reaches the
+    backbone's parameters, which the policy's optimizer steps (with the policy loss's) in the same update."""
+
+    def __init__(self, policy: nn.Module, detach_backbone: bool = True, seed: int | None = 0) -> None:
+        super().__init__()
+        self._policy = [policy]  # a list: not a submodule
+        self.config = policy.config
+        self.detach_backbone = detach_backbone
+        with torch.random.fork_rng(devices=[]):
+            if seed is not None:
+                torch.manual_seed(seed)
+            self.head = nn.Linear(policy.config.hidden_size, 1)
+            nn.init.normal_(self.head.weight, std=policy.config.initializer_range)  # as ValueModel's fresh head
+            nn.init.zeros_(self.head.bias)
+
+    @property
+    def backbone(self) -> nn.Module:
+        return self._policy[0].base_model
+
+    def backbone_grad(self) -> contextlib.AbstractContextManager:
+        return torch.no_grad() if self.detach_backbone else contextlib.nullcontext()
+
+    def score(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head(h).squeeze(-1)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, T] values; position t scores the prefix ending at (and including) token t."""
+        with self.backbone_grad():
+            h = self.backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=False).last_hidden_state
+        return self.score(h)

@@ -22,6 +22,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from learner.models.lora import merged_state_dict
 from learner.models.tokenizer import CharTokenizer, Tokenizer
 from streamer.transport.weights import CHUNK_BYTES, WeightStore
 from streamer.wire.schema import PolicyVersion
@@ -64,7 +65,7 @@ class DirectoryPublisher:
         with tempfile.TemporaryDirectory() as side:  # config.json + tokenizer travel with the weights
             model.config.save_pretrained(side)
             self.tokenizer.save(side)
-            state = model.state_dict()
+            state = merged_state_dict(model)  # a LoRA policy: its adapters merged, under the HF names
             pv = self.store.publish(state, version, step, side_files_from=side)
         self.store.prune(self.keep)
         if self.broadcast is not None:

@@ -43,6 +43,7 @@ from learner.algorithms import (
 )
 from learner.algorithms.masked import masked_mean
 from learner.config import LearnerConfig
+from learner.models.lora import trainable
 from learner.models.scoring import (
     logprobs_and_entropy,
     next_token_logprobs,
@@ -85,7 +86,8 @@ def build_optimizers(cfg: LearnerConfig, policy: torch.nn.Module, value: torch.n
 
     def adamw(model: torch.nn.Module, lr: float) -> torch.optim.AdamW:
         # fused: one kernel over all parameters; torch's default per-tensor loop took 53 of 585 ms of a CPU step
-        return torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(o.betas), weight_decay=o.weight_decay,
+        # only what takes gradients: with LoRA the adapters alone hold AdamW state
+        return torch.optim.AdamW(trainable(model), lr=lr, betas=tuple(o.betas), weight_decay=o.weight_decay,
                                  fused=True)
 
     return Models(policy, adamw(policy, o.lr), value, adamw(value, o.value_lr) if value is not None else None,
