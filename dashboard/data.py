@@ -268,7 +268,7 @@ def run_signature(run_dir: str | Path) -> tuple:
     return tuple(sig)
 
 
-ANSWER_COLUMNS = ["run", "family", "concept", "phase", "version", "reward", "prompt", "answer"]
+ANSWER_COLUMNS = ["run", "family", "concept", "prompt", "answer", "reward", "version", "phase"]  # text first
 
 
 def answers_frame(run: RunData, n: int = 3, prompt_chars: int = 60) -> pd.DataFrame:
