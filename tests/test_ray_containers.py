@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from test_compose_up import docker_daemon
 from test_multihost import Hosts, assert_trained_once, build_image, loaded_versions
 
@@ -134,6 +135,10 @@ def run_on_ray(h: Hosts, tmp_path: Path, image: dict) -> None:
     # Versions: each agent loaded them from the learner's weight server at the head's address, with the learner's
     # checksums; the learner is on the head (its log there), and training moved the weights.
     server = f"http://{ip_of(h, 'head')}:8765"
+    agent_cfg = yaml.safe_load((out / "config.yaml").read_text())["agent"]
+    assert agent_cfg["model"] == f"{server}/latest" and agent_cfg["weights_url"] == server  # the head's server
+    for a in agents:  # each agent's model, fetched from it into a cache of its own on the worker
+        assert h.sh("worker", f"ls {remote}/{a}-model").startswith("v000000-")
     loaded = loaded_versions(agent_logs, announced, server)
     assert len({pv["sha256"] for pv in announced.values()}) > 1, "every version has the same weights"
     assert "learner on head" in (out / "logs" / "learner.log").read_text()
