@@ -234,3 +234,63 @@ def test_an_hf_model_run_gives_the_chat_prompt_and_answer_as_text(tmp_path):
         got = samples[task.task_id]
         assert task.prompt in got.prompt and "<|im_start|>" not in got.prompt
         assert got.answer == tok.decode(t.tokens[t.prompt_len:]) and got.decoded
+
+
+def _wait(cond, timeout_s: float) -> bool:
+    import time
+
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.2)
+    return cond()
+
+
+@pytest.mark.kafka
+@pytest.mark.slow
+def test_a_tap_killed_and_started_again_keeps_each_answer_once(tmp_path, kafka_bus, bootstrap, kafka_run,
+                                                                 tiny_policy_dir):
+    """`sao tap --model` on the embedded broker, SIGKILLed after writing its sample, started again after 4 more
+    trajectories: it reads the topic again from its start, and the file holds the first 2 and the latest 2 answers,
+    each once, as text."""
+    import signal
+    import subprocess
+
+    from streamer.wire.schema import encode
+    from streamer.wire.topics import Topics, partitions_by_topic
+
+    kafka_bus.create_topics(partitions_by_topic(kafka_run))
+    producer, topic = kafka_bus.producer(), Topics(kafka_run).trajectories
+    run_dir = tmp_path / "run"
+
+    def publish(ks):
+        for k in ks:
+            producer.send_raw(topic, encode(traj(k, prompt=f"{k}+0=", answer=str(k))), key=b"x")
+        producer.flush()
+
+    def start():
+        return subprocess.Popen([sys.executable, "-m", "streamer.launch.cli", "tap", "--bootstrap", bootstrap,
+                                 "--run", kafka_run, "--run-dir", str(run_dir), "--model", str(tiny_policy_dir),
+                                 "--samples-keep", "2", "--no-summary"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    publish(range(1, 6))
+    tap = start()
+    try:
+        assert _wait(lambda: len(on_file(run_dir)) == 4, 90), tap.stderr.read() if tap.poll() is not None else ""
+        tap.send_signal(signal.SIGKILL)
+        tap.wait(10)
+        assert on_file(run_dir) == {"t1": (True, False), "t2": (True, False), "t4": (False, True),
+                                    "t5": (False, True)}
+        publish(range(6, 10))
+        tap = start()
+        assert _wait(lambda: set(on_file(run_dir)) == {"t1", "t2", "t8", "t9"}, 90)
+        tap.send_signal(signal.SIGTERM)
+        assert tap.wait(30) == 0
+    finally:
+        if tap.poll() is None:
+            tap.kill()
+    samples = read_samples(run_dir)
+    assert [s.traj_id for s in samples if s.first] == ["t1", "t2"] and len(samples) == 4
+    assert {s.traj_id: (s.prompt, s.answer) for s in samples if s.latest} == {"t8": ("8+0=", "8"), "t9": ("9+0=", "9")}
