@@ -390,8 +390,10 @@ def test_group_estimator_trains_complete_groups_without_critic(tmp_path, policy0
     assert len(trainer.batcher.pending()) == 2  # the incomplete group waits (and is checkpointed)
 
 
-def test_value_warmup_is_critic_only(tmp_path, policy0):
-    cfg = make_cfg(tmp_path, "value.warmup_steps=2", "batch.max_trajectories=4", "batch.tokens=100000")
+@pytest.mark.parametrize("critic", [[], ["value.kind=head"], ["value.kind=head", "value.detach_backbone=false"]],
+                         ids=["copy", "head", "head-joint"])
+def test_value_warmup_is_critic_only(tmp_path, policy0, critic):
+    cfg = make_cfg(tmp_path, "value.warmup_steps=2", "batch.max_trajectories=4", "batch.tokens=100000", *critic)
     trainer, events = make_trainer(cfg, file_source(tmp_path, synthetic_trajectories(policy0, 12)),
                                    DirectoryPublisher(tmp_path / "w"))
     p0 = _params(trainer.models.policy)
