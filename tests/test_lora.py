@@ -143,3 +143,28 @@ def test_bad_options_name_the_field(tmp_path, override, field):
 def test_unknown_target_module_is_named(tmp_path):
     with pytest.raises(ValueError, match="gate_up_proj"):
         build_models(make_cfg(tmp_path, "policy.lora.r=4", "policy.lora.target_modules=[gate_up_proj]"))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "glm4_moe"])
+def test_lora_and_a_joint_head_on_the_own_model_archs(tmp_path, arch):
+    """The HF forward (not the packed one): a dense Qwen3 and a GLM-4-MoE (attention bias) from learner.models.toy."""
+    from learner.models.policy import load_policy
+    from learner.models.toy import build_toy_model
+    from learner.trainer.batching import collate
+    from learner.trainer.step import prepare, update
+
+    model_dir = build_toy_model(arch, ["hello world answer yes", "bonjour le monde oui", "1 + 2 = 3"] * 5,
+                                tmp_path / arch, vocab_size=300)
+    cfg = make_cfg(tmp_path, f"io.init={model_dir}", *LORA, "value.kind=head", "value.detach_backbone=false",
+                   "optim.lr=0.05")
+    models = build_models(cfg)
+    trajs = synthetic_trajectories(models.policy, 8)
+    batch = collate(trajs)
+    for _ in range(2):
+        assert update(cfg, models, batch, prepare(cfg, models, batch), True)[1]
+    fresh = load_policy(model_dir)
+    fresh.load_state_dict(merged_state_dict(models.policy))
+    ids = torch.tensor([trajs[0].tokens])
+    with torch.no_grad():
+        live, merged, base = models.policy.eval()(ids).logits, fresh(ids).logits, load_policy(model_dir)(ids).logits
+    assert torch.allclose(live, merged, atol=1e-5) and (live - base).abs().max() > 1e-3
