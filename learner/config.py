@@ -32,6 +32,7 @@ Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 BackendName = Literal["torch", "megatron"]
 BackendDtype = Literal["float32", "bfloat16"]
 ValueKind = Literal["copy", "head"]
+LoraPublish = Literal["merged", "adapters"]
 ESTIMATORS = get_args(Estimator)
 
 
@@ -101,6 +102,9 @@ class LoraSettings:
     alpha: float = 16.0
     dropout: float = 0.0
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    # adapters: versions hold the adapters alone, which agents merge onto the base model they were started with
+    # (their --model must be the learner's io.init; a version made for another base is refused)
+    publish: LoraPublish = "merged"
 
 
 @dataclass
@@ -344,6 +348,8 @@ def _validate_memory_options(c: LearnerConfig) -> None:
     if lora.r < 0 or (lora.r and not (lora.alpha > 0 and 0.0 <= lora.dropout < 1.0 and lora.target_modules)):
         _fail("policy.lora", f"r={lora.r} alpha={lora.alpha} dropout={lora.dropout} target_modules="
                              f"{lora.target_modules}: need r >= 0 (0: off), alpha > 0, dropout in [0, 1) and a module")
+    if lora.publish == "adapters" and not lora.r:
+        _fail("policy.lora.publish", "adapters needs LoRA on (policy.lora.r > 0)")
     megatron = c.backend.name == "megatron"
     if megatron and (lora.r or c.value.kind == "head"):
         _fail("policy.lora.r" if lora.r else "value.kind", "LoRA and the value head are not supported on the megatron "

@@ -186,7 +186,8 @@ def build_outputs(cfg: LearnerConfig):
         closers.append(sender.close)
         broadcast = sender.offer
     publisher = DirectoryPublisher(cfg.io.weights_dir, announcer, cfg.io.versions_kept(), tokenizer,
-                                   cfg.io.weights_chunk_bytes, base_uri, broadcast) if cfg.io.weights_dir else None
+                                   cfg.io.weights_chunk_bytes, base_uri, broadcast,
+                                   adapters_only=cfg.policy.lora.publish == "adapters") if cfg.io.weights_dir else None
     return publisher, sinks, closers
 
 

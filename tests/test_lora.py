@@ -4,6 +4,8 @@ loads it answers as the learner's LoRA model does, and a checkpoint resumes both
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,11 +13,11 @@ pytest.importorskip("peft")
 
 from learner.engines.hf_engine import HFEngine  # noqa: E402
 from learner.models.lora import has_lora, merged_state_dict  # noqa: E402
-from learner.models.policy import build_policy  # noqa: E402
+from learner.models.policy import build_policy, load_policy, save_policy  # noqa: E402
 from learner.models.scoring import token_logprobs  # noqa: E402
 from learner.models.tokenizer import CharTokenizer  # noqa: E402
 from learner.models.value import ValueHead  # noqa: E402
-from learner.train import build_models  # noqa: E402
+from learner.train import build_models, build_outputs  # noqa: E402
 from learner.trainer.publish import DirectoryPublisher  # noqa: E402
 from learner.trainer.synthetic import synthetic_trajectories, tiny_model_config  # noqa: E402
 from streamer.agent.agent import load_engine  # noqa: E402
@@ -73,8 +75,13 @@ def test_an_agent_loading_the_published_version_answers_as_the_learner_model(tmp
     assert set(published) == set(WeightStore(tmp_path / "plain").load(plain))  # the HF names, as without LoRA
     engine, _ = load_engine(AgentSettings(weights_dir=str(store.root), engine="torch"), store)  # as agents do
     assert engine.version == 3
-    prompts = [t.tokens[:t.prompt_len] for t in trajs[:4]]
-    policy = trainer.models.policy.eval()
+    assert_answers_as(engine, trainer.models.policy, [t.tokens[:t.prompt_len] for t in trajs[:4]])
+
+
+def assert_answers_as(engine, policy, prompts):
+    """`engine`'s greedy answers are the learner's LoRA `policy`'s, their log-probs its own within 1e-5, and they
+    moved more than 1e-3 from the base policy's (so the comparison is not vacuous)."""
+    policy = policy.eval()
     agent = engine.generate(prompts, max_new_tokens=8, temperature=0.0)
     learner = HFEngine(policy, CharTokenizer()).generate(prompts, max_new_tokens=8, temperature=0.0)
     assert [g.token_ids for g in agent] == [g.token_ids for g in learner]
@@ -148,7 +155,6 @@ def test_unknown_target_module_is_named(tmp_path):
 @pytest.mark.parametrize("arch", ["qwen3", "glm4_moe"])
 def test_lora_and_a_joint_head_on_the_own_model_archs(tmp_path, arch):
     """The HF forward (not the packed one): a dense Qwen3 and a GLM-4-MoE (attention bias) from learner.models.toy."""
-    from learner.models.policy import load_policy
     from learner.models.toy import build_toy_model
     from learner.trainer.batching import collate
     from learner.trainer.step import prepare, update
@@ -168,3 +174,33 @@ def test_lora_and_a_joint_head_on_the_own_model_archs(tmp_path, arch):
     with torch.no_grad():
         live, merged, base = models.policy.eval()(ids).logits, fresh(ids).logits, load_policy(model_dir)(ids).logits
     assert torch.allclose(live, merged, atol=1e-5) and (live - base).abs().max() > 1e-3
+
+
+def test_adapter_versions_merged_by_an_agent_on_the_base_answer_as_the_learner(tmp_path, policy0):
+    base_dir = save_policy(policy0, tmp_path / "base", CharTokenizer())
+    trajs = synthetic_trajectories(policy0, 12)
+    cfg = make_cfg(tmp_path, *LORA, "policy.lora.publish=adapters", "optim.lr=0.02", "batch.max_trajectories=4",
+                   "batch.tokens=100000", f"io.weights_dir={tmp_path / 'weights'}", "io.trajectories=t.jsonl")
+    pub, _, closers = build_outputs(cfg)  # the learner's own publisher (no broker: io.trajectories is set)
+    trainer, _ = make_trainer(cfg, file_source(tmp_path, trajs), pub)
+    trainer.run()
+    for close in closers:
+        close()
+    store = WeightStore(tmp_path / "weights")
+    pv = store.latest()
+    assert pv.version == 3
+    merged = DirectoryPublisher(tmp_path / "merged").publish(trainer.models.policy, 3, 3)
+    size = lambda p: (Path(store.resolve(p) if p is pv else p.uri) / "model.safetensors").stat().st_size  # noqa: E731
+    assert size(pv) * 5 < size(merged)  # the adapters alone (the tiny model: 4.9 kB against 49 kB)
+    engine, _ = load_engine(AgentSettings(model=str(base_dir), weights_dir=str(store.root), engine="torch"), store)
+    engine.load_state_dict(store.load(store.versions()[2]), 2)  # an older version first: each merges onto the base
+    engine.load_state_dict(store.load(pv), pv.version)
+    assert_answers_as(engine, trainer.models.policy, [t.tokens[:t.prompt_len] for t in trajs[:4]])
+    with pytest.raises(ValueError, match="adapters alone"):  # never loaded as a model (its base would be random)
+        load_policy(store.resolve(pv))
+    other = save_policy(build_policy(tiny_model_config(), seed=1), tmp_path / "other", CharTokenizer())
+    stranger, _ = load_engine(AgentSettings(model=str(other), weights_dir=str(store.root), engine="hf"), store)
+    before = {k: v.clone() for k, v in stranger.model.state_dict().items()}
+    with pytest.raises(ValueError, match="other base weights"):
+        stranger.load_state_dict(store.load(pv), pv.version)
+    assert all(torch.equal(v, before[k]) for k, v in stranger.model.state_dict().items())

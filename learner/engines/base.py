@@ -123,7 +123,13 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_into(model: PreTrainedModel, state_dict: dict[str, torch.Tensor]) -> None:
-    """Strict load, except a tied lm_head may be absent (save_pretrained drops it)."""
+    """Strict load, except a tied lm_head may be absent (save_pretrained drops it). An adapter-only version
+    (learner.models.lora) is merged onto the base weights instead."""
+    from learner.models.lora import forget_base, is_adapter_state, load_adapters
+
+    if is_adapter_state(state_dict):
+        return load_adapters(model, state_dict)
+    forget_base(model)
     missing, unexpected = model.load_state_dict(state_dict, strict=False)
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
     if unexpected or set(missing) - tied:

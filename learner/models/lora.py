@@ -5,11 +5,15 @@ wrapper), so the trainer, the scoring and the checkpoints see the module they kn
 only `lora_A`/`lora_B` train, and its state dict names them (`...q_proj.base_layer.weight`,
 `...q_proj.lora_A.default.weight`), which is what a checkpoint saves and loads.
 
-Versions are published as merged weights (`merged_state_dict`: W + B·A·alpha/r under the plain HF names), so an
-agent loads a LoRA-trained version exactly as any other: agents are unchanged, a version is as large as the model.
+Versions are published as merged weights by default (`merged_state_dict`: W + B·A·alpha/r under the plain HF
+names), so an agent loads a LoRA-trained version exactly as any other and a version is as large as the model. With
+`policy.lora.publish: adapters` a version holds the adapters alone (`adapter_state_dict`, a few MB for ~135M), and
+agents started on the same base model merge them on load (`load_adapters`).
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 from torch import nn
@@ -56,3 +60,76 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def trainable(model: nn.Module) -> list[nn.Parameter]:
     """The parameters an optimizer steps: those that take gradients (with LoRA, the adapters alone)."""
     return [p for p in model.parameters() if p.requires_grad]
+
+
+# ------------------------------------------------------------------ adapter-only versions (policy.lora.publish)
+# A version of the adapters alone: per adapted layer `<layer>.lora_A`, `<layer>.lora_B`, `<layer>.lora_scaling`, and
+# BASE_DIGEST, the sha256 of the frozen base weights they go on. An agent merges them onto the base it was started
+# with (`load_adapters`, from `learner.engines.base.load_into`) and refuses them if its base is another.
+BASE_DIGEST = "lora.base_sha256"
+_SUFFIXES = (".lora_A", ".lora_B", ".lora_scaling")
+
+
+def is_adapter_state(state: dict[str, torch.Tensor]) -> bool:
+    return BASE_DIGEST in state
+
+
+def weights_digest(weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    """sha256 of the named tensors (names and float32 bytes, in name order), as 32 uint8."""
+    h = hashlib.sha256()
+    for name in sorted(weights):
+        h.update(name.encode())
+        h.update(weights[name].detach().to(torch.float32).contiguous().numpy().tobytes())
+    return torch.tensor(list(h.digest()), dtype=torch.uint8)
+
+
+def _lora_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [(n, m) for n, m in model.named_modules() if hasattr(m, "lora_A") and ADAPTER in m.lora_A]
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters of a LoRA `model` and the digest of its base weights (computed once: they are frozen)."""
+    layers = _lora_layers(model)
+    if not layers:
+        raise ValueError("policy.lora.publish=adapters: the policy has no LoRA adapters (set policy.lora.r > 0)")
+    if getattr(model, "_sao_base_digest", None) is None:
+        model._sao_base_digest = weights_digest({n: m.base_layer.weight for n, m in layers})
+    state = {BASE_DIGEST: model._sao_base_digest}
+    for name, m in layers:
+        state[f"{name}.lora_A"] = m.lora_A[ADAPTER].weight.detach()
+        state[f"{name}.lora_B"] = m.lora_B[ADAPTER].weight.detach()
+        state[f"{name}.lora_scaling"] = torch.tensor([float(m.scaling[ADAPTER])])
+    return state
+
+
+def load_adapters(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Set each adapted weight of a plain HF `model` to base + B·A·scaling. The base is the model's weights when the
+    first adapter version arrives, kept aside (loading a full state dict drops it); it must be the base the
+    learner's adapters were trained on (BASE_DIGEST), else a ValueError says so and nothing changes."""
+    layers = sorted(k[:-len(".lora_A")] for k in state if k.endswith(".lora_A"))
+    unknown = sorted(k for k in state if k != BASE_DIGEST and not k.endswith(_SUFFIXES))
+    try:
+        weights = {n: model.get_parameter(f"{n}.weight") for n in layers}
+    except AttributeError as e:
+        raise ValueError(f"adapter version: a layer it adapts is not in this {type(model).__name__}: {e}") from None
+    if unknown or not layers:
+        raise ValueError(f"adapter version: unexpected keys {unknown[:5]} or no adapters")
+    base, digest = getattr(model, "_sao_lora_base", None) or _keep_aside(weights)
+    if not torch.equal(digest, state[BASE_DIGEST]):
+        raise ValueError("adapter version: trained on other base weights than this model's (start the agent with "
+                         "--model set to the learner's io.init, or publish merged weights: policy.lora.publish)")
+    model._sao_lora_base = base, digest
+    with torch.no_grad():
+        for n, w in weights.items():
+            delta = state[f"{n}.lora_B"].float() @ state[f"{n}.lora_A"].float() * state[f"{n}.lora_scaling"].float()
+            w.copy_(base[n] + delta.to(w.dtype))
+
+
+def _keep_aside(weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    base = {n: w.detach().clone() for n, w in weights.items()}
+    return base, weights_digest(base)
+
+
+def forget_base(model: nn.Module) -> None:
+    """A full state dict was loaded: the weights kept aside as the adapters' base no longer describe the model."""
+    model.__dict__.pop("_sao_lora_base", None)

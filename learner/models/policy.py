@@ -50,11 +50,26 @@ def load_policy(path: str | Path, attn_implementation: str = "sdpa") -> torch.nn
         raise FileNotFoundError(f"{path}: not a policy directory (no config.json)")
     if "sao_model" in json.loads((path / "config.json").read_text()):
         raise ValueError(f"{path}: this is a value-model directory; load it with ValueModel.load")
+    _refuse_adapters_only(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
     except ValueError as e:  # an architecture transformers does not know as a causal LM
         raise ValueError(f"{path}: not loadable as a causal LM by transformers: {e}") from None
     return model.eval()
+
+
+def _refuse_adapters_only(path: Path) -> None:
+    """An adapter-only version (learner.models.lora) is no model: loaded as one, its base would be random."""
+    from safetensors import safe_open
+
+    from learner.models.lora import BASE_DIGEST
+
+    file = path / "model.safetensors"
+    if file.is_file():
+        with safe_open(str(file), "pt") as f:
+            if BASE_DIGEST in f.keys():
+                raise ValueError(f"{path}: a version of LoRA adapters alone (policy.lora.publish=adapters): start "
+                                 "from the base model (--model, the learner's io.init) and load this version on it")
 
 
 def count_params(model: torch.nn.Module) -> int:

@@ -22,7 +22,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from learner.models.lora import merged_state_dict
+from learner.models.lora import adapter_state_dict, merged_state_dict
 from learner.models.tokenizer import CharTokenizer, Tokenizer
 from streamer.transport.weights import CHUNK_BYTES, WeightStore
 from streamer.wire.schema import PolicyVersion
@@ -44,7 +44,8 @@ class DirectoryPublisher:
     def __init__(self, store: str | Path, announcer: Callable[[PolicyVersion], None] | None = None,
                  keep: int = 0, tokenizer: Tokenizer | None = None, chunk_bytes: int = CHUNK_BYTES,
                  base_uri: str = "",
-                 broadcast: Callable[[dict[str, torch.Tensor], PolicyVersion], PolicyVersion] | None = None) -> None:
+                 broadcast: Callable[[dict[str, torch.Tensor], PolicyVersion], PolicyVersion] | None = None,
+                 adapters_only: bool = False) -> None:
         """`announcer`: an `Announcer` (or any callable taking the PolicyVersion); None announces nothing.
         `tokenizer`: the policy's, saved with every version (default: the embedded character tokenizer)."""
         self.store = WeightStore(store, chunk_bytes, base_uri)
@@ -52,6 +53,7 @@ class DirectoryPublisher:
         self.announcer = announcer
         self.keep = keep  # versions kept on disk (0: all)
         self.broadcast = broadcast
+        self.adapters_only = adapters_only  # a LoRA policy's adapters alone (learner.models.lora.adapter_state_dict)
 
     def versions(self) -> list[int]:
         return sorted(pv.version for pv in self.store.versions())
@@ -65,7 +67,8 @@ class DirectoryPublisher:
         with tempfile.TemporaryDirectory() as side:  # config.json + tokenizer travel with the weights
             model.config.save_pretrained(side)
             self.tokenizer.save(side)
-            state = merged_state_dict(model)  # a LoRA policy: its adapters merged, under the HF names
+            # a LoRA policy: its adapters merged, under the HF names, or the adapters alone
+            state = adapter_state_dict(model) if self.adapters_only else merged_state_dict(model)
             pv = self.store.publish(state, version, step, side_files_from=side)
         self.store.prune(self.keep)
         if self.broadcast is not None:
