@@ -350,6 +350,9 @@ def _validate_memory_options(c: LearnerConfig) -> None:
                              f"{lora.target_modules}: need r >= 0 (0: off), alpha > 0, dropout in [0, 1) and a module")
     if lora.publish == "adapters" and not lora.r:
         _fail("policy.lora.publish", "adapters needs LoRA on (policy.lora.r > 0)")
+    if lora.publish == "adapters" and c.io.weights_transport == "broadcast":
+        _fail("policy.lora.publish", "adapters over io.weights_transport=broadcast is not supported yet; publish "
+                                     "merged weights or use the directory or http transport")
     megatron = c.backend.name == "megatron"
     if megatron and (lora.r or c.value.kind == "head"):
         _fail("policy.lora.r" if lora.r else "value.kind", "LoRA and the value head are not supported on the megatron "

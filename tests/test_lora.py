@@ -140,11 +140,13 @@ def test_checkpoint_resume_gives_identical_weights(tmp_path, policy0, options):
 
 @pytest.mark.parametrize("override, field", [
     ("policy.lora.r=-1", "policy.lora"), ("value.kind=twin", "value.kind"),
-    ("policy.lora.dropout=1.5", "policy.lora"),
+    ("policy.lora.dropout=1.5", "policy.lora"), ("policy.lora.publish=adapters", "policy.lora.publish"),
+    ("value.layers=1", "value.kind"),
 ])
 def test_bad_options_name_the_field(tmp_path, override, field):
+    setting = {"dropout": "policy.lora.r=4", "layers": "value.kind=head"}
     with pytest.raises(ConfigError, match=field):
-        make_cfg(tmp_path, "policy.lora.r=4" if "dropout" in override else "seed=0", override)
+        make_cfg(tmp_path, next((v for k, v in setting.items() if k in override), "seed=0"), override)
 
 
 def test_unknown_target_module_is_named(tmp_path):
@@ -204,3 +206,19 @@ def test_adapter_versions_merged_by_an_agent_on_the_base_answer_as_the_learner(t
     with pytest.raises(ValueError, match="other base weights"):
         stranger.load_state_dict(store.load(pv), pv.version)
     assert all(torch.equal(v, before[k]) for k, v in stranger.model.state_dict().items())
+
+
+def test_the_kl_reference_under_lora_is_the_base_without_a_copy(tmp_path, policy0):
+    trajs = synthetic_trajectories(policy0, 12)
+    trainer, events = make_trainer(make_cfg(tmp_path, *LORA, "loss.kl_coef=0.1", "optim.lr=0.02",
+                                            "batch.max_trajectories=4", "batch.tokens=100000"),
+                                   file_source(tmp_path, trajs))
+    reference, policy = trainer.models.reference, trainer.models.policy
+    assert list(reference.parameters()) == []  # no second copy of the model
+    trainer.run()
+    assert events[-1].metrics["learner/kl_ref"] > 0  # the trained policy has left the reference
+    ids = torch.tensor([trajs[0].tokens])
+    with torch.no_grad():
+        assert torch.allclose(token_logprobs(reference, ids), token_logprobs(policy0, ids), atol=1e-5)
+        assert (token_logprobs(policy, ids) - token_logprobs(policy0, ids)).abs().max() > 1e-3  # adapters back on
+    assert all(p.requires_grad == (".lora_" in n) for n, p in policy.named_parameters())

@@ -14,6 +14,7 @@ import torch
 
 from learner.backends.base import Backend
 from learner.config import LearnerConfig
+from learner.models.lora import BaseOf, has_lora
 from learner.trainer.step import build_optimizers, clip_grad_norm
 
 LAYOUT = {"backend": "torch", "world_size": 1, "expert_parallel": 1}
@@ -27,8 +28,8 @@ class TorchBackend(Backend):
         self.group = None
         self.hf_config = policy.config
         self.models = build_optimizers(cfg, policy, value, backend=self)
-        if cfg.loss.kl_coef > 0:
-            self.models.reference = frozen_copy(policy)
+        if cfg.loss.kl_coef > 0:  # with LoRA the base is the initial policy: the same modules, adapters off
+            self.models.reference = BaseOf(policy) if has_lora(policy) else frozen_copy(policy)
 
     def clip_grads(self, model: torch.nn.Module, max_norm: float) -> float:
         return clip_grad_norm(model, max_norm)

@@ -13,6 +13,7 @@ agents started on the same base model merge them on load (`load_adapters`).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 
 import torch
@@ -60,6 +61,33 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def trainable(model: nn.Module) -> list[nn.Parameter]:
     """The parameters an optimizer steps: those that take gradients (with LoRA, the adapters alone)."""
     return [p for p in model.parameters() if p.requires_grad]
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module):
+    """`model` computes with its base weights alone inside (peft's switch; the adapters train again after)."""
+    layers = [m for _, m in _lora_layers(model)]
+    for m in layers:
+        m.enable_adapters(False)
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m.enable_adapters(True)
+
+
+class BaseOf(nn.Module):
+    """The base policy under a LoRA one without a copy: the same modules with the adapters off. The KL penalty's
+    frozen reference (the initial policy: base + B·A with B = 0 at the start), for no memory."""
+
+    def __init__(self, policy: nn.Module) -> None:
+        super().__init__()
+        self._policy = [policy]  # a list: not a submodule (no parameters of its own)
+        self.config = policy.config
+
+    def forward(self, **inputs):
+        with torch.no_grad(), adapters_off(self._policy[0]) as base:
+            return base(**inputs)
 
 
 # ------------------------------------------------------------------ adapter-only versions (policy.lora.publish)
