@@ -77,3 +77,32 @@ def scenario_tasks(n: int, seed: int = 1, scenario: str = "default"):
             if len(out) == n:
                 return out
     return out
+
+
+def train_from_topic(bus: KafkaBus, topic: str, ckpt, n_expected: int, seed: int = 0) -> list[str]:
+    """A real learner over `topic` (resuming from `ckpt` if it can) until it has trained `n_expected` trajectories;
+    the task ids it trained, in order."""
+    from learner.config import LearnerConfig
+    from learner.train import build_models
+    from learner.trainer.loop import Trainer
+    from learner.trainer.source import BusSource
+    from learner.trainer.synthetic import TINY_OVERRIDES
+    from streamer.wire.config import load_config
+    from streamer.wire.schema import Trajectory
+
+    cfg = load_config(LearnerConfig, None, TINY_OVERRIDES + [
+        f"checkpoint.dir={ckpt}", "batch.max_trajectories=4", "batch.tokens=100000", f"seed={seed}"])
+    seen: list[str] = []
+    source = BusSource(bus.consumer({topic: Trajectory}, group_id=None))
+
+    def sink(e) -> None:
+        seen.extend(e.task_ids)
+        trainer.stop = len(seen) >= n_expected
+
+    trainer = Trainer(cfg, build_models(cfg), source, None, [sink])
+    trainer.resume()
+    try:
+        trainer.run()
+    finally:
+        source.close()
+    return seen

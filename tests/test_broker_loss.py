@@ -20,18 +20,15 @@ from pathlib import Path
 import pytest
 from kafka import KafkaConsumer, KafkaProducer
 from kafka.structs import OffsetAndMetadata, TopicPartition
+from kafka_fixtures import train_from_topic
 
-from learner.config import LearnerConfig
 from learner.models.policy import build_policy
-from learner.train import build_models
 from learner.trainer.checkpoint import latest_checkpoint
-from learner.trainer.loop import Trainer
 from learner.trainer.resume_guard import ResumeRefused, check_resume, short_partitions
 from learner.trainer.source import BusSource
-from learner.trainer.synthetic import TINY_OVERRIDES, synthetic_trajectories, tiny_model_config
+from learner.trainer.synthetic import synthetic_trajectories, tiny_model_config
 from streamer.transport.broker import EmbeddedBroker, free_port
 from streamer.transport.kafka_bus import KafkaBus
-from streamer.wire.config import load_config
 from streamer.wire.schema import Trajectory
 from streamer.wire.settings import BrokerSettings, ClientSettings
 from streamer.wire.topics import Topics, partitions_by_topic
@@ -96,26 +93,6 @@ def test_a_checkpoint_from_another_cluster_is_refused_even_when_the_positions_fi
     assert f"the broker at {broker.bootstrap} is cluster {broker.cluster_id!r}" in msg and "--run NAME" in msg
 
 
-def _train(bus: KafkaBus, topic: str, ckpt: Path, n_expected: int) -> list[str]:
-    """A learner over the trajectory topic until it has trained `n_expected` trajectories (resuming if it can)."""
-    cfg = load_config(LearnerConfig, None, TINY_OVERRIDES + [
-        f"checkpoint.dir={ckpt}", "batch.max_trajectories=4", "batch.tokens=100000", "seed=0"])
-    seen: list[str] = []
-    source = BusSource(bus.consumer({topic: Trajectory}, group_id=None))
-
-    def sink(e) -> None:
-        seen.extend(e.task_ids)
-        trainer.stop = len(seen) >= n_expected
-
-    trainer = Trainer(cfg, build_models(cfg), source, None, [sink])
-    trainer.resume()
-    try:
-        trainer.run()
-    finally:
-        source.close()
-    return seen
-
-
 @pytest.mark.kafka
 def test_a_resume_against_a_broker_that_restarted_empty_is_refused(tmp_path):
     """Train 8 trajectories through a real broker and checkpoint; stop the broker and start an empty one on the same
@@ -130,7 +107,7 @@ def test_a_resume_against_a_broker_that_restarted_empty_is_refused(tmp_path):
         bus = KafkaBus(broker.bootstrap, ClientSettings(client_id="sao-test"))
         bus.create_topics(partitions_by_topic(run))
         _send(bus, topic, first)
-        assert sorted(_train(bus, topic, tmp_path / "ck", 8)) == sorted(t.task_id for t in first)
+        assert sorted(train_from_topic(bus, topic, tmp_path / "ck", 8)) == sorted(t.task_id for t in first)
     positions = json.loads((latest_checkpoint(tmp_path / "ck") / "state.json").read_text())["positions"]
     read = {k: n for k, n in positions.items() if n > 0}
     assert sum(read.values()) == 8
@@ -139,7 +116,7 @@ def test_a_resume_against_a_broker_that_restarted_empty_is_refused(tmp_path):
         bus.create_topics(partitions_by_topic(run))
         _send(bus, topic, first[:2])
         with pytest.raises(ResumeRefused) as refused:
-            _train(bus, topic, tmp_path / "ck", 8)
+            train_from_topic(bus, topic, tmp_path / "ck", 8)
     msg = str(refused.value)
     assert f"refusing to resume run {run!r}" in msg and f"broker at {broker.bootstrap}" in msg
     # the checkpoint saved the first broker's cluster id; the restarted one has its own (the positions' own check,

@@ -19,6 +19,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import torch
+from kafka_fixtures import train_from_topic
 from safetensors.torch import load_model
 
 from learner.config import LearnerConfig
@@ -26,10 +27,10 @@ from learner.models.policy import build_policy
 from learner.train import build_models
 from learner.trainer.checkpoint import latest_checkpoint
 from learner.trainer.loop import Trainer
-from learner.trainer.source import BusSource, FileSource, write_trajectories
+from learner.trainer.source import FileSource, write_trajectories
 from learner.trainer.synthetic import TINY_OVERRIDES, synthetic_trajectories, tiny_model_config
 from streamer.wire.config import load_config, set_args
-from streamer.wire.schema import LearnerEvent, Trajectory
+from streamer.wire.schema import LearnerEvent
 
 ROOT = Path(__file__).resolve().parents[1]
 OVERRIDES = TINY_OVERRIDES + ["threads=1", "checkpoint.every=3", "batch.tokens=40", "optim.lr=0.01"]
@@ -125,23 +126,7 @@ def test_kafka_source_resumes_at_checkpointed_offsets(tmp_path, kafka_bus, kafka
         prod.flush()
 
     def train_until(n_expected: int, trainer_seed: int) -> list[str]:
-        cfg = load_config(LearnerConfig, None, TINY_OVERRIDES + [
-            f"checkpoint.dir={tmp_path / 'ck'}", "batch.max_trajectories=4", "batch.tokens=100000",
-            f"seed={trainer_seed}"])
-        seen: list[str] = []
-        source = BusSource(kafka_bus.consumer({topic: Trajectory}, group_id=None))
-
-        def sink(e: LearnerEvent) -> None:
-            seen.extend(e.task_ids)
-            trainer.stop = len(seen) >= n_expected
-
-        trainer = Trainer(cfg, build_models(cfg), source, None, [sink])
-        trainer.resume()
-        try:
-            trainer.run()
-        finally:
-            source.close()
-        return seen
+        return train_from_topic(kafka_bus, topic, tmp_path / "ck", n_expected, trainer_seed)
 
     send(first)
     assert sorted(train_until(8, 0)) == sorted(t.task_id for t in first)

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
+from streamer.transport.weights import fsync_path
 from streamer.wire.config import EXIT_NO_SPACE, ConfigError, Refusal  # noqa: F401 (EXIT_NO_SPACE: re-exported)
 from streamer.wire.schema import Trajectory, decode_json, encode_json
 
@@ -116,12 +117,6 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def seal(directory: Path) -> None:
@@ -130,7 +125,7 @@ def seal(directory: Path) -> None:
     manifest = {p.name: {"sha256": file_sha256(p), "bytes": p.stat().st_size} for p in files}
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
     for p in [*files, directory / MANIFEST, directory]:
-        _fsync(p)
+        fsync_path(p)
 
 
 def damage(path: Path) -> str | None:
@@ -236,11 +231,11 @@ def write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".tmp-{path.name}")
     try:
         tmp.write_bytes(data)
-        _fsync(tmp)
+        fsync_path(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    _fsync(path.parent)
+    fsync_path(path.parent)
 
 
 def save_checkpoint(root: str | Path, step: int, models: dict[str, torch.nn.Module],
@@ -293,7 +288,7 @@ def finish_checkpoint(root: str | Path, tmp: Path, step: int, models: dict[str, 
     if final.exists():  # the same step saved again (the final save of a run): the new one wins
         os.rename(final, trash)  # a kill from here to the next rename falls back to the previous step
     os.rename(tmp, final)
-    _fsync(root)
+    fsync_path(root)
     shutil.rmtree(trash, ignore_errors=True)
     for old in step_dirs(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
