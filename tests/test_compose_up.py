@@ -49,6 +49,15 @@ def docker_answers() -> bool:
         return False
 
 
+def require_docker() -> None:
+    """Skip the test when no Docker daemon answers (fail instead under SAO_REQUIRE_DOCKER=1, as CI sets)."""
+    why = docker_daemon()
+    if why:
+        if os.environ.get("SAO_REQUIRE_DOCKER") == "1":
+            pytest.fail(f"SAO_REQUIRE_DOCKER=1 but {why}")
+        pytest.skip(why)
+
+
 def docker_daemon() -> str | None:
     """None when a daemon answers (starting one when we are root and dockerd is installed), else why not.
 
@@ -144,11 +153,7 @@ def e2e_scenario() -> dict:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    why = docker_daemon()
-    if why:
-        if os.environ.get("SAO_REQUIRE_DOCKER") == "1":
-            pytest.fail(f"SAO_REQUIRE_DOCKER=1 but {why}")
-        pytest.skip(why)
+    require_docker()
     config = tmp_path_factory.mktemp("compose-config")
     config.chmod(0o755)  # the containers' user (uid 1000) reads it
     (config / "e2e.yaml").write_text(yaml.safe_dump(e2e_scenario(), sort_keys=False))

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_compose_up import compose_binary, docker_daemon
+from test_compose_up import compose_binary, require_docker
 from test_up_e2e import assert_smoke_recovered
 
 from streamer.runs.readers import read_learner, read_trajectories
@@ -231,11 +231,7 @@ while polled := consumer.poll(max_records=10000, timeout=5):
 @pytest.fixture(scope="module")
 def image() -> dict:
     """The project image built (tests/test_compose_up.py's build), or the test skipped: no Docker daemon."""
-    why = docker_daemon()
-    if why:
-        if os.environ.get("SAO_REQUIRE_DOCKER") == "1":
-            pytest.fail(f"SAO_REQUIRE_DOCKER=1 but {why}")
-        pytest.skip(why)
+    require_docker()
     t0 = time.monotonic()
     note = build_image()
     return {"build": note, "build_s": round(time.monotonic() - t0, 1)}

@@ -17,7 +17,6 @@ docs/results/multihost/ray.json. Skipped with its reason when no Docker daemon c
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_compose_up import docker_daemon
+from test_compose_up import require_docker
 from test_multihost import Hosts, assert_trained_once, build_image, loaded_versions
 
 from streamer.runs.readers import read_learner, read_trajectories
@@ -61,11 +60,7 @@ def docs_ray_command() -> list[str]:
 @pytest.fixture(scope="module")
 def ray_image() -> dict:
     """The project image (tests/test_multihost.py's build) plus the ray extra (docker/build-extras.sh ray), timed."""
-    why = docker_daemon()
-    if why:
-        if os.environ.get("SAO_REQUIRE_DOCKER") == "1":
-            pytest.fail(f"SAO_REQUIRE_DOCKER=1 but {why}")
-        pytest.skip(why)
+    require_docker()
     t0 = time.monotonic()
     note = build_image()
     t1 = time.monotonic()
