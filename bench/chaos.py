@@ -150,6 +150,8 @@ def broker_run(a: argparse.Namespace, seed: int, out: Path) -> dict[str, Any]:
     lines = follow(proc, out / f"up-broker-s{seed}.log", on_line)
     rc, exit_wall = proc.wait(), time.time()
     injector.stop.set()
+    if injector.thread.is_alive():  # the fault's record is written when inject() returns
+        injector.thread.join(timeout=10)
     reason = stopped(lines)
     return {"seed": seed, "run": run, "command": cmd, "rc": rc, "stopped": reason,
             "progress_at_kill": progress.get("at_kill", ""),
