@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from experiments.arms import ARMS
+from experiments.results_chaos import chaos_table, chaos_what
 from experiments.results_format import (
     EXAMPLES,
     FAMILIES,
@@ -328,13 +329,7 @@ def components_section(root: Path) -> str:
 
 
 def deployment_tables(ch: dict, co: dict, ci: dict) -> list[str]:
-    kills = ", ".join(f"{role} {n}" for role, n in ch["kills_by_role"].items())
-    return [table(["SIGKILLs", "tasks", "trained once", "buffered in the last checkpoint",
-                   "lost / trained twice / stale drops / letters sent twice", "malformed dead-lettered", "wall (s)"],
-                  [[f"{len(ch['kills'])} ({kills})", cnt(ch["tasks"]), cnt(ch["trained_once"]),
-                    cnt(ch["buffered_in_last_checkpoint"]), f"{len(ch['lost'])} / {len(ch['trained_twice'])} / "
-                    f"{cnt(ch['stale_drops'])} / {ch['letters_sent_twice']}",
-                    f"{ch['malformed_dead_lettered']} of {ch['malformed_published']}", sec(ch["wall_s"])]]),
+    return [chaos_table(ch),
             table(["`docker compose up`", "image (MB)", "build (s)", "to first trained step (s)", "then",
                    "learner steps", *FAMILIES], [
                 ["defaults, embedded broker", cnt(co["image_mb"]), sec(co["build_seconds"]),
@@ -358,9 +353,8 @@ def reliability_section(root: Path) -> str:
     get = Reader(root)
     ch, co, ci = (get(RESULTS / f) for f in ("chaos.json", "compose.json", "compose_up_ci.json"))
     m = get(EXAMPLES / "own-model/measured.json")
-    what = (f"SIGKILLs of the roles during a {cnt(ch['tasks'])}-task `sao up` on {ch['machine']['cpus']} cores, each "
-            "restarted by the launcher, plus malformed task records; `docker compose up` to the learner's first "
-            f"trained step, and what that run recovered; your own model: {m['stream']}, {m['machine']}.")
+    what = (f"{chaos_what(ch)} Then `docker compose up` to the learner's first trained step, and what that run "
+            f"recovered; your own model: {m['stream']}, {m['machine']}.")
     own = table(["run", "architecture", "demonstrations", "fine-tune (s)", "pre-drift → first window",
                  "recovered after", "last 64", "trained"], [own_model_row(n, r) for n, r in m["runs"].items()])
     png = [RESULTS / "compose_dashboard.png", RESULTS / "dashboard-ess-own-model.png"]
