@@ -28,11 +28,13 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]  # slow: the module's `pair` 
 class AgentProc:
     """`sao agent` in a child process, watched through its status file."""
 
-    def __init__(self, name: str, bootstrap: str, run: str, model: Path, weights: Path, tmp: Path) -> None:
+    def __init__(self, name: str, bootstrap: str, run: str, model: Path, weights: Path, tmp: Path,
+                 *sets: str) -> None:
         self.name, self.status_path, self.log_path = name, tmp / f"{name}.status.json", tmp / f"{name}.log"
         cmd = [sys.executable, "-m", "streamer.launch.cli", "agent", "--bootstrap", bootstrap, "--run", run,
                "--model", str(model), "--weights-dir", str(weights), "--status-file", str(self.status_path),
-               "--set", "max_new_tokens=4", "--set", f"agent_id={name}", "--set", "threads=1"]
+               "--set", "max_new_tokens=4", "--set", f"agent_id={name}", "--set", "threads=1",
+               *[a for kv in sets for a in ("--set", kv)]]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "wb"), stderr=subprocess.STDOUT, env=env)
 
@@ -179,3 +181,24 @@ def test_killed_agent_loses_nothing(pair):
     assert by_victim >= 20 and redelivered > 0
     assert by_victim + redelivered >= in_victim_parts  # together they covered the victim's partitions
     assert set(survivor.status()["assignment"]) >= victim_parts
+
+
+def test_an_agent_waiting_for_a_version_lets_a_joining_agent_have_its_share(kafka_broker, tiny_policy_dir, tmp_path):
+    """An agent whose version has had its share (tasks_per_version 1, no new version coming) used to stop polling
+    its task consumer, so a second agent's join waited for it to be evicted (max_poll_interval_ms, 300 s) and the
+    run stalled (found by bench/chaos.py). Waiting, it now keeps its membership: the partitions are shared."""
+    run = f"wait{os.getpid()}"
+    bus = KafkaBus(kafka_broker, ClientSettings(client_id="sao-test"))
+    bus.create_topics(partitions_by_topic(run))
+    produce_tasks(bus, run, scenario_tasks(8, seed=3))
+    pacing = ("tasks_per_version=1", "versions_ahead=0")
+    first = AgentProc("w1", kafka_broker, run, tiny_policy_dir, tmp_path / "weights", tmp_path, *pacing)
+    agents = [first]
+    try:
+        wait_for(lambda: first.status().get("tasks") == 1 and len(first.status().get("assignment", [])) == 4, 60,
+                 "the first agent to answer its one task and hold every partition", agents)
+        agents.append(AgentProc("w2", kafka_broker, run, tiny_policy_dir, tmp_path / "weights", tmp_path, *pacing))
+        wait_for(lambda: split_between(agents), 45, "the waiting agent to give the joining one its share", agents)
+    finally:
+        for a in agents:
+            a.stop()

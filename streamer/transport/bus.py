@@ -106,6 +106,10 @@ class Consumer:
     def _raw_commit(self, offsets: dict[TopicPartition, int]) -> bool:
         raise NotImplementedError
 
+    def keep_membership(self) -> None:
+        """Take part in the group's rebalances without taking a record (a consumer that is waiting, e.g. an agent
+        waiting for a policy version: a member that stops polling holds every rebalance up)."""
+
     def seek(self, offsets: dict[TopicPartition, int]) -> None:
         """Next offsets to read, e.g. from a learner checkpoint (applied on assignment if not assigned yet)."""
         raise NotImplementedError

@@ -75,10 +75,10 @@ class KafkaProducerClient(Producer):
 
 class KafkaConsumerClient(Consumer):
     def __init__(self, bootstrap: str, settings: ClientSettings, types: dict[str, type], group_id: str | None,
-                 dlq: str | None, producer: Producer | None, **overrides: Any) -> None:
+                 dlq: str | None, producer: Producer | None, name: str | None = None, **overrides: Any) -> None:
         from kafka import ConsumerRebalanceListener, KafkaConsumer
 
-        super().__init__(types, dlq, producer, settings.max_message_bytes, group_id or settings.client_id)
+        super().__init__(types, dlq, producer, settings.max_message_bytes, name or group_id or settings.client_id)
         cfg = dict(bootstrap_servers=bootstrap.split(","), client_id=settings.client_id, group_id=group_id,
                    enable_auto_commit=False, auto_offset_reset="earliest",  # Tansu: 'latest' is unreliable
                    session_timeout_ms=settings.session_timeout_ms,
@@ -138,6 +138,17 @@ class KafkaConsumerClient(Consumer):
             self._unstall()
             self._last_records = now
         return out
+
+    def keep_membership(self) -> None:
+        c = self._c
+        coordinator = getattr(c, "_coordinator", None)  # kafka-python's: a settled group costs no wait
+        if coordinator is not None and not coordinator.need_rejoin():
+            return
+        c.pause(*c.assignment())
+        got = c.poll(timeout_ms=500, max_records=1)  # joins a rebalance; a paused partition returns no record
+        for tp, recs in got.items():  # assigned during this poll, so not paused: its record is given back
+            c.seek(tp, recs[0].offset)
+        c.resume(*c.paused())
 
     def _unstall(self) -> None:
         """Seen on the embedded broker after a consumer restart: polls return nothing while a partition still has
@@ -247,11 +258,13 @@ class KafkaBus:
         return KafkaProducerClient(self.bootstrap, self.settings, **overrides)
 
     def consumer(self, types: dict[str, type], group_id: str | None = None, dlq: str | None = None,
-                 producer: Producer | None = None, **overrides: Any) -> KafkaConsumerClient:
-        """group_id None: read every partition from the start, no commits (taps, dashboards)."""
+                 producer: Producer | None = None, name: str | None = None,
+                 **overrides: Any) -> KafkaConsumerClient:
+        """group_id None: read every partition from the start, no commits (taps, dashboards). `name`: the consumer
+        its dead letters are sent under (default: the group, else the client id)."""
         if dlq is not None and producer is None:
             producer = self.producer()
-        return KafkaConsumerClient(self.bootstrap, self.settings, types, group_id, dlq, producer, **overrides)
+        return KafkaConsumerClient(self.bootstrap, self.settings, types, group_id, dlq, producer, name, **overrides)
 
     def create_topics(self, partitions: dict[str, int], replication_factor: int = 1) -> list[str]:
         """Create the missing topics with `topic_configs`; returns those created. An existing topic with fewer

@@ -43,10 +43,10 @@ class MemoryBus:
         return MemoryProducer(self)
 
     def consumer(self, types: dict[str, type], group_id: str | None = None, dlq: str | None = None,
-                 producer: Producer | None = None) -> "MemoryConsumer":
+                 producer: Producer | None = None, name: str | None = None) -> "MemoryConsumer":
         if dlq is not None and producer is None:
             producer = self.producer()
-        return MemoryConsumer(self, types, group_id, dlq, producer)
+        return MemoryConsumer(self, types, group_id, dlq, producer, name)
 
 
 def _stable_hash(key: bytes) -> int:
@@ -69,8 +69,8 @@ class MemoryProducer(Producer):
 
 class MemoryConsumer(Consumer):
     def __init__(self, bus: MemoryBus, types: dict[str, type], group_id: str | None, dlq: str | None,
-                 producer: Producer | None) -> None:
-        super().__init__(types, dlq, producer, bus.settings.max_message_bytes, group_id or "memory")
+                 producer: Producer | None, name: str | None = None) -> None:
+        super().__init__(types, dlq, producer, bus.settings.max_message_bytes, name or group_id or "memory")
         self.bus, self.group_id = bus, group_id
         self.tracks_commits = group_id is not None
         self._positions: dict[TopicPartition, int] = {}
