@@ -86,7 +86,13 @@ class Tap:
 
     def run(self) -> None:
         while not self._stop.is_set():
-            for polled in self.consumer.poll(max_records=1000, timeout=0.5):
+            try:
+                batch = self.consumer.poll(max_records=1000, timeout=0.5)
+            except Exception:
+                if self._stop.is_set():  # the run is stopping, its broker perhaps gone: nothing more to record
+                    return
+                raise
+            for polled in batch:
                 self.handle(polled.msg)
             self.writer.maybe_flush()
             if self.sampler is not None:
