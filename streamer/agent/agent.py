@@ -260,7 +260,7 @@ def build_agent(s: AgentSettings, bus: KafkaBus | MemoryBus, engine: Any, tokeni
     producer = bus.producer()
     tasks = bus.consumer({t.tasks: Task}, group_id=s.group_id or f"{s.run}.agents", dlq=t.dlq, producer=producer)
     policy = bus.consumer({t.policy: PolicyVersion}, group_id=None, dlq=t.dlq, producer=producer,
-                          name=f"{s.agent_id or socket.gethostname()}.policy",  # its own letters: one per agent
+                          name=f"{s.agent_id or f'{socket.gethostname()}-{os.getpid()}'}.policy",  # one per agent
                           **({"fetch_max_wait_ms": 50} if isinstance(bus, KafkaBus) else {}))
     follower = PolicyFollower(policy, source_for(s), version=int(engine.version))
     agent = Agent(s, engine, tokenizer, tasks, producer, follower, status_path)

@@ -165,7 +165,7 @@ class KafkaConsumerClient(Consumer):
                 self._c.seek(tp, pos)
 
     def _raw_commit(self, offsets: dict[TopicPartition, int]) -> bool:
-        from kafka.errors import CommitFailedError, IllegalStateError
+        from kafka.errors import CommitFailedError, IllegalStateError, RebalanceInProgressError
         from kafka.structs import OffsetAndMetadata
 
         if self._c.config["group_id"] is None:
@@ -173,7 +173,7 @@ class KafkaConsumerClient(Consumer):
         try:
             self._c.commit({tp: OffsetAndMetadata(n, "", -1) for tp, n in offsets.items()})
             return True
-        except (CommitFailedError, IllegalStateError) as e:
+        except (CommitFailedError, IllegalStateError, RebalanceInProgressError) as e:  # redelivered to the new owner
             log.warning("%s: commit of %s failed (partitions reassigned?): %s", self.name, offsets, e)
             return False
 
