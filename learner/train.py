@@ -37,7 +37,7 @@ import torch
 
 from learner.config import LearnerConfig
 from streamer.transport.broker import free_port
-from streamer.wire.config import EXIT_REFUSED, ConfigError, Refusal, add_config_args, load_config
+from streamer.wire.config import EXIT_NO_SPACE, EXIT_REFUSED, ConfigError, Refusal, add_config_args, load_config
 
 log = logging.getLogger("learner.train")
 SHARED_FIX = "put it on a filesystem every node mounts at the same path"
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sao learn: {e}", file=sys.stderr)
         return EXIT_REFUSED if isinstance(e, Refusal) else 2
     except Exception as e:
-        from learner.trainer.checkpoint import EXIT_NO_SPACE, is_no_space
+        from learner.trainer.checkpoint import is_no_space
 
         if not is_no_space(e):
             raise

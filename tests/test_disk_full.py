@@ -16,12 +16,12 @@ import pytest
 from learner.config import LearnerConfig
 from learner.models.policy import build_policy
 from learner.train import build_models
-from learner.trainer.checkpoint import EXIT_NO_SPACE, OutOfSpace, damage, step_dirs
+from learner.trainer.checkpoint import OutOfSpace, damage, step_dirs
 from learner.trainer.loop import Trainer
 from learner.trainer.publish import DirectoryPublisher
 from learner.trainer.source import FileSource, write_trajectories
 from learner.trainer.synthetic import TINY_OVERRIDES, synthetic_trajectories, tiny_model_config
-from streamer.wire.config import EXIT_REFUSED, load_config, set_args
+from streamer.wire.config import EXIT_NO_SPACE, EXIT_REFUSED, load_config, set_args
 
 ROOT = Path(__file__).resolve().parents[1]
 OVERRIDES = TINY_OVERRIDES + ["threads=1", "batch.max_trajectories=4", "batch.tokens=100000",

@@ -42,7 +42,7 @@ import torch
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from streamer.transport.weights import fsync_path
-from streamer.wire.config import EXIT_NO_SPACE, ConfigError, Refusal  # noqa: F401 (EXIT_NO_SPACE: re-exported)
+from streamer.wire.config import Refusal
 from streamer.wire.schema import Trajectory, decode_json, encode_json
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
