@@ -146,6 +146,9 @@ class BatchConfig:
     sync: bool = False  # synchronous mode: wait for `sync_batch` trajectories of the current version
     sync_batch: int = 64
     flush_at_end: bool = True  # when a finite source ends, train on the last partial batch
+    # no trajectory for this long: train on the buffered ones as a partial batch (0: never). A liveness fallback for
+    # paced agents waiting on a version while the learner waits on a batch; longer than any gap in a healthy run
+    idle_flush_s: float = 30.0
     dedup_window: int = 100_000  # remember this many recent keys for de-duplication
     # a batch whose training raises (an exception, out of memory) this many times, across restarts, is dead-lettered
     # ("poison batch: <error>") instead of redone until the restarts are spent (learner.trainer.quarantine)
@@ -324,7 +327,7 @@ def _validate_numbers(c: LearnerConfig) -> None:
             _fail(name, f"{v} must be > 0")
     non_negative = {"batch.max_staleness": c.batch.max_staleness, "value.warmup_steps": c.value.warmup_steps,
                     "value.rewarm_steps": c.value.rewarm_steps, "max_steps": c.max_steps,
-                    "batch.dedup_window": c.batch.dedup_window}
+                    "batch.dedup_window": c.batch.dedup_window, "batch.idle_flush_s": c.batch.idle_flush_s}
     for name, v in non_negative.items():
         if v < 0:
             _fail(name, f"{v} must be >= 0")

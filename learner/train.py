@@ -146,6 +146,20 @@ class JsonlSink:
         self.f.close()
 
 
+class TableSink:
+    """LearnerEvents as rows of the run's learner table; the trainer flushes it before each checkpoint (a kill
+    after the checkpoint loses no row of a step it does not redo)."""
+
+    def __init__(self, writer, row) -> None:
+        self.writer, self.row = writer, row
+
+    def __call__(self, event) -> None:
+        self.writer.add(self.row(event))
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+
 def build_outputs(cfg: LearnerConfig):
     """(publisher or None, event sinks, closers). With `io.weights_transport` http, the weight server too (a daemon
     thread of this process, rank 0; `streamer.transport.weight_server`), closed by its closer; with broadcast, the
@@ -158,8 +172,8 @@ def build_outputs(cfg: LearnerConfig):
     if cfg.io.run_dir:
         from streamer.runs.artifacts import TableWriter, learner_row
 
-        table = TableWriter(cfg.io.run_dir, "learner", writer_id="learner")
-        sinks.append(lambda e: table.add(learner_row(e)))
+        table = TableSink(TableWriter(cfg.io.run_dir, "learner", writer_id="learner"), learner_row)
+        sinks.append(table)
         closers.append(table.flush)
     if not cfg.io.trajectories:  # live: announce versions and events on the run's topics
         from streamer.transport.kafka_bus import KafkaBus

@@ -176,9 +176,12 @@ def test_sao_up_passes_agent_settings_to_every_agent(tmp_path):
     write_yaml(cfg, tmp_path / "config.yaml")
     agents = [r for r in roles(cfg, tmp_path / "config.yaml", tmp_path, "127.0.0.1:1") if r.name.startswith("agent")]
     assert len(agents) == 2
-    seeds = []
+    seeds, ids = [], []
     for r in agents:  # each agent reads the agent section of the run's config.yaml
         s = settings_from_args(parse_args(r.argv[1:]))
         assert (s.concurrency, s.tasks_per_version, s.versions_ahead, s.run) == (8, 16, 0, cfg.launch.run)
         seeds.append(s.seed)
+        ids.append(s.agent_id)
     assert seeds == [3001, 3002]
+    # ids that outlive a restart: a restarted agent's policy consumer skips the letters its predecessor sent
+    assert ids == ["agent-0", "agent-1"]

@@ -31,6 +31,7 @@ import torch
 from learner.config import LearnerConfig
 from learner.trainer import checkpoint as ckpt
 from learner.trainer.batching import Batcher, by_length, collate, group_key
+from learner.trainer.persistence import Checkpointing
 from learner.trainer.publish import Publisher
 from learner.trainer.publish_shards import publish_sharded
 from learner.trainer.quarantine import Quarantine, injected_fault
@@ -44,7 +45,7 @@ log = logging.getLogger(__name__)
 KEEPALIVE_S = 60.0  # several ranks: the longest the leader waits for trajectories without telling the others
 
 
-class Trainer:
+class Trainer(Checkpointing):
     def __init__(self, cfg: LearnerConfig, models: Models, source: Source | None, publisher: Publisher | None = None,
                  sinks: list[Callable[[LearnerEvent], None]] = ()) -> None:
         """`models.backend` must be set (learner.train.build_models does). Over several ranks only the leader
@@ -83,6 +84,7 @@ class Trainer:
         self.value_ema: float | None = None
         self.warm_left = cfg.value.warmup_steps
         self.idle_s = 0.0
+        self.last_arrival = time.monotonic()  # of a trajectory from the source (see `_idle_flush`)
         self.stop = False
 
     # ------------------------------------------------------------------ main loop
@@ -133,7 +135,12 @@ class Trainer:
             if self.source.exhausted:
                 rest = self.batcher.take(flush=True) if self.cfg.batch.flush_at_end else []
                 return self._without_poison(rest) if rest else None
+            rest = self._idle_flush()
+            if rest:
+                self.idle_s += time.monotonic() - t0
+                return rest
             for traj, off in self.source.poll(max_records=256, timeout_s=0.2):
+                self.last_arrival = time.monotonic()
                 self.positions[off.partition] = off.next
                 verdict = self.admission.admit(traj, self.vindex)
                 if verdict == "ok":
@@ -147,6 +154,19 @@ class Trainer:
         self.idle_s += time.monotonic() - t0
         batch = self.batcher.take()
         return self._without_poison(batch) if batch else None
+
+    def _idle_flush(self) -> list[Trajectory]:
+        """The buffered complete units as a batch once no trajectory came for `batch.idle_flush_s`, else [].
+        Agents pace themselves on versions, and the trajectories they count can exceed those the learner keeps
+        (a task redone after a rebalance arrives twice and is dropped once): both would wait for each other."""
+        wait = self.cfg.batch.idle_flush_s
+        if not wait or time.monotonic() - self.last_arrival < wait:
+            return []
+        rest = self._without_poison(self.batcher.take(flush=True))
+        if rest:
+            self.counters["idle_flushes"] += 1
+            log.info("no trajectory for %.0f s: training on the %d buffered", wait, len(rest))
+        return rest
 
     def _without_poison(self, trajs: list[Trajectory]) -> list[Trajectory]:
         """`trajs` less the poison ones (and their groups), which go to the dead letters."""
@@ -294,80 +314,6 @@ class Trainer:
 
     def _dead_letters(self) -> int:
         return getattr(self.source, "dead_letters", 0) if self.source is not None else 0
-
-    # ------------------------------------------------------------------ checkpoints
-    def _optimizers(self) -> dict[str, torch.optim.Optimizer]:
-        """The optimizer of each trained model, by the model's name ("policy", and "value" with a critic)."""
-        opts = {"policy": self.models.policy_opt}
-        if self.models.value is not None:
-            opts["value"] = self.models.value_opt
-        return opts
-
-    def checkpoint(self) -> None:
-        """Write a checkpoint; `checkpoint.OutOfSpace` (its temporary directory removed) on a full filesystem."""
-        with ckpt.space_guard(self.cfg.checkpoint.dir if self.leader else None, "checkpoint.dir"):
-            self._save()
-
-    def _save(self) -> None:
-        state = {"version": self.version, "version_index": self.vindex, "redo_until": self.redo_until,
-                 "policy_steps": self.policy_steps, "positions": self.positions,
-                 "admission": self.admission.state(), "counters": dict(self.counters),
-                 "value_ema": self.value_ema, "warm_left": self.warm_left, "layout": self.backend.layout(),
-                 "cluster_id": self.cluster}
-        if self.quarantine is not None:
-            state["offsets"] = self.quarantine.state(self.batcher.pending())
-        opts = self._optimizers()
-        hf = {name: self.backend.export_hf(name) for name in opts}  # a collective over the ranks
-        root, g = self.cfg.checkpoint.dir, self.group
-        if g is None:
-            ckpt.save_checkpoint(root, self.step, hf, opts, state, self.batcher.pending(), self.cfg.checkpoint.keep)
-            self.source.commit(self.positions)
-            return
-        tmp = ckpt.tmp_dir(root, self.step, "ranks")
-        if g.leader:
-            ckpt.begin_checkpoint(root, self.step, "ranks")
-        g.barrier()
-        ckpt.save_optimizers(tmp, opts, rank=g.rank)
-        g.barrier()
-        if g.leader:
-            ckpt.finish_checkpoint(root, tmp, self.step, hf, state, self.batcher.pending(), self.cfg.checkpoint.keep)
-            self.source.commit(self.positions)
-        g.barrier()
-
-    def resume(self) -> bool:
-        """Restore from the latest checkpoint in checkpoint.dir, if any; the source seeks to its offsets."""
-        c = self.cfg.checkpoint
-        if self.leader:
-            ckpt.clean_tmp(c.dir)
-            ckpt.check_space(c.dir)
-            if hasattr(self.publisher, "store"):
-                ckpt.clean_tmp(self.publisher.store.root)
-        path = ckpt.intact_checkpoint(c.dir, c.from_scratch) if c.resume and self.leader else None
-        if self.group is not None:  # the others look once the leader has moved damaged ones (from_scratch)
-            self.group.barrier()
-            path = ckpt.intact_checkpoint(c.dir) if c.resume and not self.leader else path
-        if path is None:
-            return False
-        ckpt.check_layout(path, self.backend.layout())
-        opts = self._optimizers()
-        hf = {name: self.backend.hf_target(name) for name in opts}  # the checkpoint holds HF-format weights
-        state, pending = ckpt.load_checkpoint(path, hf, opts, self.group.rank if self.group else None)
-        for name, model in hf.items():
-            self.backend.import_hf(name, model)
-        self.step, self.version, self.policy_steps = state["step"], state["version"], state["policy_steps"]
-        self.vindex, self.redo_until = state.get("version_index", self.version), state.get("redo_until", -1)
-        self.resumed = True
-        self.positions = {k: int(v) for k, v in state["positions"].items()}
-        self.cluster = state.get("cluster_id")
-        self.admission.load_state(state["admission"])
-        self.counters = Counter(state["counters"])
-        self.value_ema, self.warm_left = state["value_ema"], state["warm_left"]
-        if self.quarantine is not None:
-            self.quarantine.load_state(state.get("offsets", {}))
-        for t in pending:
-            self.batcher.add(t)
-        log.info("resumed from %s: step %d, version %d, %d buffered", path, self.step, self.version, len(pending))
-        return True
 
     def start(self) -> None:
         """Seek the source to the restored positions and publish the starting version."""

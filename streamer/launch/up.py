@@ -173,7 +173,9 @@ def roles(cfg: RunConfig, config_file: Path, run_dir: Path, bootstrap: str) -> l
     out = [Role("metrics", ["metrics", *common], **side),
            Role("learner", learner, env=thread_env(plan.learner_threads))]
     for i in range(plan.agents):
-        agent = ["agent", *common, "--status-file", str(run_dir / f"agent-{i}.json")]
+        # a stable id: a restarted agent's consumers skip the dead letters its predecessor sent
+        agent = ["agent", *common, "--status-file", str(run_dir / f"agent-{i}.json"),
+                 *set_args([f"agent_id={cfg.agent.agent_id or 'agent'}-{i}"])]
         if up.seed >= 0:
             agent += set_args([f"seed={seed_of(up, 1 + i, cfg.agent.seed)}"])
         if cfg.agent.model_is_url():  # each its own cache of the fetched model (two filling one race)
