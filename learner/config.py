@@ -31,6 +31,7 @@ KLType = Literal["k1", "k3", "forward"]  # algorithms.KL_TYPES
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]  # algorithms.AGGS
 BackendName = Literal["torch", "megatron"]
 BackendDtype = Literal["float32", "bfloat16"]
+Precision = Literal["float32", "bfloat16"]
 ValueKind = Literal["copy", "head"]
 LoraPublish = Literal["merged", "adapters"]
 ESTIMATORS = get_args(Estimator)
@@ -141,6 +142,10 @@ class BatchConfig:
     tokens: int = 4096  # token budget of a batch (prompt + response + observations)
     max_trajectories: int = 256  # a batch closes at this many trajectories, whatever its tokens
     micro_batch: int = 32  # trajectories per forward pass (gradients are accumulated)
+    # > 0: micro-batches sized by tokens instead: rows (sorted by length) join one until rows x its longest row
+    # would pass this many (a longer row goes alone), so long answers take fewer rows a pass; micro_batch then
+    # does not bound them. The loss is the unsplit batch's whatever the split (each part weighted by its share). 0: off
+    micro_tokens: int = 0
     max_staleness: int = 4  # drop trajectories more than this many versions behind the learner
     sync_every: int = 1  # publish weights (a new policy version) every this many steps (critic-only ones count)
     sync: bool = False  # synchronous mode: wait for `sync_batch` trajectories of the current version
@@ -226,6 +231,13 @@ class LearnerConfig:
     seed: int = 0
     max_steps: int = 0  # stop after this many steps (0: run until the source ends)
     threads: int = 2  # torch intra-op threads
+    # torch backend: the forwards' compute dtype. bfloat16: autocast over fp32 master weights, gradients and AdamW
+    # state (TRL/accelerate's bf16=True, verl's FSDP mixed precision); refused where the device cannot compute it.
+    # The fast packed forward of the embedded policy is fp32-only: under bfloat16 it takes the HF forward
+    precision: Precision = "float32"
+    # torch backend: HF gradient checkpointing on the policy and the critic's backbone (activations recomputed in
+    # backward: less memory, ~1/3 more compute); the embedded policy's packed forward is then not used
+    gradient_checkpointing: bool = False
 
     @property
     def uses_value_model(self) -> bool:
@@ -327,7 +339,8 @@ def _validate_numbers(c: LearnerConfig) -> None:
             _fail(name, f"{v} must be > 0")
     non_negative = {"batch.max_staleness": c.batch.max_staleness, "value.warmup_steps": c.value.warmup_steps,
                     "value.rewarm_steps": c.value.rewarm_steps, "max_steps": c.max_steps,
-                    "batch.dedup_window": c.batch.dedup_window, "batch.idle_flush_s": c.batch.idle_flush_s}
+                    "batch.dedup_window": c.batch.dedup_window, "batch.idle_flush_s": c.batch.idle_flush_s,
+                    "batch.micro_tokens": c.batch.micro_tokens}
     for name, v in non_negative.items():
         if v < 0:
             _fail(name, f"{v} must be >= 0")
@@ -347,7 +360,9 @@ def _validate_numbers(c: LearnerConfig) -> None:
 
 
 def _validate_memory_options(c: LearnerConfig) -> None:
-    lora = c.policy.lora
+    lora, megatron = c.policy.lora, c.backend.name == "megatron"
+    if c.precision not in get_args(Precision):
+        _fail("precision", f"'{c.precision}' unknown; choose one of {', '.join(get_args(Precision))}")
     if lora.r < 0 or (lora.r and not (lora.alpha > 0 and 0.0 <= lora.dropout < 1.0 and lora.target_modules)):
         _fail("policy.lora", f"r={lora.r} alpha={lora.alpha} dropout={lora.dropout} target_modules="
                              f"{lora.target_modules}: need r >= 0 (0: off), alpha > 0, dropout in [0, 1) and a module")
@@ -356,7 +371,11 @@ def _validate_memory_options(c: LearnerConfig) -> None:
     if lora.publish == "adapters" and c.io.weights_transport == "broadcast":
         _fail("policy.lora.publish", "adapters over io.weights_transport=broadcast is not supported yet; publish "
                                      "merged weights or use the directory or http transport")
-    megatron = c.backend.name == "megatron"
+    torch_only = {"precision": c.precision != "float32", "gradient_checkpointing": c.gradient_checkpointing,
+                  "batch.micro_tokens": c.batch.micro_tokens > 0}
+    for name in (k for k, on in torch_only.items() if on and megatron):
+        _fail(name, "the megatron backend does not support it (its weights' dtype is backend.dtype); use "
+                    "backend.name=torch or leave it at its default")
     if megatron and (lora.r or c.value.kind == "head"):
         _fail("policy.lora.r" if lora.r else "value.kind", "LoRA and the value head are not supported on the megatron "
                                                           "backend yet; use backend.name=torch")

@@ -2,8 +2,10 @@
 
 The trainer's step drives the HF modules directly; AdamW (`learner.trainer.step.build_optimizers`) steps them and
 torch's `clip_grad_norm_` clips them. Export and import are the live modules themselves: a checkpoint loads in
-place. With `loss.kl_coef > 0` the backend also keeps a frozen copy of the initial policy as the KL reference
-(never checkpointed: a resumed run rebuilds it from io.init).
+place. `learner.precision` (checked against the device here, applied by the step's forwards) and
+`learner.gradient_checkpointing` take effect here (learner.models.memory). With `loss.kl_coef > 0` the backend also
+keeps a frozen copy of the initial policy as the KL reference (never checkpointed: a resumed run rebuilds it from
+io.init).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from learner.backends.base import Backend
 from learner.config import LearnerConfig
 from learner.models.lora import BaseOf, has_lora
+from learner.models.memory import check_precision, enable_checkpointing
 from learner.trainer.step import build_optimizers, clip_grad_norm
 
 LAYOUT = {"backend": "torch", "world_size": 1, "expert_parallel": 1}
@@ -27,9 +30,13 @@ class TorchBackend(Backend):
         self.device = torch.device("cpu")
         self.group = None
         self.hf_config = policy.config
+        check_precision(cfg.precision, self.device)
         self.models = build_optimizers(cfg, policy, value, backend=self)
         if cfg.loss.kl_coef > 0:  # with LoRA the base is the initial policy: the same modules, adapters off
             self.models.reference = BaseOf(policy) if has_lora(policy) else frozen_copy(policy)
+        if cfg.gradient_checkpointing:  # after the reference's copy: it never trains, so never recomputes
+            enable_checkpointing(policy)
+            enable_checkpointing(value)
 
     def clip_grads(self, model: torch.nn.Module, max_norm: float) -> float:
         return clip_grad_norm(model, max_norm)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
+from learner.models.memory import checkpointing
 from learner.models.packed import packable, packed_states
 from learner.models.value import ValueHead, ValueModel
 
@@ -68,9 +69,10 @@ def hf_policy_logits(model: PreTrainedModel, input_ids: torch.Tensor, attention_
 def _packed(body, mask: torch.Tensor) -> bool:
     """Score with `learner.models.packed` (the same forward without padding: 1.6x less CPU for the tiny model's
     forward and backward on a padded micro-batch) on CPU, when the backbone allows it and every row has a token. On
-    a GPU the HF forward stays (its fused kernels; the packing's indices are built on the CPU)."""
-    return (body is not None and mask.device.type == "cpu" and packable(body)
-            and bool(mask.bool().any(-1).all()))
+    a GPU the HF forward stays (its fused kernels; the packing's indices are built on the CPU), and so it does under
+    bf16 autocast (the packed kernels are float32) and with gradient checkpointing (the HF layers recompute)."""
+    return (body is not None and mask.device.type == "cpu" and packable(body) and not checkpointing(body)
+            and not torch.is_autocast_enabled("cpu") and bool(mask.bool().any(-1).all()))
 
 
 def predictor_positions(scored: torch.Tensor | None) -> torch.Tensor | None:

@@ -44,6 +44,7 @@ from learner.algorithms import (
 from learner.algorithms.masked import masked_mean
 from learner.config import LearnerConfig
 from learner.models.lora import trainable
+from learner.models.memory import autocast
 from learner.models.scoring import (
     logprobs_and_entropy,
     next_token_logprobs,
@@ -98,22 +99,36 @@ def state_values(value_model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """[B, T]: V(tokens < t), the value of the state in which token t was generated; 0 off the loss mask (every use
     is masked), so the value forward's last layer runs on those states alone."""
     v = values(value_model, batch.input_ids, batch.attention_mask, at=predictor_positions(batch.loss_mask))
-    return F.pad(v[:, :-1], (1, 0))
+    return F.pad(v[:, :-1].float(), (1, 0))  # float32 under bf16 autocast too: the losses and GAE read it
 
 
-def _micro(batch: Batch, size: int, by_length: bool = True):
+def _compute(cfg: LearnerConfig, batch: Batch):
+    """The context of the forwards: bf16 autocast under learner.precision=bfloat16 (learner.models.memory)."""
+    return autocast(cfg.precision, batch.input_ids.device.type)
+
+
+def _micro(batch: Batch, size: int, by_length: bool = True, tokens: int = 0):
     """Row ranges of at most `size` rows; on a batch sorted by length (`by_length`), a range also closes before a
     row more than twice as long as its first, so each micro-batch (cut to its own width) is at least half tokens.
+    `tokens` > 0 (batch.micro_tokens): instead of `size`, a range closes before a row that would take its rows x its
+    longest row past `tokens` (a row longer than that goes alone).
     `by_length` False: by `size` alone, for one rank's shard (each rank's forwards are collectives with the other
     ranks', expert parallelism: every rank must cut its rows, as many on each, into as many micro-batches)."""
     lengths = batch.attention_mask.sum(-1).tolist()
-    start = 0
+    start, width = 0, 0
     for i, n in enumerate(lengths):
-        if i > start and (i - start >= size or by_length and n > 2 * max(lengths[start], 1)):
+        width = max(width, n)
+        full = (i - start + 1) * width > tokens if tokens and by_length else i - start >= size
+        if i > start and (full or by_length and n > 2 * max(lengths[start], 1)):
             yield start, i
-            start = i
+            start, width = i, n
     if lengths:
         yield start, len(lengths)
+
+
+def _cuts(cfg: LearnerConfig, batch: Batch, by_length: bool = True):
+    """`batch`'s micro-batches as learner.batch sets them (micro_tokens, else micro_batch rows)."""
+    return _micro(batch, cfg.batch.micro_batch, by_length, cfg.batch.micro_tokens)
 
 
 def _join_rows(parts, width: int) -> torch.Tensor:
@@ -124,8 +139,8 @@ def _join_rows(parts, width: int) -> torch.Tensor:
 
 def _per_micro(cfg: LearnerConfig, batch: Batch, fn) -> torch.Tensor:
     """`fn` over each micro-batch (cut to its own width), padded back with zeros to the batch's `[B, T]`."""
-    return _join_rows((fn(batch.rows(i, j)) for i, j in _micro(batch, cfg.batch.micro_batch)),
-                      batch.input_ids.shape[1])
+    with _compute(cfg, batch):
+        return _join_rows((fn(batch.rows(i, j)).float() for i, j in _cuts(cfg, batch)), batch.input_ids.shape[1])
 
 
 def _denom(mask: torch.Tensor, agg: str) -> float:
@@ -210,11 +225,12 @@ def value_backward(cfg: LearnerConfig, models: Models, batch: Batch, ref: dict, 
     each micro-batch's returns come from its own rows, and the batch's advantages are added after the last."""
     agg, total, scored = cfg.value.agg, {}, []
     full = _denom(batch.loss_mask, agg) if norm is None else norm
-    for i, j in _micro(batch, cfg.batch.micro_batch, by_length=norm is None):  # a shard (norm given): by size
+    for i, j in _cuts(cfg, batch, by_length=norm is None):  # a shard (norm given): by size
         mb = batch.rows(i, j)
         mask, cols = mb.loss_mask, slice(0, mb.input_ids.shape[1])
         w = scale * _denom(mask, agg) / max(full, 1.0)
-        v = state_values(models.value, mb)
+        with _compute(cfg, mb):
+            v = state_values(models.value, mb)
         if "old_values" in ref:
             old_v, ret = ref["old_values"][i:j, cols], ref["returns"][i:j, cols]
         else:
@@ -240,12 +256,13 @@ def policy_backward(cfg: LearnerConfig, models: Models, batch: Batch, ref: dict,
     params, agg = cfg.loss.params(), policy_agg(cfg)
     total, full = {}, _denom(batch.loss_mask, agg) if norm is None else norm
     whole = "ref_logp" in ref and cfg.loss.kl_type in FULL_KL_TYPES  # the forward KL reads pi's [b, t, V]
-    for i, j in _micro(batch, cfg.batch.micro_batch, by_length=norm is None):  # a shard (norm given): by size
+    for i, j in _cuts(cfg, batch, by_length=norm is None):  # a shard (norm given): by size
         mb = batch.rows(i, j)
         mask, cols = mb.loss_mask, slice(0, mb.input_ids.shape[1])
         w = scale * _denom(mask, agg) / max(full, 1.0)
-        logp, ent, *dist = logprobs_and_entropy(models.policy, mb.input_ids, mb.attention_mask, mb.temperature, whole,
-                                                mask)
+        with _compute(cfg, mb):
+            logp, ent, *dist = logprobs_and_entropy(models.policy, mb.input_ids, mb.attention_mask, mb.temperature,
+                                                    whole, mask)
         extra = {"prox_logp": ref["prox_logp"][i:j, cols]} if "prox_logp" in ref else {}
         loss, m = policy_loss(cfg.loss.name, logp, mb.old_logp, ref["advantages"][i:j, cols], mask, **params, **extra)
         if "ref_logp" in ref:
