@@ -86,6 +86,10 @@ class UpConfig:
     eval: bool | None = None  # held-out greedy evaluation of each policy version; None: on above 2 cores
     eval_interval: float = 30.0  # seconds between evaluations (each costs about 16 s of one core)
     cores: int = 0  # cores the resource plan shares out (0: those this process may run on)
+    # torch threads of the learner and of each agent (0: from the resource plan: the fixed rule, or with --model and
+    # none of agents / learner_threads / agent_threads given, measured on this machine: streamer.launch.resources)
+    learner_threads: int = 0
+    agent_threads: int = 0
     dashboard_port: int = 8501
     max_seconds: float = 0.0  # stop after this long (0: at the scenario's end)
     drain_seconds: float = 5.0  # after the last trajectory, let the learner finish its batch
@@ -104,7 +108,8 @@ class UpConfig:
     weights_group_bind: str = "127.0.0.1:0"
 
     def plan(self) -> ResourcePlan:
-        return plan_resources(self.cores or available_cores(), self.agents, self.eval)
+        return plan_resources(self.cores or available_cores(), self.agents, self.eval, self.learner_threads,
+                              self.agent_threads)
 
     def pacing(self) -> tuple[int, int]:
         """(trajectories per learner batch, staleness bound): --sync trains one batch per version, none stale."""
@@ -124,6 +129,9 @@ class UpConfig:
                               f"{self.staleness} >= 0")
         if self.agents < 0:
             raise ConfigError(f"launch.agents: {self.agents}; need at least one agent (0: from the resource plan)")
+        if self.learner_threads < 0 or self.agent_threads < 0:
+            raise ConfigError(f"launch.learner_threads {self.learner_threads} / launch.agent_threads "
+                              f"{self.agent_threads}: must be >= 0 (0: from the resource plan)")
         if self.stream and not Path(self.stream).is_file():
             raise ConfigError(f"launch.stream: {self.stream}: no such file")
         if self.stream and self.realtime:
@@ -153,9 +161,11 @@ def _given_keys(tree: dict, prefix: str = "") -> set[str]:
     return out
 
 
-def load_run_config(path: str | Path | None = None, overrides: list[str] = (), launch: dict | None = None) -> RunConfig:
+def load_run_config(path: str | Path | None = None, overrides: list[str] = (), launch: dict | None = None,
+                    measure: bool = False) -> RunConfig:
     """Defaults, the file, `--set` overrides, then launch flags; derived keys filled and checked (`derive`).
-    A run without a name gets up-<date>-<time>."""
+    A run without a name gets up-<date>-<time>. `measure` (`sao up`): with --model, the resource plan measured on
+    this machine (`streamer.launch.plan_measure`, printed, cached), then the derived keys filled again from it."""
     given = _given_keys(read_yaml(path)) if path else set()
     given |= {item.partition("=")[0].strip() for item in overrides}
     cfg = load_config(RunConfig, path, list(overrides))
@@ -171,6 +181,11 @@ def load_run_config(path: str | Path | None = None, overrides: list[str] = (), l
     cfg.ray.validate()
     derive(cfg, given)
     resolve_profile(cfg.learner, cfg.launch.model, {k[8:] for k in given if k.startswith("learner.")})  # yours win
+    if measure and cfg.launch.model:
+        from streamer.launch.plan_measure import apply_measured_plan
+
+        if apply_measured_plan(cfg, log=lambda line: print(line, flush=True)):
+            derive(cfg, given)
     return cfg
 
 

@@ -107,7 +107,7 @@ def parse_command(argv: list[str]) -> tuple[RunConfig, bool]:
     only_prepare = args.pop("prepare")
     path, overrides = args.pop("config"), args.pop("overrides")
     try:
-        return load_run_config(path, overrides, args), only_prepare
+        return load_run_config(path, overrides, args, measure=True), only_prepare
     except ConfigError as e:
         p.error(str(e))
 
