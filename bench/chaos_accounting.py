@@ -14,7 +14,6 @@ recovered, from the broker's topics (which outlive the run) and the run director
 from __future__ import annotations
 
 import json
-import socket
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
@@ -171,12 +170,11 @@ def recovery_s(run_dir: Path, fault: dict[str, Any]) -> float | None:
     if role == "metrics":
         table = art.read_metrics(run_dir)
         return first_after(table["time"], t) if "time" in table else None
-    if role.startswith("agent-"):
-        pid = done["pid"] if fault["kind"] != "sigkill" else done.get("new_pid")  # a restarted agent: a new pid
+    if role.startswith("agent-"):  # sao up names each agent by its role; a restarted one keeps the name
         traj = art.read_trajectories(run_dir)
         if not len(traj) or "agent_id" not in traj:
             return None
-        return first_after(traj.loc[traj["agent_id"] == f"{socket.gethostname()}-{pid}", "finished_at"], t)
+        return first_after(traj.loc[traj["agent_id"] == role, "finished_at"], t)
     return None
 
 
