@@ -1,14 +1,18 @@
-"""Gradient reduction over data parallelism with expert parallelism, without Megatron's DDP.
+"""Gradient reduction over data, tensor and expert parallelism, without Megatron's DDP.
 
-Objective: the mean over the W data-parallel ranks of each rank's local loss, L = (1/W) sum_r L_r
-(megatron's convention). After a local backward of L_r:
-  dense parameter (replicated on all W ranks): its grad is dL_r/dtheta; dL/dtheta = (1/W) sum_r,
-    an all-reduce over the data-parallel group divided by W.
-  expert parameter (one copy per expert-data-parallel group of W / EP ranks): the alltoall's
-    backward already brought every rank's tokens' contributions, so its local grad is
-    sum over the EP ranks of dL_r/dtheta; the remaining sum is over the expert-data-parallel
-    group, and the divisor is again W (not the size of that group).
-Megatron's DDP applies the same factors (gradient_scaling_factor = 1/W for both kinds).
+Objective: the mean over the D data-parallel replicas of each replica's loss, L = (1/D) sum_d L_d
+(megatron's convention; the TP ranks of one replica compute the same L_d). After a local backward:
+  TP-replicated weight under sequence parallelism (norms, routers: each TP rank saw only its slice of
+    the sequence), and q/k norms (shared by the heads, each TP rank holds some heads): partial sums,
+    summed over the TP group first (megatron's finalize_model_grads does the same).
+  dense parameter (one copy per data-parallel replica): its grad is dL_d/dtheta; dL/dtheta = (1/D) sum_d,
+    an all-reduce over the data-parallel group divided by D.
+  expert parameter (one copy per expert-data-parallel group): the alltoall's backward already brought
+    every token's contribution from its EP group, so the remaining sum is over the expert-data-parallel
+    group, and the divisor is again D (not the size of that group).
+Megatron's DDP applies the same factors (gradient_scaling_factor = 1/D for both kinds).
+The global norm counts every weight once: a TP-split weight's slices on all TP ranks, a replicated
+one on TP rank 0 (megatron's `param_is_not_tensor_parallel_duplicate`), experts over EP x ETP.
 """
 
 from __future__ import annotations
@@ -23,39 +27,61 @@ def is_expert_param(name: str) -> bool:
     return ".mlp.experts." in name
 
 
+def _tp_partial(name: str, p: torch.nn.Parameter) -> bool:
+    return bool(getattr(p, "sequence_parallel", False)) or "q_layernorm" in name or "k_layernorm" in name
+
+
+def _allreduce_flat(grads: list[torch.Tensor], group, div: float = 1.0) -> None:
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])  # one collective per kind
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(flat, group=group)
+    if div != 1.0:
+        flat.div_(div)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
 def allreduce_grads(named_params: list[tuple[str, torch.nn.Parameter]]) -> None:
-    """In place: every grad becomes d((1/W) sum_r L_r)/dtheta (see the module docstring)."""
+    """In place: every grad becomes d((1/D) sum_d L_d)/dtheta (see the module docstring)."""
     from megatron.core import parallel_state as ps
 
-    world = dist.get_world_size()
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        _allreduce_flat([p.grad for n, p in named_params if p.grad is not None and _tp_partial(n, p)],
+                        ps.get_tensor_model_parallel_group())
+    dp = ps.get_data_parallel_world_size()
     groups = {False: ps.get_data_parallel_group(), True: ps.get_expert_data_parallel_group()}
     for expert in (False, True):
-        grads = [p.grad for n, p in named_params if p.grad is not None and is_expert_param(n) == expert]
-        if not grads:
-            continue
-        flat = torch.cat([g.reshape(-1) for g in grads])  # one collective per kind
-        if dist.get_world_size(groups[expert]) > 1:
-            dist.all_reduce(flat, group=groups[expert])
-        flat.div_(world)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        _allreduce_flat([p.grad for n, p in named_params if p.grad is not None and is_expert_param(n) == expert],
+                        groups[expert], float(dp))
+
+
+def _counted(name: str, p: torch.nn.Parameter, tp_rank: int, etp_rank: int) -> bool:
+    if getattr(p, "tensor_model_parallel", False):
+        return True
+    return (etp_rank if is_expert_param(name) else tp_rank) == 0
 
 
 def global_grad_norm(named_params: list[tuple[str, torch.nn.Parameter]]) -> float:
-    """L2 norm of the full model's gradient (each expert counted once), after `allreduce_grads`."""
+    """L2 norm of the full model's gradient (each weight counted once), after `allreduce_grads`."""
     from megatron.core import parallel_state as ps
 
-    dense = sum(float(p.grad.double().pow(2).sum()) for n, p in named_params
-                if p.grad is not None and not is_expert_param(n))
+    tp_rank, etp_rank = ps.get_tensor_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()
     device = named_params[0][1].device  # NCCL reduces device tensors only
-    expert = torch.tensor([sum(float(p.grad.double().pow(2).sum()) for n, p in named_params
-                               if p.grad is not None and is_expert_param(n))],
-                          dtype=torch.float64, device=device)
-    if ps.get_expert_model_parallel_world_size() > 1:
-        dist.all_reduce(expert, group=ps.get_expert_model_parallel_group())
-    return math.sqrt(dense + float(expert))
+    sq = torch.zeros(2, dtype=torch.float64, device=device)  # dense, expert
+    for n, p in named_params:
+        if p.grad is not None and _counted(n, p, tp_rank, etp_rank):
+            sq[int(is_expert_param(n))] += p.grad.double().pow(2).sum()
+    groups = (ps.get_model_parallel_group(), ps.get_expert_tensor_model_pipeline_parallel_group())
+    for i, group in enumerate(groups):
+        if dist.get_world_size(group) > 1:
+            part = sq[i:i + 1].clone()
+            dist.all_reduce(part, group=group)
+            sq[i] = part[0]
+    return math.sqrt(float(sq.sum()))
 
 
 def clip_grads(named_params: list[tuple[str, torch.nn.Parameter]], max_norm: float) -> float:

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import torch
 
-from learner.backends.megatron.model import attention_mask_4d, position_ids
+from learner.backends.megatron.model import position_ids, run
 
 
 class HFCompatPolicy(torch.nn.Module):
@@ -23,7 +23,7 @@ class HFCompatPolicy(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, **_ignored) -> SimpleNamespace:
         ids, mask, pos = _inputs(self.device, input_ids, attention_mask, position_ids)
-        return SimpleNamespace(logits=self.gpt(ids, pos, attention_mask_4d(mask)).float())
+        return SimpleNamespace(logits=run(self.gpt, ids, mask, pos))
 
 
 class HFCompatValue(torch.nn.Module):
@@ -34,7 +34,7 @@ class HFCompatValue(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
         ids, mask, pos = _inputs(self.device, input_ids, attention_mask, position_ids)
-        return self.vm(ids, pos, attention_mask_4d(mask)).float()
+        return run(self.vm, ids, mask, pos)
 
 
 def _inputs(device: torch.device, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,

@@ -30,15 +30,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from learner.backends.megatron import convert, grads, parallel
+from learner.backends.megatron import convert, grads, parallel, tp
 from learner.backends.megatron.backend import MegatronBackend, check_expert_parallel
 from learner.backends.megatron.model import (
     MegatronValueModel,
-    attention_mask_4d,
     build_gpt,
     megatron_logits,
     num_experts,
-    position_ids,
+    run,
 )
 
 PolicyLossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
@@ -48,12 +47,20 @@ PolicyLossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
 class MegatronOptions:
     expert_parallel: int = 1  # ranks that split the experts (must divide world size and num_experts)
     dtype: str = "float32"  # "bfloat16" on GPUs (pure bf16 weights; the parity tests use float32)
+    tensor_parallel: int = 1  # ranks that split each matrix (megatron-core TP, with sequence parallelism)
+    pipeline_parallel: int = 1  # pipeline stages (megatron-core PP)
+    expert_tensor_parallel: int = 1  # ranks that split each expert's matrices (1: whole experts)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"MegatronOptions.dtype={self.dtype!r}: use one of {', '.join(_DTYPES)}")
-        if self.expert_parallel < 1:
-            raise ValueError(f"MegatronOptions.expert_parallel={self.expert_parallel} must be >= 1")
+        for name in ("expert_parallel", "tensor_parallel", "pipeline_parallel", "expert_tensor_parallel"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MegatronOptions.{name}={getattr(self, name)} must be >= 1")
+
+    def sizes(self) -> tuple[int, int, int, int]:
+        """(EP, TP, PP, ETP) as `parallel.init` and `parallel.check_layout` take them after the world size."""
+        return self.expert_parallel, self.tensor_parallel, self.pipeline_parallel, self.expert_tensor_parallel
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -74,22 +81,23 @@ class MegatronLearner:
                  value_loss_fn: Callable | None = None, seed: int = 0):
         self.options = options or MegatronOptions()
         self.optim_cfg = optim or OptimSettings()
-        if not dist.is_initialized() or not _ep_matches(self.options.expert_parallel):
-            parallel.init(self.options.expert_parallel, seed)
+        ep, tp_, pp, etp = self.options.sizes()
+        if not dist.is_initialized() or not _layout_matches(self.options):
+            parallel.init(ep, seed, tp_, pp, etp)
         self.hf_config = hf_policy.config
         self.ep_rank, self.ep_size = parallel.ep_rank_size()
+        self.layout = parallel.layout()
         self.device = parallel.device()
         dtype = _DTYPES[self.options.dtype]
         self.policy = build_gpt(self.hf_config, dtype=dtype).to(self.device)
-        load_megatron(self.policy, convert.hf_to_megatron(
-            hf_policy.state_dict(), self.hf_config, self.ep_rank, self.ep_size))
+        self.load_hf_policy(hf_policy)
         self.policy_loss = policy_loss
         self.opt = _adamw(self.policy, self.optim_cfg.lr, self.optim_cfg)
         self.value = None
         self.value_loss_fn = value_loss_fn
         if hf_value is not None:
             self.value = MegatronValueModel(hf_value.config, dtype).to(self.device)
-            load_value(self.value, hf_value.state_dict(), hf_value.config, self.ep_rank, self.ep_size)
+            self.load_hf_value(hf_value)
             self.value_opt = _adamw(self.value, self.optim_cfg.value_lr, self.optim_cfg)
 
     # ---- forward passes
@@ -107,7 +115,7 @@ class MegatronLearner:
             raise RuntimeError("MegatronLearner.values: built without a value model (pass hf_value)")
         input_ids = input_ids.to(self.device)
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(self.device)
-        v = self.value(input_ids, position_ids(mask), attention_mask_4d(mask)).float()
+        v = run(self.value, input_ids, mask)
         return torch.where(mask.bool(), v, torch.zeros_like(v))  # 0 at padding, as scoring.values
 
     # ---- optimizer steps
@@ -138,8 +146,7 @@ class MegatronLearner:
         """The full HF-format policy state dict on every rank (a collective over the EP group)."""
         from megatron.core import parallel_state as ps
 
-        local = convert.megatron_to_hf(megatron_params(self.policy), self.hf_config,
-                                       self.ep_rank, self.ep_size)
+        local = convert.megatron_to_hf(self.full_params(self.policy), self.hf_config, self.ep_rank, self.ep_size)
         return _cpu(convert.gather_experts(local, self.hf_config, ps.get_expert_model_parallel_group()))
 
     def policy_shard(self):
@@ -158,13 +165,17 @@ class MegatronLearner:
 
         if self.value is None:
             raise RuntimeError("MegatronLearner.value_state_dict: built without a value model")
-        local = convert.megatron_to_hf(megatron_params(self.value.backbone), self.hf_config,
+        local = convert.megatron_to_hf(self.full_params(self.value.backbone), self.hf_config,
                                        self.ep_rank, self.ep_size, prefix="backbone.", with_output=False)
         local.pop("lm_head.weight", None)
         vh = self.value.value_head
         local.update({"backbone.norm.weight": vh.norm.weight.detach(),
                       "head.weight": vh.head.weight.detach(), "head.bias": vh.head.bias.detach()})
         return _cpu(convert.gather_experts(local, self.hf_config, ps.get_expert_model_parallel_group()))
+
+    def full_params(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """`module`'s megatron tensors whole over TP (this rank's experts): a collective over TP and expert TP."""
+        return tp.gather_state(megatron_params(module), self.layout)
 
     def export_hf_policy(self):
         """A fresh HF causal LM of the policy's architecture holding the current weights (collective;
@@ -186,13 +197,13 @@ class MegatronLearner:
 
     def load_hf_policy(self, hf_policy) -> None:
         """Replace the policy's weights with an HF model's (e.g. a checkpoint's); this rank's experts."""
-        load_megatron(self.policy, convert.hf_to_megatron(hf_policy.state_dict(), self.hf_config,
-                                                          self.ep_rank, self.ep_size))
+        load_megatron(self.policy, tp.shard_state(convert.hf_to_megatron(
+            hf_policy.state_dict(), self.hf_config, self.ep_rank, self.ep_size), self.layout))
 
     def load_hf_value(self, hf_value) -> None:
         if self.value is None:
             raise RuntimeError("MegatronLearner.load_hf_value: built without a value model")
-        load_value(self.value, hf_value.state_dict(), self.hf_config, self.ep_rank, self.ep_size)
+        load_value(self.value, hf_value.state_dict(), self.hf_config, self.ep_rank, self.ep_size, self.layout)
 
     def export_hf_value(self):
         """H2's `ValueModel` holding the critic's current weights (collective)."""
@@ -226,10 +237,13 @@ def _cpu(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu() for k, v in sd.items()}
 
 
-def _ep_matches(ep: int) -> bool:
+def _layout_matches(o: MegatronOptions) -> bool:
     from megatron.core import parallel_state as ps
 
-    return ps.model_parallel_is_initialized() and ps.get_expert_model_parallel_world_size() == ep
+    if not ps.model_parallel_is_initialized():
+        return False
+    lay = parallel.layout()
+    return (lay["ep"], lay["tp"], lay["pp"], lay["etp"]) == o.sizes()
 
 
 def _adamw(module: torch.nn.Module, lr: float, o: OptimSettings) -> torch.optim.Optimizer:
@@ -269,10 +283,10 @@ def load_megatron(module: torch.nn.Module, sd: dict[str, torch.Tensor]) -> None:
 
 
 def load_value(vm: MegatronValueModel, hf_sd: dict[str, torch.Tensor], hf_cfg, ep_rank: int,
-               ep_size: int) -> None:
+               ep_size: int, layout: dict[str, int]) -> None:
     """H2's ValueModel state dict (backbone.*, head.*) -> MegatronValueModel on this rank."""
-    load_megatron(vm.backbone, convert.hf_to_megatron(hf_sd, hf_cfg, ep_rank, ep_size,
-                                                      prefix="backbone.", with_output=False))
+    load_megatron(vm.backbone, tp.shard_state(convert.hf_to_megatron(
+        hf_sd, hf_cfg, ep_rank, ep_size, prefix="backbone.", with_output=False), layout))
     with torch.no_grad():
         vm.value_head.norm.weight.copy_(hf_sd["backbone.norm.weight"])
         vm.value_head.head.weight.copy_(hf_sd["head.weight"])

@@ -163,6 +163,12 @@ def transformer_config(hf_cfg, dtype: torch.dtype = torch.float32):
         moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=False,
         expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+        expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
+        # megatron-core refuses MoE training at TP > 1 without it (MoELayer.forward)
+        sequence_parallel=ps.get_tensor_model_parallel_world_size() > 1,
+        pipeline_dtype=dtype,
         normalization="RMSNorm",
         layernorm_epsilon=hf_cfg.rms_norm_eps,
         qk_layernorm=qk_norm(hf_cfg),
@@ -188,20 +194,23 @@ def build_gpt(hf_cfg, post_process: bool = True, dtype: torch.dtype = torch.floa
     """A megatron GPTModel for `hf_cfg` on this rank (holding its EP share of the experts).
 
     `post_process=False` drops the final norm and output layer: the value model's backbone."""
+    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     cpu_compat.apply()
     cfg = transformer_config(hf_cfg, dtype)
-    # per-layer local specs (dense or MoE) from cfg.moe_layer_freq
-    spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
+    check_tensor_parallel(hf_cfg, cfg.tensor_model_parallel_size, cfg.expert_tensor_parallel_size)
+    # per-layer local specs (dense or MoE) from cfg.moe_layer_freq, this pipeline stage's layers only
+    spec = _sp_norms(get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm"))
     model = GPTModel(
         config=cfg,
         transformer_layer_spec=spec,
         vocab_size=hf_cfg.vocab_size,
         max_sequence_length=hf_cfg.max_position_embeddings,
-        pre_process=True,
-        post_process=post_process,
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=True),
+        post_process=post_process and ps.is_pipeline_last_stage(ignore_virtual=True),
+        parallel_output=False,  # full-vocab logits on every TP rank (the losses take log-softmax over them)
         share_embeddings_and_output_weights=bool(hf_cfg.tie_word_embeddings),
         position_embedding_type="rope",
         rotary_percent=float(getattr(hf_cfg, "partial_rotary_factor", 1.0)),
@@ -209,6 +218,49 @@ def build_gpt(hf_cfg, post_process: bool = True, dtype: torch.dtype = torch.floa
     )
     # Megatron-LM casts through Float16Module; the local spec's torch norms are built in fp32.
     return _expert_bias_fp32(model.to(dtype=dtype))
+
+
+def check_tensor_parallel(hf_cfg, tp: int, etp: int) -> None:
+    """ValueError naming the HF field that TP (or expert TP) does not divide."""
+    fields = {"num_attention_heads": tp, "num_key_value_heads": tp, "vocab_size": tp,
+              "moe_intermediate_size": etp, "intermediate_size": tp if is_glm4_moe(hf_cfg) else 1}
+    for field, n in fields.items():
+        if getattr(hf_cfg, field) % n:
+            raise ValueError(f"megatron backend: tensor parallelism {n} does not divide {field} = "
+                             f"{getattr(hf_cfg, field)}")
+
+
+class SPRMSNorm(torch.nn.RMSNorm):
+    """torch RMSNorm that megatron-core's local spec can use under sequence parallelism.
+
+    megatron's WrappedTorchNorm refuses sequence_parallel only because it does not mark its weight: under
+    SP each TP rank normalises its own sequence slice, so the weight's gradient is a partial sum that
+    `grads.allreduce_grads` sums over TP (megatron's finalize_model_grads does the same for this attribute)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def _sp_norms(spec):
+    """The block spec with every WrappedTorchNorm replaced by SPRMSNorm (same math, SP-aware)."""
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if spec is WrappedTorchNorm:
+        return SPRMSNorm
+    if isinstance(spec, list):
+        return [_sp_norms(s) for s in spec]
+    if isinstance(spec, ModuleSpec):
+        spec.module = _sp_norms(spec.module)
+        spec.submodules = _sp_norms(spec.submodules)
+        return spec
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        for f in dataclasses.fields(spec):
+            setattr(spec, f.name, _sp_norms(getattr(spec, f.name)))
+    return spec
 
 
 def _expert_bias_fp32(model):
@@ -238,10 +290,24 @@ def position_ids(mask: torch.Tensor) -> torch.Tensor:
     return (mask.long().cumsum(-1) - 1).clamp(min=0)  # as learner.models.scoring
 
 
+def run(model, input_ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+    """`model(ids, positions, 4d mask)` as fp32 [B, T, ...]. Under sequence parallelism the sequence is
+    split over the TP ranks: T is right-padded to a multiple of TP (masked, after every real token, so no
+    real token sees it) and the padding cut off the output."""
+    from megatron.core import parallel_state as ps
+
+    pos = position_ids(mask) if pos is None else pos
+    t = input_ids.shape[1]
+    extra = -t % ps.get_tensor_model_parallel_world_size()
+    if extra:
+        input_ids, mask, pos = (F.pad(x, (0, extra)) for x in (input_ids, mask, pos))
+    return model(input_ids, pos, attention_mask_4d(mask)).float()[:, :t]
+
+
 def megatron_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
     """[B, T, V] fp32 logits of a megatron policy."""
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-    return model(input_ids, position_ids(mask), attention_mask_4d(mask)).float()
+    return run(model, input_ids, mask)
 
 
 class ValueHead(torch.nn.Module):
@@ -253,7 +319,14 @@ class ValueHead(torch.nn.Module):
         self.head = torch.nn.Linear(hidden, 1, bias=True, dtype=dtype)
 
     def forward(self, hidden_sbh: torch.Tensor) -> torch.Tensor:
-        # [S, B, H] (megatron layout) -> [B, S]
+        # [S, B, H] (megatron layout; under SP this rank's S / TP rows) -> [B, S]
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+        if ps.get_tensor_model_parallel_world_size() > 1:
+            # every TP rank computes the head and the loss on the whole sequence: the backward only
+            # takes this rank's slice (no sum over TP ranks)
+            hidden_sbh = gather_from_sequence_parallel_region(hidden_sbh, tensor_parallel_output_grad=False)
         return self.head(self.norm(hidden_sbh)).squeeze(-1).transpose(0, 1)
 
 

@@ -2,8 +2,11 @@
 
 Launched by torchrun (or Ray workers that set the same env: RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT). Backend: NCCL when CUDA is present, gloo otherwise (with `cpu_compat` applied).
-Parallelism: data parallel over all ranks, experts split over `expert_parallel` of them
-(TP = PP = 1); expert weights are replicated over world / expert_parallel ranks.
+Parallelism (megatron-core's own groups, order tp-cp-ep-dp-pp): `tensor_parallel` ranks split every
+attention/MLP/embedding matrix (with sequence parallelism, which megatron-core requires for MoE training
+at TP > 1), `pipeline_parallel` stages split the layers, `expert_parallel` ranks split the experts, and
+`expert_tensor_parallel` ranks split each expert's matrices (default: 1, whole experts, so (TP 2, EP 2)
+fits two ranks); data parallel over what is left.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import torch.distributed as dist
 from learner.backends.megatron import cpu_compat
 
 
-def init(expert_parallel: int = 1, seed: int = 0) -> None:
+def init(expert_parallel: int = 1, seed: int = 0, tensor_parallel: int = 1, pipeline_parallel: int = 1,
+         expert_tensor_parallel: int = 1) -> None:
     """Join the process group (from torchrun's env) and set megatron's parallel state."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -32,12 +36,39 @@ def init(expert_parallel: int = 1, seed: int = 0) -> None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend)
     world = dist.get_world_size()
-    if expert_parallel < 1 or world % expert_parallel:
-        raise ValueError(f"expert_parallel={expert_parallel} must divide the world size {world}")
+    check_layout(world, expert_parallel, tensor_parallel, pipeline_parallel, expert_tensor_parallel)
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(expert_model_parallel_size=expert_parallel)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
+                                 pipeline_model_parallel_size=pipeline_parallel,
+                                 expert_model_parallel_size=expert_parallel,
+                                 expert_tensor_parallel_size=expert_tensor_parallel)
     model_parallel_cuda_manual_seed(seed)
+
+
+def check_layout(world: int, ep: int, tp: int = 1, pp: int = 1, etp: int = 1) -> None:
+    """ValueError naming the size that does not fit: TP * PP and ETP * EP * PP must divide the world."""
+    for name, v in (("expert_parallel", ep), ("tensor_parallel", tp), ("pipeline_parallel", pp),
+                    ("expert_tensor_parallel", etp)):
+        if v < 1:
+            raise ValueError(f"{name}={v} must be >= 1")
+    if world % (tp * pp):
+        raise ValueError(f"tensor_parallel={tp} x pipeline_parallel={pp} must divide the world size {world}")
+    if world % (etp * ep * pp):
+        raise ValueError(f"expert_parallel={ep} x expert_tensor_parallel={etp} x pipeline_parallel={pp} "
+                         f"must divide the world size {world}")
+
+
+def layout() -> dict[str, int]:
+    """This rank's place: sizes and ranks of TP, PP, DP, EP, ETP and expert DP."""
+    from megatron.core import parallel_state as ps
+
+    return {"tp": ps.get_tensor_model_parallel_world_size(), "tp_rank": ps.get_tensor_model_parallel_rank(),
+            "pp": ps.get_pipeline_model_parallel_world_size(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
+            "dp": ps.get_data_parallel_world_size(), "dp_rank": ps.get_data_parallel_rank(),
+            "ep": ps.get_expert_model_parallel_world_size(), "ep_rank": ps.get_expert_model_parallel_rank(),
+            "etp": ps.get_expert_tensor_parallel_world_size(), "etp_rank": ps.get_expert_tensor_parallel_rank(),
+            "edp_rank": ps.get_expert_data_parallel_rank()}
 
 
 def reset() -> None:

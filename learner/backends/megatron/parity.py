@@ -1,10 +1,11 @@
 """Parity check of the megatron backend against the HF/torch model, run under torchrun.
 
     python -m torch.distributed.run --nproc_per_node 2 -m learner.backends.megatron.parity \
-        --out parity.json [--ep 2] [--model-dir DIR]
+        --out parity.json [--ep 2] [--tp 1] [--etp 1] [--model-dir DIR]
 
 Every rank builds the same HF policy (the tiny Qwen3-MoE of `ModelConfig`, seeded, or the HF
-causal LM saved in --model-dir, any mapped architecture) and its own batch (data parallel).
+causal LM saved in --model-dir, any mapped architecture) and the batch of its data-parallel rank
+(the TP ranks of one replica share it).
 Measured, and written by rank 0 as JSON (max abs / relative differences; the tests set the
 thresholds):
   logits_ep{N}_vs_hf   megatron logits (EP=N) vs HF logits on the rank's batch, real tokens
@@ -26,7 +27,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from learner.backends.megatron import convert, parallel
+from learner.backends.megatron import convert, parallel, tp
 from learner.backends.megatron.learner import MegatronLearner, OptimSettings
 from learner.backends.megatron.model import megatron_logits
 
@@ -105,7 +106,7 @@ def _megatron_grads(lrn: MegatronLearner) -> dict[str, torch.Tensor]:
 
     # buffers (GLM's router expert_bias) have no gradient: zeros, so the conversion finds every name
     g = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in mapped_tensors(lrn.policy).items()}
-    local = convert.megatron_to_hf(g, lrn.hf_config, lrn.ep_rank, lrn.ep_size)
+    local = convert.megatron_to_hf(tp.gather_state(g, lrn.layout), lrn.hf_config, lrn.ep_rank, lrn.ep_size)
     return convert.gather_experts(local, lrn.hf_config, ps.get_expert_model_parallel_group())
 
 
@@ -113,7 +114,7 @@ def check_forward_and_grads(ep: int, out: dict, model_dir: str | None = None) ->
     from learner.backends.megatron import grads
     from learner.models.scoring import policy_logits, token_logprobs
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = _dp()
     policy, value = _hf_models(model_dir)
     vocab = policy.config.vocab_size
     batches = with_behaviour([batch_for(r, vocab) for r in range(world)], policy)
@@ -159,7 +160,7 @@ def check_step(ep: int, opt_name: str, out: dict, model_dir: str | None = None) 
     """One SAO step on megatron vs the same step on the HF model with torch's optimizer."""
     from learner.models.scoring import token_logprobs
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = _dp()
     policy, _ = _hf_models(model_dir)
     batches = with_behaviour([batch_for(r, policy.config.vocab_size) for r in range(world)], policy)
     lr = 1e-3 if opt_name == "adamw" else 0.5
@@ -192,19 +193,19 @@ def check_value_step(ep: int, out: dict, model_dir: str | None = None) -> None:
     """`make_megatron_learner(LearnerConfig())`: one critic step (clipped value loss, AdamW,
     clip 1.0) vs the same step on H2's ValueModel; then one policy step runs."""
     from learner.algorithms import value_loss
-    from learner.backends.megatron.learner import MegatronOptions, make_megatron_learner
+    from learner.backends.megatron.learner import make_megatron_learner
     from learner.config import LearnerConfig
 
-    rank, world = dist.get_rank(), dist.get_world_size()
     cfg = LearnerConfig()
     cfg.loss.kl_coef = 0.0  # the KL anchor is torch-only (LearnerConfig refuses it on megatron)
+    rank, world = _dp()
     policy, value = _hf_models(model_dir)
     batches = with_behaviour([batch_for(r, policy.config.vocab_size) for r in range(world)], policy)
     with torch.no_grad():
         for b in batches:
             b["old_values"] = value(b["input_ids"], b["attention_mask"])
             b["returns"] = b["old_values"] + 0.3 * b["noise"]  # first step: V = V_old, the clip cannot bind
-    lrn = make_megatron_learner(cfg, policy, value, MegatronOptions(expert_parallel=ep))
+    lrn = make_megatron_learner(cfg, policy, value, _opts(ep))
     stats = lrn.value_step(batches[rank])
     after_m = lrn.value_state_dict()
     opt = torch.optim.AdamW(value.parameters(), lr=cfg.optim.value_lr, betas=cfg.optim.betas,
@@ -242,16 +243,16 @@ def check_trainer_step(ep: int, out: dict, model_dir: str | None = None) -> None
     policy_backward) on megatron via its backend's models, vs its `update()` on the HF models over the
     concatenated batch. Both ranks' loss masks have the same token count, so the global token
     mean equals the mean over ranks of the rank means."""
-    from learner.backends.megatron.learner import MegatronOptions, megatron_trainer_models
+    from learner.backends.megatron.learner import megatron_trainer_models
     from learner.config import LearnerConfig
     from learner.trainer import step as tstep
 
-    rank, world = dist.get_rank(), dist.get_world_size()
     cfg = LearnerConfig()
     cfg.loss.kl_coef = 0.0  # the KL anchor is torch-only (LearnerConfig refuses it on megatron)
+    rank, world = _dp()
     policy, value = _hf_models(model_dir)
     batches = with_behaviour([batch_for(r, policy.config.vocab_size) for r in range(world)], policy)
-    mm, lrn = megatron_trainer_models(cfg, policy, value, MegatronOptions(expert_parallel=ep))
+    mm, lrn = megatron_trainer_models(cfg, policy, value, _opts(ep))
     pol, val = mm.policy, mm.value
     local = _trainer_batch([batches[rank]])
     ref = tstep.prepare(cfg, mm, local)
@@ -279,30 +280,42 @@ def check_trainer_step(ep: int, out: dict, model_dir: str | None = None) -> None
     out[f"trainer_step_ep{ep}"] = res
 
 
+LAYOUT = {"tensor_parallel": 1, "expert_tensor_parallel": 1}  # main() sets them from --tp / --etp
+
+
 def _opts(ep: int):
     from learner.backends.megatron.learner import MegatronOptions
 
-    return MegatronOptions(expert_parallel=ep)
+    return MegatronOptions(expert_parallel=ep, **LAYOUT)
+
+
+def _dp() -> tuple[int, int]:
+    """(this rank's data-parallel rank, the number of replicas): the TP ranks of a replica share its batch."""
+    lay = parallel.layout()
+    return lay["dp_rank"], lay["dp"]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--ep", type=int, default=2)
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallelism")
+    ap.add_argument("--etp", type=int, default=1, help="expert tensor parallelism")
     ap.add_argument("--model-dir", default=None, help="an HF causal LM directory (default: the tiny Qwen3-MoE)")
     args = ap.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("SAO_TEST_THREADS", "1")))
     torch.manual_seed(0)
-    parallel.init(args.ep)
+    LAYOUT.update(tensor_parallel=args.tp, expert_tensor_parallel=args.etp)
+    parallel.init(args.ep, 0, args.tp, 1, args.etp)
     src = args.model_dir
-    out: dict = {"world_size": dist.get_world_size(), "ep": args.ep}
+    out: dict = {"world_size": dist.get_world_size(), "ep": args.ep, "tp": args.tp, "etp": args.etp}
     logits_ep = check_forward_and_grads(args.ep, out, src)
     check_step(args.ep, "sgd", out, src)
     check_step(args.ep, "adamw", out, src)
     check_value_step(args.ep, out, src)
     check_trainer_step(args.ep, out, src)
     if args.ep > 1:
-        parallel.init(1)
+        parallel.init(1, 0, args.tp, 1, args.etp)
         logits_1 = check_forward_and_grads(1, out, src)
         out[f"logits_ep1_vs_ep{args.ep}"] = _all_max(_max_abs(logits_1, logits_ep))
     if dist.get_rank() == 0:
