@@ -22,6 +22,7 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 import struct
 import subprocess
 import sys
@@ -186,7 +187,7 @@ def learner_child(a: argparse.Namespace) -> dict:
             "peak_rss_gib": round(peak_rss_gib(), 3), "step_s": [round(t, 2) for t in times],
             "tokens_per_step": batch.n_tokens, "learner_tokens_per_s": round(batch.n_tokens / min(times), 1),
             "micro_batches": len(list(_cuts(cfg, batch))), "applied": all(applied),
-            "policy_trained_params": trained}
+            "policy_trained_params": trained, "loadavg_1m_after": round(os.getloadavg()[0], 2)}
 
 
 def sampler_child(a: argparse.Namespace) -> dict:
@@ -264,7 +265,7 @@ def figure(models: dict, path: Path) -> None:
         rows = [r["configs"].get(n, {}) for n in names]
         for ax, key in zip(axes, ("peak_rss_gib", "learner_tokens_per_s")):
             vals = [row.get(key, 0.0) or 0.0 for row in rows]
-            ax.bar(xs, vals, width, label=f"{model} ({r['params'] / 1e6:.0f}M)")
+            ax.bar(xs, vals, width, label=f"{model} ({r['params'] / 1e6:.0f}M params, {r['learner_rows']} rows)")
             for x, row in zip(xs, rows):
                 if key not in row:
                     ax.text(x, 0, "not run", rotation=90, ha="center", va="bottom", fontsize=7)
@@ -284,7 +285,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rows", default="8,4", help="trajectories in the timed learner batch, per model in --models "
                    "order (one number: every model)")
     p.add_argument("--tokens", type=int, default=128, help="tokens of the longest trajectory (the others 1-7 fewer)")
-    p.add_argument("--steps", type=int, default=1, help="timed learner updates after the warm-up (the best counts)")
+    p.add_argument("--steps", type=int, default=2, help="timed learner updates after the warm-up (the best counts: "
+                   "the cores are shared)")
     p.add_argument("--answers", type=int, default=8, help="chat answers the sampler generates in its timed batch")
     p.add_argument("--new-tokens", type=int, default=32, help="the sampler's max_new_tokens")
     p.add_argument("--models", default="smollm2-135m,qwen2-500m")
@@ -315,16 +317,19 @@ def main(argv: list[str] | None = None) -> int:
     save_json({
         "command": cmd.strip(), "commit": git_commit(), "machine": {**machine(), "native_bf16": native_bf16(),
                                                                        "mem_available_gib": round(available_gib(), 1)},
-        "settings": {"threads": a.threads, "learner_batch": f"per model: learner_rows trajectories of "
-                     f"{a.tokens} - (0..rows-1) tokens (half prompt, half answer; random tokens)",
+        "settings": {"threads": a.threads, "learner_batch": f"a batch of learner_rows trajectories (per model) of "
+                     f"{a.tokens} tokens less 0..rows-1 (half prompt, half answer; random tokens)",
                      "timed_learner_steps": a.steps,
                      "warmup": "one update on 2 trajectories of 31-32 tokens (allocates AdamW state) before timing",
                      "learner_keys": "the pretrained profile (learner.profiles.PRETRAINED) + each configuration's",
                      "sampler": f"engine torch, {a.answers} chat questions, max_new_tokens {a.new_tokens}, "
                                 f"temperature 1, one warm-up; once per model (no learner option changes it)",
-                     "peak_rss": "VmHWM of a fresh process per configuration: load, build, warm-up and steps",
-                     "note": "few, short timed steps (a ~15-minute budget on 2 shared cores): figures are indicative "
-                             "to ~10-20%; the qwen2-500m weights are random (its answers are noise, never eos)"},
+                     "peak_rss": "VmHWM of a fresh process per configuration: load, build, warm-up and steps (the "
+                                 "weights are memory-mapped from safetensors: they count once touched, so "
+                                 "peak_rss_after_build_gib can be below the weights' size)",
+                     "note": "Few, short timed steps (a ~15-minute budget on 2 shared cores): figures are indicative "
+                             "to ~10-20% (loadavg_1m_after flags a step that shared the cores); the qwen2-500m weights "
+                             "are random (its answers are noise, never eos)"},
         "configs": CONFIGS, "models": results, "wall_s": round(time.time() - t0, 1)}, a.out)
     figure(results, a.out.with_suffix(".png"))
     print(f"wrote {a.out} and {a.out.with_suffix('.png')} in {time.time() - t0:.0f} s")
