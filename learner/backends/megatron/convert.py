@@ -28,6 +28,9 @@ import torch
 from learner.backends.megatron.model import head_dim, is_glm4_moe, moe_layer_pattern, num_experts, qk_norm, qkv_bias
 
 RENAME, GLU, QKV = "rename", "glu", "qkv"  # 1 HF tensor; cat(gate, up); per-KV-group q, k, v
+# the last pipeline stage's copy of a tied embedding (megatron's output_layer.weight there): loaded from the HF
+# embedding, never exported (the first stage's embedding is the HF tensor)
+TIED = "tied"
 
 _ATTENTION_RENAMES = {  # megatron suffix -> HF suffix, both under their layer prefix
     "input_layernorm.weight": "input_layernorm.weight",
@@ -72,19 +75,26 @@ def _moe(hf_cfg, mp: str, hp: str, experts: range) -> list[tuple[str, str, tuple
     return out
 
 
-def _mapping(hf_cfg, ep_rank: int, ep_size: int, prefix: str,
-             with_output: bool) -> list[tuple[str, str, tuple[str, ...]]]:
-    """(kind, megatron name, HF names) for every tensor this EP rank holds."""
+def _mapping(hf_cfg, ep_rank: int, ep_size: int, prefix: str, with_output: bool,
+             stage=None) -> list[tuple[str, str, tuple[str, ...]]]:
+    """(kind, megatron name, HF names) for every tensor this EP rank (of pipeline `stage`, a
+    `pipeline.Stage`; None: the whole model) holds."""
     experts = local_expert_range(num_experts(hf_cfg), ep_rank, ep_size)
-    out = [(RENAME, "embedding.word_embeddings.weight", (f"{prefix}embed_tokens.weight",))]
-    for i, is_moe in enumerate(moe_layer_pattern(hf_cfg)):
-        hp, mp = f"{prefix}layers.{i}.", f"decoder.layers.{i}."
+    pattern = moe_layer_pattern(hf_cfg)
+    first, last = (True, True) if stage is None else (stage.first, stage.last)
+    layers = range(len(pattern)) if stage is None else stage.layers
+    embed = f"{prefix}embed_tokens.weight"
+    out = [(RENAME, "embedding.word_embeddings.weight", (embed,))] if first else []
+    for local, i in enumerate(layers):
+        hp, mp = f"{prefix}layers.{i}.", f"decoder.layers.{local}."
         out += _attention(hf_cfg, mp, hp)
-        out += _moe(hf_cfg, mp, hp, experts) if is_moe else _mlp(mp + "mlp.", hp + "mlp.")
-    if with_output:
+        out += _moe(hf_cfg, mp, hp, experts) if pattern[i] else _mlp(mp + "mlp.", hp + "mlp.")
+    if with_output and last:
         out.append((RENAME, "decoder.final_layernorm.weight", (f"{prefix}norm.weight",)))
         if not hf_cfg.tie_word_embeddings:
             out.append((RENAME, "output_layer.weight", ("lm_head.weight",)))
+        elif not first:
+            out.append((TIED, "output_layer.weight", (embed,)))
     return out
 
 
@@ -130,24 +140,25 @@ def to_hf(kind: str, m: torch.Tensor, hf_cfg) -> tuple[torch.Tensor, ...]:
 
 
 def hf_to_megatron(hf_sd: dict[str, torch.Tensor], hf_cfg, ep_rank: int = 0, ep_size: int = 1,
-                   prefix: str = "model.", with_output: bool = True) -> dict[str, torch.Tensor]:
+                   prefix: str = "model.", with_output: bool = True, stage=None) -> dict[str, torch.Tensor]:
     """Megatron parameter (and router-bias buffer) names -> tensors for this EP rank.
 
     `prefix` is where the HF backbone lives ("model." for the policy, "backbone." for H2's value
     model); `with_output=False` skips the final norm and output layer (value-model backbone)."""
     get = _getter(hf_sd)
     return {m: _to_megatron(kind, [get(h) for h in hs], hf_cfg)
-            for kind, m, hs in _mapping(hf_cfg, ep_rank, ep_size, prefix, with_output)}
+            for kind, m, hs in _mapping(hf_cfg, ep_rank, ep_size, prefix, with_output, stage)}
 
 
 def megatron_to_hf(m_sd: dict[str, torch.Tensor], hf_cfg, ep_rank: int = 0, ep_size: int = 1,
-                   prefix: str = "model.", with_output: bool = True) -> dict[str, torch.Tensor]:
+                   prefix: str = "model.", with_output: bool = True, stage=None) -> dict[str, torch.Tensor]:
     """The inverse of `hf_to_megatron`: HF names -> tensors (replicated weights + this rank's experts)."""
     get = _getter(m_sd)
     out: dict[str, torch.Tensor] = {}
-    for kind, m, hs in _mapping(hf_cfg, ep_rank, ep_size, prefix, with_output):
-        out.update(zip(hs, to_hf(kind, get(m), hf_cfg)))
-    if with_output and hf_cfg.tie_word_embeddings:
+    for kind, m, hs in _mapping(hf_cfg, ep_rank, ep_size, prefix, with_output, stage):
+        if kind != TIED:
+            out.update(zip(hs, to_hf(kind, get(m), hf_cfg)))
+    if with_output and hf_cfg.tie_word_embeddings and (stage is None or stage.first):
         out["lm_head.weight"] = get("embedding.word_embeddings.weight")
     return out
 

@@ -17,6 +17,13 @@ Patched:
      needs (tensors are rejected as split sizes).
   5. `moe_utils.te_general_gemm`, referenced even when Transformer Engine is absent: set to
      None so the router GEMM falls back to `torch.mm`.
+  6. the pipeline schedules' token counter, `torch.zeros([], device="cuda")`: the `torch` that module
+     sees puts a "cuda" zeros on the CPU (every other name is torch's own). The schedules' batched p2p
+     is followed by `torch.cuda.synchronize()`: avoided instead (`batch_p2p_comm=False` on CPU, plain
+     isend/irecv, which gloo has).
+  7. `LanguageModule.setup_embeddings_and_output_layer` (tied embeddings at PP > 1) moves the last
+     stage's copy of the embedding with `.cuda()` before the all-reduce that initialises it: during
+     that call, `Tensor.cuda` returns the tensor itself (the backend then loads both copies anyway).
 Not patched, avoided instead: Megatron's DDP, distributed optimizer and bf16 optimizer assert
 CUDA tensors; the backend uses a plain torch optimizer and its own gradient all-reduce
 (`learner.backends.megatron.grads`).
@@ -48,6 +55,8 @@ def apply() -> bool:
     _patch_rng_tracker()
     _patch_alltoall_dtoh()
     _patch_te_gemm()
+    _patch_schedules_zeros()
+    _patch_tied_embedding_setup()
     _APPLIED = True
     return True
 
@@ -134,3 +143,37 @@ def _patch_te_gemm() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+class _TorchCpuZeros:
+    """`torch` for megatron's schedules module: `zeros(..., device="cuda")` lands on the CPU."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+
+def _patch_schedules_zeros() -> None:
+    from megatron.core.pipeline_parallel import schedules
+
+    schedules.torch = _TorchCpuZeros()
+
+
+def _patch_tied_embedding_setup() -> None:
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    original = LanguageModule.setup_embeddings_and_output_layer
+
+    @functools.wraps(original)
+    def setup(self, *args, **kwargs):
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda t, *a, **k: t  # type: ignore[method-assign]
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            torch.Tensor.cuda = cuda  # type: ignore[method-assign]
+
+    LanguageModule.setup_embeddings_and_output_layer = setup

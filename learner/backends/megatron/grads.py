@@ -10,9 +10,13 @@ Objective: the mean over the D data-parallel replicas of each replica's loss, L 
   expert parameter (one copy per expert-data-parallel group): the alltoall's backward already brought
     every token's contribution from its EP group, so the remaining sum is over the expert-data-parallel
     group, and the divisor is again D (not the size of that group).
+  tied embedding under pipeline parallelism: the first stage's embedding and the last stage's copy
+    (output_layer, attribute `shared_embedding`) each hold part of the gradient: summed over megatron's
+    embedding group, so both copies take the same step.
 Megatron's DDP applies the same factors (gradient_scaling_factor = 1/D for both kinds).
 The global norm counts every weight once: a TP-split weight's slices on all TP ranks, a replicated
-one on TP rank 0 (megatron's `param_is_not_tensor_parallel_duplicate`), experts over EP x ETP.
+one on TP rank 0 (megatron's `param_is_not_tensor_parallel_duplicate`), experts over EP x ETP, each pipeline
+stage its own layers (the last stage's copy of a tied embedding, attribute `shared`, not counted).
 """
 
 from __future__ import annotations
@@ -52,6 +56,9 @@ def allreduce_grads(named_params: list[tuple[str, torch.nn.Parameter]]) -> None:
     if ps.get_tensor_model_parallel_world_size() > 1:
         _allreduce_flat([p.grad for n, p in named_params if p.grad is not None and _tp_partial(n, p)],
                         ps.get_tensor_model_parallel_group())
+    if ps.get_pipeline_model_parallel_world_size() > 1 and ps.is_rank_in_embedding_group():
+        _allreduce_flat([p.grad for _, p in named_params if p.grad is not None
+                         and getattr(p, "shared_embedding", False)], ps.get_embedding_group())
     dp = ps.get_data_parallel_world_size()
     groups = {False: ps.get_data_parallel_group(), True: ps.get_expert_data_parallel_group()}
     for expert in (False, True):
@@ -60,6 +67,8 @@ def allreduce_grads(named_params: list[tuple[str, torch.nn.Parameter]]) -> None:
 
 
 def _counted(name: str, p: torch.nn.Parameter, tp_rank: int, etp_rank: int) -> bool:
+    if getattr(p, "shared", False):
+        return False
     if getattr(p, "tensor_model_parallel", False):
         return True
     return (etp_rank if is_expert_param(name) else tp_rank) == 0

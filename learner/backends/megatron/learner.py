@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from learner.backends.megatron import convert, grads, parallel, tp
+from learner.backends.megatron import convert, grads, parallel, pipeline, tp
 from learner.backends.megatron.backend import MegatronBackend, check_expert_parallel
 from learner.backends.megatron.model import (
     MegatronValueModel,
@@ -50,6 +50,7 @@ class MegatronOptions:
     tensor_parallel: int = 1  # ranks that split each matrix (megatron-core TP, with sequence parallelism)
     pipeline_parallel: int = 1  # pipeline stages (megatron-core PP)
     expert_tensor_parallel: int = 1  # ranks that split each expert's matrices (1: whole experts)
+    micro_batches: int = 1  # pipeline_parallel > 1: micro-batches per step (exact for token-mean losses)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -90,6 +91,10 @@ class MegatronLearner:
         self.device = parallel.device()
         dtype = _DTYPES[self.options.dtype]
         self.policy = build_gpt(self.hf_config, dtype=dtype).to(self.device)
+        self.stage = pipeline.stage_of(self.policy, self.hf_config.num_hidden_layers, pp, self.layout["pp_rank"])
+        if pp > 1 and hf_value is not None:
+            raise ValueError("MegatronOptions.pipeline_parallel > 1 with a value model is not supported (the "
+                             "critic has no pipeline schedule yet): use an estimator without a critic")
         self.load_hf_policy(hf_policy)
         self.policy_loss = policy_loss
         self.opt = _adamw(self.policy, self.optim_cfg.lr, self.optim_cfg)
@@ -108,6 +113,13 @@ class MegatronLearner:
 
         input_ids = input_ids.to(self.device)
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(self.device)
+        if self.layout["pp"] > 1:  # through the schedule, no graph kept: every stage gets the last stage's values
+            mbs = pipeline.micro_batches({"input_ids": input_ids, "attention_mask": mask, "temperature": temperature},
+                                         1, self.layout["tp"])
+            with torch.no_grad():
+                res = pipeline.run(self.policy, mbs, None, forward_only=True)
+            return pipeline.broadcast_from_last(res[0]["logp"] if res else None, tuple(input_ids.shape),
+                                                torch.float32)
         return logprobs_from_logits(megatron_logits(self.policy, input_ids, mask), input_ids, mask, temperature)
 
     def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
@@ -125,6 +137,10 @@ class MegatronLearner:
         self.policy.train()
         self.opt.zero_grad(set_to_none=True)
         batch = _to(batch, self.device)
+        if self.layout["pp"] > 1:  # the loss's stats on the last stage only; grad_norm on every stage
+            stats = pipeline.train(self.policy, batch, self.options.micro_batches, self.layout["tp"],
+                                   self.policy_loss, loss_scale)
+            return {**stats, **_reduce_and_step(self.policy, self.opt, self.optim_cfg.grad_clip)}
         logp = self.forward_logprobs(batch["input_ids"], batch.get("attention_mask"), batch.get("temperature"))
         loss, stats = self.policy_loss(logp, batch)
         (loss * loss_scale).backward()
@@ -146,8 +162,10 @@ class MegatronLearner:
         """The full HF-format policy state dict on every rank (a collective over the EP group)."""
         from megatron.core import parallel_state as ps
 
-        local = convert.megatron_to_hf(self.full_params(self.policy), self.hf_config, self.ep_rank, self.ep_size)
-        return _cpu(convert.gather_experts(local, self.hf_config, ps.get_expert_model_parallel_group()))
+        local = convert.megatron_to_hf(self.full_params(self.policy), self.hf_config, self.ep_rank, self.ep_size,
+                                       stage=self.stage)
+        full = convert.gather_experts(local, self.hf_config, ps.get_expert_model_parallel_group())
+        return _cpu(pipeline.gather_stages(full, self.hf_config, _DTYPES[self.options.dtype]))
 
     def policy_shard(self):
         """This rank's own part of the HF policy, to publish by shard (`export.PolicyShard`: its experts, and the
@@ -156,8 +174,11 @@ class MegatronLearner:
 
         from learner.backends.megatron.export import PolicyShard
 
-        return PolicyShard(megatron_params(self.policy), self.hf_config, self.ep_rank, self.ep_size,
-                           ps.get_expert_data_parallel_rank())
+        if self.layout["pp"] > 1:
+            raise NotImplementedError("publishing by shard at pipeline_parallel > 1 (use the full gather)")
+        # TP: every TP rank joins the gather; one of them (expert-TP rank 0, expert-DP rank 0) writes
+        writer = max(ps.get_expert_data_parallel_rank(), self.layout["etp_rank"])
+        return PolicyShard(self.full_params(self.policy), self.hf_config, self.ep_rank, self.ep_size, writer)
 
     def value_state_dict(self) -> dict[str, torch.Tensor]:
         """The full value model in H2's ValueModel layout (backbone.*, head.*); collective."""
@@ -198,7 +219,7 @@ class MegatronLearner:
     def load_hf_policy(self, hf_policy) -> None:
         """Replace the policy's weights with an HF model's (e.g. a checkpoint's); this rank's experts."""
         load_megatron(self.policy, tp.shard_state(convert.hf_to_megatron(
-            hf_policy.state_dict(), self.hf_config, self.ep_rank, self.ep_size), self.layout))
+            hf_policy.state_dict(), self.hf_config, self.ep_rank, self.ep_size, stage=self.stage), self.layout))
 
     def load_hf_value(self, hf_value) -> None:
         if self.value is None:
