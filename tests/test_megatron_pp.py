@@ -1,7 +1,8 @@
 """Megatron backend at pipeline parallelism 2: the layer split, the stage's HF <-> megatron mapping (by hand), and
 parity with the HF/torch model under torchrun (2 processes, gloo, CPU) through megatron-core's 1F1B schedule, for
 both mapped architectures (the tiny Qwen3-MoE: 4 layers, tied embeddings; the tiny GLM-4-MoE: 3 layers, split 2 + 1,
-untied), with 1 and 3 micro-batches."""
+untied), with 1 and 3 micro-batches; and on 4 processes (PP 2, EP 2: two data-parallel replicas) and (TP 2, PP 2,
+EP 2)."""
 
 from __future__ import annotations
 
@@ -69,26 +70,32 @@ def test_micro_batches_weight_by_loss_tokens_and_pad_for_tp():
     assert torch.equal(mbs[2]["input_ids"], ids[2:3]) and mbs[0]["temperature"] is None
 
 
-@pytest.fixture(scope="module", params=sorted(GRAD_TENSORS))
+# (arch, processes, layout flags)
+LAYOUTS = [("qwen3_moe", 2, ["--pp", "2"]), ("glm4_moe", 2, ["--pp", "2"]),
+           ("qwen3_moe", 4, ["--pp", "2", "--ep", "2"]), ("glm4_moe", 4, ["--pp", "2", "--tp", "2", "--ep", "2"])]
+
+
+@pytest.fixture(scope="module", params=LAYOUTS, ids=lambda p: f"{p[0]}-{''.join(p[2]).replace('--', '')}")
 def parity(request, tmp_path_factory) -> dict:
+    arch, nproc, flags = request.param
     out = tmp_path_factory.mktemp("megatron_pp") / "parity.json"
     model = []
-    if request.param == "glm4_moe":
+    if arch == "glm4_moe":
         model_dir = tmp_path_factory.mktemp("glm4_moe")
         tiny_glm4_moe(seed=0).save_pretrained(model_dir)
         model = ["--model-dir", str(model_dir)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--nnodes", "1",
            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-           "-m", "learner.backends.megatron.parity_pp", "--out", str(out), "--pp", "2", *model]
+           "-m", "learner.backends.megatron.parity_pp", "--out", str(out), *flags, *model]
     env = {**os.environ, "SAO_TEST_THREADS": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return {**json.loads(out.read_text()), "arch": request.param}
+    return {**json.loads(out.read_text()), "arch": arch, "nproc": nproc}
 
 
-@pytest.mark.slow  # one 2-rank torchrun per arch, ~20 s each on 2 cores
+@pytest.mark.slow  # one torchrun per layout, 17-25 s each on 2 cores
 def test_pp2_forward_and_gradients_match_hf(parity):
-    assert parity["world_size"] == 2 and parity["pp"] == 2
+    assert parity["world_size"] == parity["nproc"] and parity["pp"] == 2
     # measured 4.5e-7 (logits, last stage), 9.5e-7 (log-probs, broadcast to every stage)
     assert parity["logits_vs_hf"] <= 1e-5 and parity["logits_on_last_stage_only"] is True
     assert parity["logprobs_vs_hf"] <= 1e-5
