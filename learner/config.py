@@ -210,6 +210,8 @@ BACKENDS, BACKEND_DTYPES = get_args(BackendName), get_args(BackendDtype)
 class BackendConfig:
     name: BackendName = "torch"  # torch: one process; megatron: megatron-core MoE, one process per rank (torchrun)
     expert_parallel: int = 1  # megatron: ranks the experts are split over (divides world size, num_experts)
+    tensor_parallel: int = 1  # megatron: ranks each matrix is split over (divides the heads; sequence parallel)
+    pipeline_parallel: int = 1  # megatron: layer stages (MegatronLearner only: sao learn's trainer needs 1)
     dtype: BackendDtype = "float32"  # megatron weights: float32 (CPU, parity) or bfloat16 (GPUs)
 
 
@@ -313,8 +315,20 @@ def _validate_backend(b: BackendConfig, model: ModelConfig, from_init: bool) -> 
         _fail("backend.name", f"'{b.name}' unknown; choose one of {', '.join(BACKENDS)}")
     if b.dtype not in BACKEND_DTYPES:
         _fail("backend.dtype", f"'{b.dtype}' unknown; choose one of {', '.join(BACKEND_DTYPES)}")
-    if b.expert_parallel < 1:
-        _fail("backend.expert_parallel", f"{b.expert_parallel} must be >= 1")
+    for name in ("expert_parallel", "tensor_parallel", "pipeline_parallel"):
+        if getattr(b, name) < 1:
+            _fail(f"backend.{name}", f"{getattr(b, name)} must be >= 1")
+    if b.name == "torch" and (b.tensor_parallel != 1 or b.pipeline_parallel != 1):
+        _fail("backend.tensor_parallel" if b.tensor_parallel != 1 else "backend.pipeline_parallel",
+              "tensor and pipeline parallelism need the megatron backend; set backend.name=megatron")
+    if b.pipeline_parallel != 1:
+        _fail("backend.pipeline_parallel", f"{b.pipeline_parallel}: the trainer's step code does not drive "
+              "megatron-core's pipeline schedule yet (MegatronLearner does: learner.backends.megatron.pipeline); "
+              "use 1")
+    if b.name == "megatron" and not from_init:
+        for field, n in (("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads)):
+            if n % b.tensor_parallel:
+                _fail("backend.tensor_parallel", f"{b.tensor_parallel} does not divide model.{field} {n}")
     if b.name == "torch" and (b.expert_parallel != 1 or b.dtype != "float32"):
         _fail("backend.expert_parallel" if b.expert_parallel != 1 else "backend.dtype",
               "expert parallelism and bfloat16 weights need the megatron backend; set backend.name=megatron")

@@ -140,3 +140,20 @@ def test_tp2_optimizer_steps_match_torch(parity):
         g_m, g_t = r[name]
         assert abs(g_m - g_t) <= 1e-5 * g_t
     assert r["policy_max_abs_grad_gt_1e-5"] <= 1e-6 and r["value_max_abs_grad_gt_1e-5"] <= 1e-6
+
+
+def test_backend_config_keys_are_validated_by_name():
+    from learner.config import LearnerConfig
+    from streamer.wire.config import ConfigError, load_config
+
+    tiny = ["model.num_experts=4", "model.experts_per_token=2", "loss.kl_coef=0"]
+    cfg = load_config(LearnerConfig, None, tiny + ["backend.name=megatron", "backend.tensor_parallel=2"])
+    assert (cfg.backend.tensor_parallel, cfg.backend.pipeline_parallel) == (2, 1)
+    with pytest.raises(ConfigError, match="backend.tensor_parallel.*need the megatron backend"):
+        load_config(LearnerConfig, None, ["backend.tensor_parallel=2"])
+    with pytest.raises(ConfigError, match="backend.tensor_parallel: 0 must be >= 1"):
+        load_config(LearnerConfig, None, tiny + ["backend.name=megatron", "backend.tensor_parallel=0"])
+    with pytest.raises(ConfigError, match="backend.tensor_parallel: 4 does not divide model.num_kv_heads 2"):
+        load_config(LearnerConfig, None, tiny + ["backend.name=megatron", "backend.tensor_parallel=4"])
+    with pytest.raises(ConfigError, match="backend.pipeline_parallel: 2: the trainer's step code"):
+        load_config(LearnerConfig, None, tiny + ["backend.name=megatron", "backend.pipeline_parallel=2"])

@@ -55,8 +55,9 @@ class MegatronBackend(Backend):
             self.lrn.load_hf_value(model)
 
     def layout(self) -> dict:
-        return {"backend": "megatron", "world_size": self.group.world,
-                "expert_parallel": self.lrn.options.expert_parallel}
+        o = self.lrn.options
+        extra = {k: getattr(o, k) for k in ("tensor_parallel", "pipeline_parallel") if getattr(o, k) != 1}
+        return {"backend": "megatron", "world_size": self.group.world, "expert_parallel": o.expert_parallel, **extra}
 
     def shutdown(self) -> None:
         parallel.shutdown()

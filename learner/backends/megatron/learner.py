@@ -240,7 +240,9 @@ def megatron_backend(cfg, hf_policy, hf_value=None) -> MegatronBackend:
     same HF weights; joins the ranks' process group, so every rank must call it."""
     b = cfg.backend
     check_expert_parallel(b.expert_parallel, num_experts(hf_policy.config), cfg.io.init or "model")
-    return MegatronBackend(make_megatron_learner(cfg, hf_policy, hf_value, MegatronOptions(b.expert_parallel, b.dtype)))
+    opts = MegatronOptions(b.expert_parallel, b.dtype, tensor_parallel=b.tensor_parallel,
+                           pipeline_parallel=b.pipeline_parallel)
+    return MegatronBackend(make_megatron_learner(cfg, hf_policy, hf_value, opts))
 
 
 def megatron_trainer_models(cfg, hf_policy, hf_value=None, options: MegatronOptions | None = None):
