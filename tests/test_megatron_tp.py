@@ -157,3 +157,69 @@ def test_backend_config_keys_are_validated_by_name():
         load_config(LearnerConfig, None, tiny + ["backend.name=megatron", "backend.tensor_parallel=4"])
     with pytest.raises(ConfigError, match="backend.pipeline_parallel: 2: the trainer's step code"):
         load_config(LearnerConfig, None, tiny + ["backend.name=megatron", "backend.pipeline_parallel=2"])
+
+
+# ---------------------------------------------------------------------- sao learn at TP 2
+
+from tests.test_megatron_learn import TRAIN, _max_abs, _policy, traj_file  # noqa: E402, F401
+
+TP_TRAIN = TRAIN + ["model.num_kv_heads=2"]  # megatron-core splits whole KV groups over the TP ranks
+
+
+def _set(items):
+    from streamer.wire.config import set_args
+
+    return set_args(items)
+
+
+@pytest.fixture(scope="module")
+def tp_run(traj_file, tmp_path_factory) -> Path:  # noqa: F811
+    """`sao learn --backend megatron --nproc 2` at TP 2 (the two ranks are one replica: they share every row),
+    expert TP 1: 2 steps."""
+    root = tmp_path_factory.mktemp("megatron_tp_learn")
+    cmd = [sys.executable, "-m", "streamer.launch.cli", "learn", "--backend", "megatron", "--nproc", "2",
+           "--set", "backend.tensor_parallel=2", "--trajectories", str(traj_file), "--checkpoint-dir",
+           str(root / "ck"), "--weights-dir", str(root / "w"), "--max-steps", "2", *_set(TP_TRAIN)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return root
+
+
+@pytest.fixture(scope="module")
+def torch_tp_ref(traj_file, tmp_path_factory) -> dict:  # noqa: F811
+    """The torch backend on the same file and model, 2 steps (as tests/test_megatron_learn.py's torch_run)."""
+    from learner.config import LearnerConfig
+    from learner.train import build_models
+    from learner.trainer.loop import Trainer
+    from learner.trainer.publish import DirectoryPublisher
+    from learner.trainer.source import FileSource
+    from streamer.transport.weights import WeightStore
+    from streamer.wire.config import load_config
+
+    root = tmp_path_factory.mktemp("torch_tp_ref")
+    cfg = load_config(LearnerConfig, None, TP_TRAIN + [f"checkpoint.dir={root / 'ck'}"])
+    events = []
+    trainer = Trainer(cfg, build_models(cfg), FileSource(traj_file), DirectoryPublisher(root / "w"), [events.append])
+    trainer.start()
+    assert trainer.step_once() and trainer.step_once()
+    return {"store": WeightStore(root / "w"), "events": events}
+
+
+@pytest.mark.slow  # a 2-rank torchrun of sao learn (~25 s) and a 2-step torch run
+def test_sao_learn_at_tp2_matches_the_torch_backend(tp_run, torch_tp_ref):
+    from streamer.transport.weights import WeightStore
+
+    events = [json.loads(line) for line in (tp_run / "ck" / "events.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["n_trajectories"]) for e in events] == [(1, 7), (2, 7)]
+    for e, t in zip(events, torch_tp_ref["events"]):  # metrics over the one replica's rows: not counted twice
+        for k in ("grad_norm", "value_grad_norm", "policy_loss", "n_tokens", "clip_frac"):
+            m_k, t_k = e["metrics"][f"learner/{k}"], t.metrics[f"learner/{k}"]
+            assert abs(m_k - t_k) <= 1e-5 * max(1.0, abs(t_k)), k
+    store, ref = WeightStore(tp_run / "w"), torch_tp_ref["store"]
+    assert [pv.version for pv in store.versions()] == [0, 1, 2]
+    assert _max_abs(_policy(store, 0), _policy(ref, 0)) == 0.0  # HF -> TP slices -> HF lossless
+    for v in (1, 2):  # published by shard (one writer: EP 1) after the TP gather; AdamW steps as the torch run's
+        assert _max_abs(_policy(store, v), _policy(ref, v)) <= 1e-6
+    state = json.loads((tp_run / "ck" / "step_00000002" / "state.json").read_text())
+    assert state["layout"] == {"backend": "megatron", "world_size": 2, "expert_parallel": 1, "tensor_parallel": 2}

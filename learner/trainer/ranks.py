@@ -12,7 +12,8 @@ whitening and group estimators see the whole batch) and back-propagates through 
 
 The objective is the global token (or sequence) mean: a micro-batch's loss is weighted by
 W * its tokens / the whole batch's tokens, and the gradient all-reduce divides the sum over ranks
-by W (learner.backends.megatron.grads).
+by W (learner.backends.megatron.grads). With tensor or pipeline parallelism the ranks of one model replica share
+its rows: W and r are then the data-parallel size and rank (`RankGroup(dp=(rank, size))`).
 """
 
 from __future__ import annotations
@@ -51,10 +52,12 @@ class Shard:
 class RankGroup:
     """Collectives the trainer needs, over the default torch.distributed group."""
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, device: torch.device | str = "cpu", dp: tuple[int, int] | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("RankGroup: torch.distributed is not initialised (launch with torchrun)")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        # (data-parallel rank, size): who shares rows; every rank of one replica (TP, PP) gets the same rows
+        self.dp_rank, self.dp_world = dp if dp is not None else (self.rank, self.world)
         self.device = torch.device(device)  # NCCL moves device tensors only
 
     @property
@@ -62,8 +65,8 @@ class RankGroup:
         return self.rank == 0
 
     def shard(self, n: int) -> Shard:
-        idx, real = shard_rows(n, self.rank, self.world)
-        return Shard(idx, real, self.world, self)
+        idx, real = shard_rows(n, self.dp_rank, self.dp_world)
+        return Shard(idx, real, self.dp_world, self)
 
     def barrier(self) -> None:
         dist.barrier()
@@ -108,7 +111,9 @@ class RankGroup:
     def reduce_metrics(self, m: dict[str, float]) -> dict[str, float]:
         """Per-rank weighted sums -> whole-batch values by each key's declared reduction
         (streamer.wire.reductions): means summed / W, sums summed, maxima maxed. Every rank must pass the same
-        keys (the same loss function does)."""
+        keys (the same loss function does). The world / W ranks of one replica report the same rows: sums are
+        divided by that count."""
+        copies = self.world // self.dp_world
         how = {k: reduction(f"learner/{k}") for k in sorted(m)}
         mx = [k for k, red in how.items() if red == "max"]
         rest = [k for k, red in how.items() if red != "max"]
@@ -116,7 +121,7 @@ class RankGroup:
         if rest:
             t = torch.tensor([m[k] for k in rest], dtype=torch.float64, device=self.device)
             dist.all_reduce(t)
-            out.update({k: float(v) if how[k] == "sum" else float(v) / self.world for k, v in zip(rest, t.tolist())})
+            out.update({k: float(v) / (copies if how[k] == "sum" else self.world) for k, v in zip(rest, t.tolist())})
         if mx:
             t = torch.tensor([m[k] for k in mx], dtype=torch.float64, device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)

@@ -31,7 +31,7 @@ class MegatronBackend(Backend):
     def __init__(self, lrn) -> None:
         self.lrn = lrn
         self.device, self.hf_config = lrn.device, lrn.hf_config
-        self.group = RankGroup(lrn.device)
+        self.group = RankGroup(lrn.device, dp=(lrn.layout["dp_rank"], lrn.layout["dp"]))
         value = HFCompatValue(lrn.value, lrn.device) if lrn.value is not None else None
         self.models = Models(HFCompatPolicy(lrn.policy, lrn.device), lrn.opt, value,
                              lrn.value_opt if value is not None else None, backend=self)
