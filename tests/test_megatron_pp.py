@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 
-from learner.backends.megatron import convert, pipeline  # noqa: E402
+from learner.backends.megatron import convert, parallel, pipeline  # noqa: E402
 from learner.models.policy import build_policy  # noqa: E402
 from tests.test_megatron_backend import GRAD_TENSORS, _free_port, tiny_glm4_moe  # noqa: E402
 
@@ -25,20 +25,20 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_layer_split_by_hand():
-    assert pipeline.stage_ranges(4, 2) == [range(0, 2), range(2, 4)]
-    assert pipeline.stage_ranges(3, 2) == [range(0, 2), range(2, 3)]  # the first stage takes the remainder
-    assert pipeline.stage_ranges(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
-    assert pipeline.config_settings(3, 2) == {"num_layers_in_first_pipeline_stage": 2}
-    assert pipeline.config_settings(4, 2) == {} and pipeline.config_settings(3, 1) == {}
+    assert parallel.stage_ranges(4, 2) == [range(0, 2), range(2, 4)]
+    assert parallel.stage_ranges(3, 2) == [range(0, 2), range(2, 3)]  # the first stage takes the remainder
+    assert parallel.stage_ranges(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
+    assert parallel.config_settings(3, 2) == {"num_layers_in_first_pipeline_stage": 2}
+    assert parallel.config_settings(4, 2) == {} and parallel.config_settings(3, 1) == {}
     with pytest.raises(ValueError, match="pipeline_parallel=4 exceeds the model's 3 layers"):
-        pipeline.stage_ranges(3, 4)
+        parallel.stage_ranges(3, 4)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "glm4_moe"])
 def test_stages_map_their_own_layers_and_merge_back_bit_identical(arch):
     policy = build_policy(seed=2) if arch == "qwen3_moe" else tiny_glm4_moe(seed=2)
     sd, cfg = policy.state_dict(), policy.config
-    ranges = pipeline.stage_ranges(cfg.num_hidden_layers, 2)
+    ranges = parallel.stage_ranges(cfg.num_hidden_layers, 2)
     stages = [pipeline.Stage(tuple(r), first=s == 0, last=s == 1) for s, r in enumerate(ranges)]
     parts = [convert.hf_to_megatron(sd, cfg, stage=st) for st in stages]
     last = parts[1]

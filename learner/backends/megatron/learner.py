@@ -51,6 +51,7 @@ class MegatronOptions:
     pipeline_parallel: int = 1  # pipeline stages (megatron-core PP)
     expert_tensor_parallel: int = 1  # ranks that split each expert's matrices (1: whole experts)
     micro_batches: int = 1  # pipeline_parallel > 1: micro-batches per step (exact for token-mean losses)
+    shard_optimizer: bool = False  # AdamW state sharded over the data-parallel ranks (zero.ShardedAdamW)
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -97,13 +98,13 @@ class MegatronLearner:
                              "critic has no pipeline schedule yet): use an estimator without a critic")
         self.load_hf_policy(hf_policy)
         self.policy_loss = policy_loss
-        self.opt = _adamw(self.policy, self.optim_cfg.lr, self.optim_cfg)
+        self.opt = _adamw(self.policy, self.optim_cfg.lr, self.optim_cfg, self.options.shard_optimizer)
         self.value = None
         self.value_loss_fn = value_loss_fn
         if hf_value is not None:
             self.value = MegatronValueModel(hf_value.config, dtype).to(self.device)
             self.load_hf_value(hf_value)
-            self.value_opt = _adamw(self.value, self.optim_cfg.value_lr, self.optim_cfg)
+            self.value_opt = _adamw(self.value, self.optim_cfg.value_lr, self.optim_cfg, self.options.shard_optimizer)
 
     # ---- forward passes
     def forward_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -269,8 +270,13 @@ def _layout_matches(o: MegatronOptions) -> bool:
     return (lay["ep"], lay["tp"], lay["pp"], lay["etp"]) == o.sizes()
 
 
-def _adamw(module: torch.nn.Module, lr: float, o: OptimSettings) -> torch.optim.Optimizer:
-    # A plain torch optimizer: megatron's distributed/bf16 optimizers assert CUDA tensors. Every
+def _adamw(module: torch.nn.Module, lr: float, o: OptimSettings, shard: bool = False) -> torch.optim.Optimizer:
+    if shard:
+        from learner.backends.megatron.zero import ShardedAdamW
+
+        return ShardedAdamW([(n, p) for n, p in module.named_parameters() if p.requires_grad], lr=lr,
+                            betas=tuple(o.betas), weight_decay=o.weight_decay)
+    # Unsharded: a plain torch optimizer (megatron's distributed/bf16 optimizers assert CUDA tensors); every
     # rank steps its own copy of the dense weights with identical all-reduced grads.
     return torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=lr,
                              betas=tuple(o.betas), weight_decay=o.weight_decay)

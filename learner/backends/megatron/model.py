@@ -56,7 +56,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from learner.backends.megatron import cpu_compat, pipeline
+from learner.backends.megatron import cpu_compat, parallel
 
 
 def _qwen3_moe_refusals(c) -> dict[str, bool]:
@@ -170,7 +170,7 @@ def transformer_config(hf_cfg, dtype: torch.dtype = torch.float32):
         sequence_parallel=ps.get_tensor_model_parallel_world_size() > 1,
         pipeline_dtype=dtype,
         batch_p2p_comm=not cpu_compat.needed(),  # batched p2p is followed by torch.cuda.synchronize()
-        **pipeline.config_settings(hf_cfg.num_hidden_layers, ps.get_pipeline_model_parallel_world_size()),
+        **parallel.config_settings(hf_cfg.num_hidden_layers, ps.get_pipeline_model_parallel_world_size()),
         normalization="RMSNorm",
         layernorm_epsilon=hf_cfg.rms_norm_eps,
         qk_layernorm=qk_norm(hf_cfg),

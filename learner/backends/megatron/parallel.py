@@ -71,6 +71,21 @@ def layout() -> dict[str, int]:
             "edp_rank": ps.get_expert_data_parallel_rank()}
 
 
+def stage_ranges(n_layers: int, pp: int) -> list[range]:
+    """Each stage's global layers: L // PP each, the first stage also the remainder."""
+    if n_layers < pp:
+        raise ValueError(f"pipeline_parallel={pp} exceeds the model's {n_layers} layers")
+    per, extra = divmod(n_layers, pp)
+    starts = [0] + [per + extra + i * per for i in range(pp)]
+    return [range(starts[s], starts[s + 1]) for s in range(pp)]
+
+
+def config_settings(n_layers: int, pp: int) -> dict:
+    """TransformerConfig fields giving megatron-core the split of `stage_ranges`."""
+    per, extra = divmod(n_layers, pp)
+    return {"num_layers_in_first_pipeline_stage": per + extra} if pp > 1 and extra else {}
+
+
 def reset() -> None:
     """Drop megatron's parallel state (the torch process group stays), e.g. to change EP."""
     from megatron.core import parallel_state as ps

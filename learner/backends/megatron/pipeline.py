@@ -6,7 +6,7 @@ forward and their gradients back between stages with point-to-point sends (gloo 
 schedule's one CUDA-only tensor). The loss is computed on the last stage only.
 
 Layer split: L // PP layers per stage, the first stage taking the remainder (megatron's
-num_layers_in_first_pipeline_stage); `stage_ranges` is that split, checked against the built model.
+num_layers_in_first_pipeline_stage); `parallel.stage_ranges` is that split, checked against the built model.
 
 Micro-batches: the batch rows are cut into M micro-batches; micro-batch m's loss is weighted by its share of the
 batch's loss tokens, so the sum equals the whole batch's loss for token-mean aggregation (the default, `loss.agg`
@@ -22,27 +22,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from learner.backends.megatron.parallel import stage_ranges
+
 
 @dataclass(frozen=True)
 class Stage:
     layers: tuple[int, ...]  # the global HF layer indices this stage holds (megatron names them 0.. locally)
     first: bool = True  # holds the embedding
     last: bool = True  # holds the final norm and the output layer
-
-
-def stage_ranges(n_layers: int, pp: int) -> list[range]:
-    """Each stage's global layers: L // PP each, the first stage also the remainder."""
-    if n_layers < pp:
-        raise ValueError(f"pipeline_parallel={pp} exceeds the model's {n_layers} layers")
-    per, extra = divmod(n_layers, pp)
-    starts = [0] + [per + extra + i * per for i in range(pp)]
-    return [range(starts[s], starts[s + 1]) for s in range(pp)]
-
-
-def config_settings(n_layers: int, pp: int) -> dict:
-    """TransformerConfig fields giving megatron-core the split of `stage_ranges`."""
-    per, extra = divmod(n_layers, pp)
-    return {"num_layers_in_first_pipeline_stage": per + extra} if pp > 1 and extra else {}
 
 
 def stage_of(model, n_layers: int, pp: int, pp_rank: int) -> Stage:
