@@ -1,7 +1,9 @@
 """AdamW with its state sharded over the data-parallel ranks (ZeRO stage 1), on CPU and GPU alike.
 
-megatron-core's DistributedOptimizer needs its DDP's gradient buffers, which assert CUDA (streams, events,
-`device="cuda"` buffers: cpu_compat does not patch them), so the backend shards the optimizer itself:
+megatron-core 0.16's DistributedOptimizer does not run on CPU: it accepts only parameters whose type() is
+torch.cuda.{Float,Half,BFloat16}Tensor (distrib_optimizer.py, _build_model_and_main_param_groups raises otherwise),
+its mixed-precision base allocates `found_inf` with device="cuda", and it needs megatron's DDP grad buffers. So the
+backend shards the optimizer itself:
 
   buckets   the parameters of one kind (dense: replicated over the data-parallel group; experts: over the
             expert-data-parallel group) and dtype become views into one flat buffer, padded to a multiple of the
