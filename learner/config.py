@@ -212,6 +212,7 @@ class BackendConfig:
     expert_parallel: int = 1  # megatron: ranks the experts are split over (divides world size, num_experts)
     tensor_parallel: int = 1  # megatron: ranks each matrix is split over (divides the heads; sequence parallel)
     pipeline_parallel: int = 1  # megatron: layer stages (MegatronLearner only: sao learn's trainer needs 1)
+    shard_optimizer: bool = False  # megatron: AdamW state sharded over the data-parallel ranks (ZeRO-1)
     dtype: BackendDtype = "float32"  # megatron weights: float32 (CPU, parity) or bfloat16 (GPUs)
 
 
@@ -318,6 +319,8 @@ def _validate_backend(b: BackendConfig, model: ModelConfig, from_init: bool) -> 
     for name in ("expert_parallel", "tensor_parallel", "pipeline_parallel"):
         if getattr(b, name) < 1:
             _fail(f"backend.{name}", f"{getattr(b, name)} must be >= 1")
+    if b.name == "torch" and b.shard_optimizer:
+        _fail("backend.shard_optimizer", "the sharded optimizer needs the megatron backend; set backend.name=megatron")
     if b.name == "torch" and (b.tensor_parallel != 1 or b.pipeline_parallel != 1):
         _fail("backend.tensor_parallel" if b.tensor_parallel != 1 else "backend.pipeline_parallel",
               "tensor and pipeline parallelism need the megatron backend; set backend.name=megatron")

@@ -242,7 +242,7 @@ def megatron_backend(cfg, hf_policy, hf_value=None) -> MegatronBackend:
     b = cfg.backend
     check_expert_parallel(b.expert_parallel, num_experts(hf_policy.config), cfg.io.init or "model")
     opts = MegatronOptions(b.expert_parallel, b.dtype, tensor_parallel=b.tensor_parallel,
-                           pipeline_parallel=b.pipeline_parallel)
+                           pipeline_parallel=b.pipeline_parallel, shard_optimizer=b.shard_optimizer)
     return MegatronBackend(make_megatron_learner(cfg, hf_policy, hf_value, opts))
 
 
