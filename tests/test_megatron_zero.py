@@ -50,3 +50,42 @@ def test_each_rank_holds_its_share_of_the_moments(zero):
         assert sh["optimizer_state_bytes"] == [params + 4 + 16] * 2
     else:  # EP 2 on 2 ranks: experts are not replicated (expert-DP 1), only the dense weights are sharded
         assert rep["optimizer_state_bytes"][0] > sh["optimizer_state_bytes"][0] > params
+
+
+# ---------------------------------------------------------------------- sao learn with backend.shard_optimizer
+
+from tests.test_megatron_learn import TRAIN, _max_abs, _policy, torch_run, traj_file  # noqa: E402, F401
+
+
+def _learn_sharded(traj: Path, root: Path, max_steps: int) -> None:
+    from streamer.wire.config import set_args
+
+    cmd = [sys.executable, "-m", "streamer.launch.cli", "learn", "--backend", "megatron", "--nproc", "2",
+           "--set", "backend.shard_optimizer=true", "--trajectories", str(traj), "--checkpoint-dir", str(root / "ck"),
+           "--weights-dir", str(root / "w"), "--max-steps", str(max_steps), *set_args(TRAIN)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.mark.slow  # two 2-rank torchruns of sao learn (~25 s each) and tests/test_megatron_learn.py's torch run
+def test_sao_learn_with_sharded_optimizer_resumes_and_matches_torch(traj_file, torch_run, tmp_path):  # noqa: F811
+    """(EP 1, DP 2), the AdamW moments split over the two ranks: a first launch stops after step 1, a second resumes
+    from the per-rank shards of the moments and trains steps 2 and 3 as the uninterrupted torch run does."""
+    from safetensors.torch import load_file
+
+    from streamer.transport.weights import WeightStore
+
+    _learn_sharded(traj_file, tmp_path, max_steps=1)
+    ck = tmp_path / "ck" / "step_00000001"
+    layout = json.loads((ck / "state.json").read_text())["layout"]
+    assert layout == {"backend": "megatron", "world_size": 2, "expert_parallel": 1, "shard_optimizer": True}
+    shards = [load_file(str(ck / f"optim_policy.rank0000{r}.safetensors")) for r in (0, 1)]
+    n_params = sum(t.numel() for t in load_file(str(ck / "policy.safetensors")).values())
+    moments = [sum(t.numel() for k, t in s.items() if "exp_avg" in k) for s in shards]
+    assert all(m <= n_params + 8 for m in moments)  # 2 moments of about half the weights each (not 2 x all)
+    _learn_sharded(traj_file, tmp_path, max_steps=3)
+    store = WeightStore(tmp_path / "w")
+    assert [pv.version for pv in store.versions()] == [0, 1, 2, 3]
+    for v in (1, 2, 3):  # a restarted Adam, or the wrong rank's moments, would move the weights by ~lr
+        assert _max_abs(_policy(store, v), _policy(torch_run["store"], v)) <= 1e-6

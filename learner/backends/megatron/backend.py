@@ -56,7 +56,9 @@ class MegatronBackend(Backend):
 
     def layout(self) -> dict:
         o = self.lrn.options
+        # the keys earlier checkpoints lack appear only when set (their optimizer files hold other shapes)
         extra = {k: getattr(o, k) for k in ("tensor_parallel", "pipeline_parallel") if getattr(o, k) != 1}
+        extra.update({"shard_optimizer": True} if o.shard_optimizer else {})
         return {"backend": "megatron", "world_size": self.group.world, "expert_parallel": o.expert_parallel, **extra}
 
     def shutdown(self) -> None:
