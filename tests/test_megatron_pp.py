@@ -1,8 +1,8 @@
 """Megatron backend at pipeline parallelism 2: the layer split, the stage's HF <-> megatron mapping (by hand), and
 parity with the HF/torch model under torchrun (2 processes, gloo, CPU) through megatron-core's 1F1B schedule, for
 both mapped architectures (the tiny Qwen3-MoE: 4 layers, tied embeddings; the tiny GLM-4-MoE: 3 layers, split 2 + 1,
-untied), with 1 and 3 micro-batches; and on 4 processes (PP 2, EP 2: two data-parallel replicas) and (TP 2, PP 2,
-EP 2)."""
+untied), the policy and the critic, with 1 and 3 micro-batches; and on 4 processes (PP 2, EP 2: two data-parallel
+replicas) and (TP 2, PP 2, EP 2)."""
 
 from __future__ import annotations
 
@@ -115,3 +115,14 @@ def test_pp2_optimizer_steps_match_torch(parity):
         g_m, g_t = parity[f"step_adamw_m{m}_grad_norm"]
         assert abs(g_m - g_t) <= 1e-5 * g_t and g_t > 1.0  # every weight counted once over the stages
         assert parity[f"step_sgd_m{m}_loss"] > 0.0  # the last stage's SAO loss reached the stats
+
+
+@pytest.mark.slow  # the `parity` fixture (torchrun)
+def test_pp2_critic_matches_the_value_model(parity):
+    # the critic's backbone in stages, its head on the last: values within fp32 rounding of H2's ValueModel
+    assert parity["values_vs_hf"] <= 1e-5 and parity["value_roundtrip_exact"] is True
+    for m in (1, 3):  # one clipped-value-loss AdamW step (lr 1e-3, clip 1.0)
+        assert parity[f"value_step_m{m}_max_abs_grad_gt_1e-5"] <= 1e-6
+        assert parity[f"value_step_m{m}_max_abs"] <= 1e-4  # 0.1 * lr where |g| ~ eps (measured 5.2e-5)
+        g_m, g_t = parity[f"value_step_m{m}_grad_norm"]
+        assert abs(g_m - g_t) <= 1e-5 * g_t

@@ -93,9 +93,6 @@ class MegatronLearner:
         dtype = _DTYPES[self.options.dtype]
         self.policy = build_gpt(self.hf_config, dtype=dtype).to(self.device)
         self.stage = pipeline.stage_of(self.policy, self.hf_config.num_hidden_layers, pp, self.layout["pp_rank"])
-        if pp > 1 and hf_value is not None:
-            raise ValueError("MegatronOptions.pipeline_parallel > 1 with a value model is not supported (the "
-                             "critic has no pipeline schedule yet): use an estimator without a critic")
         self.load_hf_policy(hf_policy)
         self.policy_loss = policy_loss
         self.opt = _adamw(self.policy, self.optim_cfg.lr, self.optim_cfg, self.options.shard_optimizer)
@@ -103,6 +100,8 @@ class MegatronLearner:
         self.value_loss_fn = value_loss_fn
         if hf_value is not None:
             self.value = MegatronValueModel(hf_value.config, dtype).to(self.device)
+            self.value_stage = pipeline.stage_of(self.value.backbone, self.hf_config.num_hidden_layers, pp,
+                                                 self.layout["pp_rank"])
             self.load_hf_value(hf_value)
             self.value_opt = _adamw(self.value, self.optim_cfg.value_lr, self.optim_cfg, self.options.shard_optimizer)
 
@@ -115,12 +114,7 @@ class MegatronLearner:
         input_ids = input_ids.to(self.device)
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(self.device)
         if self.layout["pp"] > 1:  # through the schedule, no graph kept: every stage gets the last stage's values
-            mbs = pipeline.micro_batches({"input_ids": input_ids, "attention_mask": mask, "temperature": temperature},
-                                         1, self.layout["tp"])
-            with torch.no_grad():
-                res = pipeline.run(self.policy, mbs, None, forward_only=True)
-            return pipeline.broadcast_from_last(res[0]["logp"] if res else None, tuple(input_ids.shape),
-                                                torch.float32)
+            return pipeline.forward(self.policy, input_ids, mask, self.layout["tp"], temperature)
         return logprobs_from_logits(megatron_logits(self.policy, input_ids, mask), input_ids, mask, temperature)
 
     def values(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
@@ -128,6 +122,8 @@ class MegatronLearner:
             raise RuntimeError("MegatronLearner.values: built without a value model (pass hf_value)")
         input_ids = input_ids.to(self.device)
         mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(self.device)
+        if self.layout["pp"] > 1:  # as forward_logprobs: no graph
+            return pipeline.forward(self.value, input_ids, mask, self.layout["tp"], values=True)
         v = run(self.value, input_ids, mask)
         return torch.where(mask.bool(), v, torch.zeros_like(v))  # 0 at padding, as scoring.values
 
@@ -153,6 +149,10 @@ class MegatronLearner:
         self.value.train()
         self.value_opt.zero_grad(set_to_none=True)
         batch = _to(batch, self.device)
+        if self.layout["pp"] > 1:
+            stats = pipeline.train(self.value, batch, self.options.micro_batches, self.layout["tp"],
+                                   self.value_loss_fn, loss_scale, values=True)
+            return {**stats, **_reduce_and_step(self.value, self.value_opt, self.optim_cfg.grad_clip)}
         v = self.values(batch["input_ids"], batch.get("attention_mask"))
         loss, stats = self.value_loss_fn(v, batch)
         (loss * loss_scale).backward()
@@ -187,13 +187,17 @@ class MegatronLearner:
 
         if self.value is None:
             raise RuntimeError("MegatronLearner.value_state_dict: built without a value model")
-        local = convert.megatron_to_hf(self.full_params(self.value.backbone), self.hf_config,
-                                       self.ep_rank, self.ep_size, prefix="backbone.", with_output=False)
+        from learner.models.value import ValueModel
+
+        local = convert.megatron_to_hf(self.full_params(self.value.backbone), self.hf_config, self.ep_rank,
+                                       self.ep_size, prefix="backbone.", with_output=False, stage=self.value_stage)
         local.pop("lm_head.weight", None)
         vh = self.value.value_head
-        local.update({"backbone.norm.weight": vh.norm.weight.detach(),
-                      "head.weight": vh.head.weight.detach(), "head.bias": vh.head.bias.detach()})
-        return _cpu(convert.gather_experts(local, self.hf_config, ps.get_expert_model_parallel_group()))
+        if self.value_stage.last:  # the head on other stages is never used
+            local.update({"backbone.norm.weight": vh.norm.weight.detach(),
+                          "head.weight": vh.head.weight.detach(), "head.bias": vh.head.bias.detach()})
+        full = convert.gather_experts(local, self.hf_config, ps.get_expert_model_parallel_group())
+        return _cpu(pipeline.gather_stages(full, self.hf_config, _DTYPES[self.options.dtype], ValueModel))
 
     def full_params(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         """`module`'s megatron tensors whole over TP (this rank's experts): a collective over TP and expert TP."""
@@ -225,7 +229,8 @@ class MegatronLearner:
     def load_hf_value(self, hf_value) -> None:
         if self.value is None:
             raise RuntimeError("MegatronLearner.load_hf_value: built without a value model")
-        load_value(self.value, hf_value.state_dict(), self.hf_config, self.ep_rank, self.ep_size, self.layout)
+        load_value(self.value, hf_value.state_dict(), self.hf_config, self.ep_rank, self.ep_size, self.layout,
+                   self.value_stage)
 
     def export_hf_value(self):
         """H2's `ValueModel` holding the critic's current weights (collective)."""
@@ -312,10 +317,10 @@ def load_megatron(module: torch.nn.Module, sd: dict[str, torch.Tensor]) -> None:
 
 
 def load_value(vm: MegatronValueModel, hf_sd: dict[str, torch.Tensor], hf_cfg, ep_rank: int,
-               ep_size: int, layout: dict[str, int]) -> None:
-    """H2's ValueModel state dict (backbone.*, head.*) -> MegatronValueModel on this rank."""
+               ep_size: int, layout: dict[str, int], stage=None) -> None:
+    """H2's ValueModel state dict (backbone.*, head.*) -> MegatronValueModel on this rank (of pipeline `stage`)."""
     load_megatron(vm.backbone, tp.shard_state(convert.hf_to_megatron(
-        hf_sd, hf_cfg, ep_rank, ep_size, prefix="backbone.", with_output=False), layout))
+        hf_sd, hf_cfg, ep_rank, ep_size, prefix="backbone.", with_output=False, stage=stage), layout))
     with torch.no_grad():
         vm.value_head.norm.weight.copy_(hf_sd["backbone.norm.weight"])
         vm.value_head.head.weight.copy_(hf_sd["head.weight"])

@@ -213,7 +213,8 @@ def build_gpt(hf_cfg, post_process: bool = True, dtype: torch.dtype = torch.floa
         pre_process=ps.is_pipeline_first_stage(ignore_virtual=True),
         post_process=post_process and ps.is_pipeline_last_stage(ignore_virtual=True),
         parallel_output=False,  # full-vocab logits on every TP rank (the losses take log-softmax over them)
-        share_embeddings_and_output_weights=bool(hf_cfg.tie_word_embeddings),
+        # the critic's backbone has no output layer to tie (at PP > 1 megatron would sync a copy it never builds)
+        share_embeddings_and_output_weights=bool(hf_cfg.tie_word_embeddings) and post_process,
         position_embedding_type="rope",
         rotary_percent=float(getattr(hf_cfg, "partial_rotary_factor", 1.0)),
         rotary_base=hf_cfg.rope_theta,  # float: no truncation of e.g. 1e6 or 5e5
@@ -340,7 +341,22 @@ class MegatronValueModel(torch.nn.Module):
         self.backbone = build_gpt(hf_cfg, post_process=False, dtype=dtype)
         self.value_head = ValueHead(hf_cfg.hidden_size, hf_cfg.rms_norm_eps, dtype)
 
+    @property
+    def config(self):  # megatron's schedules read the model's config and type
+        return self.backbone.config
+
+    @property
+    def model_type(self):
+        return self.backbone.model_type
+
+    def set_input_tensor(self, t) -> None:  # pipeline stages after the first: the previous stage's hidden states
+        self.backbone.set_input_tensor(t)
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, T] values on the last pipeline stage (the only one without PP); elsewhere the hidden states to send."""
+        from megatron.core import parallel_state as ps
+
         pos = positions(input_ids) if position_ids is None else position_ids
-        return self.value_head(self.backbone(input_ids, pos, attention_mask=attention_mask))
+        hidden = self.backbone(input_ids, pos, attention_mask=attention_mask)
+        return self.value_head(hidden) if ps.is_pipeline_last_stage(ignore_virtual=True) else hidden

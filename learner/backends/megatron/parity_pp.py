@@ -10,6 +10,7 @@ The policy runs through megatron-core's 1F1B schedule (`pipeline.run`); batches,
                                  loss split in M micro-batches (1 and 3: warm-up, 1F1B and cool-down all run)
   step_{sgd,adamw}_m{M}_*        one SAO step vs the torch step (as parity.check_step)
   roundtrip_exact                HF -> megatron stages -> gathered HF is bit-identical
+  values_vs_hf, value_step_m{M}_*, value_roundtrip_exact   the critic the same way (clipped value loss, AdamW)
 """
 
 from __future__ import annotations
@@ -113,6 +114,50 @@ def check_step(opts: MegatronOptions, opt_name: str, out: dict, model_dir: str |
     out[f"{key}_loss"] = _all_max(stats.get("loss", float("-inf")))  # the last stage's
 
 
+def check_value(opts: MegatronOptions, out: dict, model_dir: str | None) -> None:
+    """The critic through the schedule: values, one clipped-value-loss AdamW step (lr 1e-3, clip 1.0) vs H2's
+    ValueModel, and the critic's round trip."""
+    from learner.algorithms import value_loss
+    from learner.config import LearnerConfig
+
+    vcfg = LearnerConfig().value
+    policy, value = _hf_models(model_dir)
+    lay = parallel.layout()
+    batches = with_behaviour([batch_for(r, policy.config.vocab_size) for r in range(lay["dp"])], policy)
+    with torch.no_grad():
+        for b in batches:
+            b["old_values"] = value(b["input_ids"], b["attention_mask"])
+            b["returns"] = b["old_values"] + 0.3 * b["noise"]
+
+    def vl(v, b):
+        return value_loss(v, b["old_values"], b["returns"], b["loss_mask"], clip=vcfg.value_clip, agg=vcfg.agg)
+
+    mine = batches[lay["dp_rank"]]
+    lrn = MegatronLearner(policy, value, opts, OptimSettings(lr=1e-3, value_lr=1e-3, grad_clip=1.0), sao, vl)
+    m = opts.micro_batches
+    if m == 1:
+        with torch.no_grad():
+            out["values_vs_hf"] = _all_max(_max_abs(lrn.values(mine["input_ids"], mine["attention_mask"]),
+                                                    value(mine["input_ids"], mine["attention_mask"]),
+                                                    mine["attention_mask"]))
+        vsd, back = value.state_dict(), lrn.value_state_dict()
+        out["value_roundtrip_exact"] = bool(_all_max(float(set(back) != set(vsd) or any(
+            not torch.equal(back[k], vsd[k]) for k in vsd))) == 0.0)
+    stats = lrn.value_step(mine)
+    after_m = lrn.value_state_dict()
+    opt = torch.optim.AdamW(value.parameters(), lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
+    losses = [vl(value(b["input_ids"], b["attention_mask"]), b)[0] for b in batches]
+    (sum(losses) / len(losses)).backward()
+    torch_norm = float(torch.nn.utils.clip_grad_norm_(value.parameters(), 1.0))
+    opt.step()
+    after_t = value.state_dict()
+    g = {n: p.grad for n, p in value.named_parameters() if p.grad is not None}
+    out[f"value_step_m{m}_max_abs"] = _all_max(max(_max_abs(after_m[k], after_t[k]) for k in after_t))
+    out[f"value_step_m{m}_max_abs_grad_gt_1e-5"] = _all_max(max(
+        _max_abs(after_m[k], after_t[k], g[k].abs() > 1e-5) for k in g))
+    out[f"value_step_m{m}_grad_norm"] = [stats["grad_norm"], torch_norm]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -134,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         check_grads(opts, out, src)
         check_step(opts, "sgd", out, src)
         check_step(opts, "adamw", out, src)
+        check_value(opts, out, src)
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=2)

@@ -68,9 +68,10 @@ def micro_batches(batch: dict, n: int, tp: int) -> list[dict]:
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
 
 
-def run(model, mbs: list[dict], loss_fn: LossFn | None, forward_only: bool) -> list[dict]:
+def run(model, mbs: list[dict], loss_fn: LossFn | None, forward_only: bool, values: bool = False) -> list[dict]:
     """One pass over `mbs` through the 1F1B schedule; on the last stage a list of per-micro-batch dicts
-    {"logp": [b, T] detached, "stats": the loss's stats}, elsewhere []. Gradients accumulate on every stage's
+    {"logp" ([b, T], detached; "values" for the critic, `values=True`), "stats": the loss's stats}, elsewhere [].
+    The loss takes the log-probs (the critic: the values, 0 at padding). Gradients accumulate on every stage's
     parameters (the caller zeroes and reduces them)."""
     from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
 
@@ -82,14 +83,16 @@ def run(model, mbs: list[dict], loss_fn: LossFn | None, forward_only: bool) -> l
         mb = next(data_iterator)
         out = gpt(mb["padded_ids"], mb["positions"], mb["mask4d"])
 
-        def loss_func(logits):
-            logits = logits.float()[:, :mb["t"]]
-            logp = logprobs_from_logits(logits, mb["input_ids"], mb["attention_mask"], mb.get("temperature"))
+        def loss_func(output):
+            output = output.float()[:, :mb["t"]]
+            mask = mb["attention_mask"].bool()
+            key, x = ("values", torch.where(mask, output, torch.zeros_like(output))) if values else (
+                "logp", logprobs_from_logits(output, mb["input_ids"], mb["attention_mask"], mb.get("temperature")))
             if loss_fn is None:
-                return logits.sum() * 0.0, {"logp": logp.detach(), "logits": logits.detach()}
-            loss, stats = loss_fn(logp, mb)
+                return output.sum() * 0.0, {key: x.detach(), "logits": output.detach()}
+            loss, stats = loss_fn(x, mb)
             # the schedule divides by the number of micro-batches: the sum is sum_m weight_m * loss_m
-            return loss * (mb["weight"] * n), {"logp": logp.detach(), "stats": stats, "weight": mb["weight"]}
+            return loss * (mb["weight"] * n), {key: x.detach(), "stats": stats, "weight": mb["weight"]}
 
         return out, loss_func
 
@@ -102,23 +105,25 @@ def run(model, mbs: list[dict], loss_fn: LossFn | None, forward_only: bool) -> l
         seq_length=seq, micro_batch_size=rows, forward_only=forward_only)
 
 
-def train(model, batch: dict, n: int, tp: int, loss_fn: LossFn, loss_scale: float = 1.0) -> dict[str, float]:
+def train(model, batch: dict, n: int, tp: int, loss_fn: LossFn, loss_scale: float = 1.0,
+          values: bool = False) -> dict[str, float]:
     """Forward and backward of `loss_scale * loss_fn` over `batch` in `n` micro-batches; the loss's float stats
     (weighted like the loss) on the last stage, {} elsewhere."""
     def scaled(logp, b):
         loss, stats = loss_fn(logp, b)
         return loss * loss_scale, stats
 
-    res = run(model, micro_batches(batch, n, tp), scaled, forward_only=False)
+    res = run(model, micro_batches(batch, n, tp), scaled, forward_only=False, values=values)
     keys = [k for k, v in (res[0]["stats"] if res else {}).items() if isinstance(v, (int, float)) or
             (torch.is_tensor(v) and v.numel() == 1)]
     return {k: sum(float(r["stats"][k]) * r["weight"] for r in res) for k in keys}
 
 
-def gather_stages(local: dict[str, torch.Tensor], hf_cfg, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def gather_stages(local: dict[str, torch.Tensor], hf_cfg, dtype: torch.dtype,
+                  template=None) -> dict[str, torch.Tensor]:
     """The whole HF state dict on every stage from each stage's own part (a collective over the pipeline group:
     one broadcast per HF tensor from the stage that holds it, in name order; shapes from the HF model on the meta
-    device; GLM's router bias stays fp32, everything else travels in the training dtype)."""
+    device, `template(hf_cfg)` or the causal LM's; GLM's router bias stays fp32, the rest travels in `dtype`)."""
     from megatron.core import parallel_state as ps
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -126,8 +131,9 @@ def gather_stages(local: dict[str, torch.Tensor], hf_cfg, dtype: torch.dtype) ->
     if pp == 1:
         return local
     group, me = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_rank()
+    template = template or MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_cfg)]
     with torch.device("meta"):
-        shapes = {k: v.shape for k, v in MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_cfg)](hf_cfg).state_dict().items()}
+        shapes = {k: v.shape for k, v in template(hf_cfg).state_dict().items()}
     owners = _owners(shapes, hf_cfg, pp)
     out = {}
     for name in sorted(shapes):
@@ -152,6 +158,16 @@ def _owners(names, hf_cfg, pp: int) -> dict[str, int]:
         else:
             out[name] = pp - 1
     return out
+
+
+def forward(model, input_ids: torch.Tensor, mask: torch.Tensor, tp: int, temperature=None,
+            values: bool = False) -> torch.Tensor:
+    """[B, T] log-probs (the critic: values) through the schedule without a graph, on every stage of the pipeline."""
+    mbs = micro_batches({"input_ids": input_ids, "attention_mask": mask, "temperature": temperature}, 1, tp)
+    with torch.no_grad():
+        res = run(model, mbs, None, forward_only=True, values=values)
+    key = "values" if values else "logp"
+    return broadcast_from_last(res[0][key] if res else None, tuple(input_ids.shape), torch.float32)
 
 
 def broadcast_from_last(x: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
