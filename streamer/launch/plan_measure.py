@@ -4,8 +4,10 @@ model and the choice are documented in streamer/launch/resources.py).
 
     timings, cached = measure(model_dir, learner_cfg, "torch", batch=32, new_tokens=32, cores=2, cache_dir=...)
 
-The figures are cached per model, cores, batch shape and learner settings under runs/cache (a rerun does not
-measure again); `apply_measured_plan` prints them with the chosen plan and writes both to <run>/resource_plan.json.
+The timings come from a child process (`python -m streamer.launch.plan_measure SPEC`: the models it builds leave
+with it). The figures are cached per model, cores, batch shape and learner settings under runs/cache (a rerun does
+not measure again); `apply_measured_plan` prints them with the chosen plan and writes both to
+<run>/resource_plan.json.
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ import copy
 import gc
 import hashlib
 import json
+import os
+import subprocess
+import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -127,18 +132,46 @@ def measure(model_dir: str | Path, lc: LearnerConfig, engine: str, batch: int, n
         saved = json.loads(path.read_text())
         if saved.get("key") == key:
             return Timings(tuple(saved["learner_s"]), tuple(saved["agents_s"])), path, True
-    vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
-    trajs = synthetic_batch(batch, PROMPT_TOKENS, new_tokens, vocab)
     t0 = time.monotonic()
-    learner_s = time_learner(lc, model_dir, trajs)
-    gc.collect()  # the learner's models, before the engine's copy is loaded
-    agents_s = time_agent(engine, model_dir, [t.tokens[:PROMPT_TOKENS] for t in trajs], new_tokens)
-    gc.collect()
+    learner_s, agents_s = measure_in_child(model_dir, lc, engine, batch, new_tokens)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"key": key, "learner_s": learner_s, "agents_s": agents_s,
                                 "measured_in_s": round(time.monotonic() - t0, 1),
                                 "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1))
     return Timings(learner_s, agents_s), path, False
+
+
+def measure_in_child(model_dir: Path, lc: LearnerConfig, engine: str, batch: int,
+                     new_tokens: int) -> tuple[tuple[float, float], tuple[float, float]]:
+    """The timings from a child process (`main`), so that the models (GBs for a 135M policy with its critic,
+    reference and AdamW state) are gone with it, not kept by the `sao up` process for the whole run."""
+    from streamer.launch.resources import thread_env
+    from streamer.wire.config import to_dict
+
+    spec = {"model": str(model_dir), "learner": to_dict(lc), "engine": engine, "batch": batch, "new": new_tokens}
+    proc = subprocess.run([sys.executable, "-m", "streamer.launch.plan_measure", json.dumps(spec)], text=True,
+                          capture_output=True, env={**os.environ, **thread_env(THREADS[-1])})
+    if proc.returncode != 0:
+        raise RuntimeError(f"the measurement exited {proc.returncode}: {proc.stderr.strip()[-600:]}")
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return tuple(out["learner_s"]), tuple(out["agents_s"])
+
+
+def main(argv: list[str]) -> int:
+    """Child of `measure_in_child`: argv[0] is its JSON spec; prints {"learner_s": [..], "agents_s": [..]}."""
+    from learner.config import LearnerConfig
+    from streamer.wire.config import load_config
+
+    spec = json.loads(argv[0])
+    model_dir = Path(spec["model"])
+    lc = load_config(LearnerConfig, None, [], base=spec["learner"])
+    vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    trajs = synthetic_batch(spec["batch"], PROMPT_TOKENS, spec["new"], vocab)
+    learner_s = time_learner(lc, model_dir, trajs)
+    gc.collect()  # the learner's models, before the engine's copy is loaded
+    agents_s = time_agent(spec["engine"], model_dir, [t.tokens[:PROMPT_TOKENS] for t in trajs], spec["new"])
+    print(json.dumps({"learner_s": learner_s, "agents_s": agents_s}), flush=True)
+    return 0
 
 
 def why_not_measured(cfg: RunConfig, cores: int) -> str:
@@ -189,3 +222,7 @@ def apply_measured_plan(cfg: RunConfig, log: Callable[[str], None] = print) -> b
         "chosen": {**asdict(plan), "version_s": secs, "trajectories_per_s": batch / secs},
         "fixed_rule": {**asdict(rule), "version_s": rule_s, "trajectories_per_s": batch / rule_s}}, indent=1))
     return True
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
