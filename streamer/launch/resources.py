@@ -19,11 +19,12 @@ launch.agent_threads is given (then the rule applies, with those kept):
   - what: one learner update (`learner.trainer.step` prepare + update, the run's learner settings, a real forward
     and backward) on a synthetic batch of the run's shape (--batch trajectories of PROMPT_TOKENS prompt tokens and
     agent.max_new_tokens generated ones), and one engine generating that whole batch (eos off: every row the full
-    length), each on 1 and 2 torch threads, in the `sao up` process before any role starts. Cached per model,
+    length), each on 1 and 2 torch threads, in a child of `sao up` before any role starts. Cached per model,
     cores, shape and learner settings under runs/cache; the figures and the choice go to <run>/resource_plan.json.
   - model (`version_seconds`): a side's seconds on t threads follow Amdahl's law through its 1- and 2-thread times;
-    n agents of k threads each generate 1/n of the batch (linear in rows: a smaller batch decodes no faster per
-    row, so this is optimistic for many agents). Learner and agents overlap (staleness >= 1): a version takes the
+    a side slower on 2 threads than on 1 (a busy machine) counts as serial: no thread given to it. n agents of k
+    threads each generate 1/n of the batch (linear in rows: a smaller batch costs more per row, so this flatters
+    many agents). Learner and agents overlap (staleness >= 1): a version takes the
     slower side's time, or, when their threads oversubscribe the cores, the core-seconds both need over the cores
     (agents run at nice 5 and are paced: they mostly wait while a slow learner steps). Synchronous (--sync): the
     sum. Not counted: publishing and loading each version's weights, multi-turn episodes, the side roles.
