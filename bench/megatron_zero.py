@@ -2,8 +2,9 @@
 
     .venv/bin/python bench/megatron_zero.py [--out docs/results/megatron_zero.json]
 
-Runs `learner.backends.megatron.zero_check` under torchrun (2 CPU processes, gloo) on the tiny Qwen3-MoE policy and
-its critic at (EP 1, DP 2) and (EP 2, DP 2, expert-DP 1): per rank the bytes of optimizer state and of parameters
+Runs `learner.backends.megatron.zero_check` under torchrun (CPU processes, gloo) on the tiny Qwen3-MoE policy and
+its critic at (EP 1, DP 2), (EP 2, DP 2, expert-DP 1) on 2 processes and (TP 2, DP 2: whole experts over expert-DP 4)
+on 4: per rank the bytes of optimizer state and of parameters
 with each optimizer, and the largest weight difference between the two after each of 3 steps. Writes the JSON.
 """
 
@@ -28,12 +29,12 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def run(ep: int) -> dict:
+def run(nproc: int, flags: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "zero.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--nnodes", "1",
                "--master_addr", "127.0.0.1", "--master_port", str(_port()),
-               "-m", "learner.backends.megatron.zero_check", "--out", str(out), "--ep", str(ep)]
+               "-m", "learner.backends.megatron.zero_check", "--out", str(out), *flags]
         env = {**os.environ, "SAO_TEST_THREADS": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
         subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True, timeout=600)
         res = json.loads(out.read_text())
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(REPO / "docs" / "results" / "megatron_zero.json"))
     args = ap.parse_args(argv)
     t0 = time.time()
-    rows = {f"ep{ep}_dp2": run(ep) for ep in (1, 2)}
+    rows = {"ep1_dp2": run(2, ["--ep", "1"]), "ep2_dp2": run(2, ["--ep", "2"]), "tp2_dp2": run(4, ["--tp", "2"])}
     doc = {"what": __doc__.splitlines()[0], "model": "tiny Qwen3-MoE (ModelConfig defaults) + critic, float32",
            "device": "cpu (gloo)", "layouts": rows, "wall_s": round(time.time() - t0, 1)}
     Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
