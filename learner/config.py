@@ -319,11 +319,9 @@ def _validate_backend(b: BackendConfig, model: ModelConfig, from_init: bool) -> 
     for name in ("expert_parallel", "tensor_parallel", "pipeline_parallel"):
         if getattr(b, name) < 1:
             _fail(f"backend.{name}", f"{getattr(b, name)} must be >= 1")
-    if b.name == "torch" and b.shard_optimizer:
-        _fail("backend.shard_optimizer", "the sharded optimizer needs the megatron backend; set backend.name=megatron")
-    if b.name == "torch" and (b.tensor_parallel != 1 or b.pipeline_parallel != 1):
-        _fail("backend.tensor_parallel" if b.tensor_parallel != 1 else "backend.pipeline_parallel",
-              "tensor and pipeline parallelism need the megatron backend; set backend.name=megatron")
+    for name in ("tensor_parallel", "pipeline_parallel", "shard_optimizer"):
+        if b.name == "torch" and getattr(b, name) != getattr(BackendConfig, name):  # not the default
+            _fail(f"backend.{name}", f"{getattr(b, name)} needs the megatron backend; set backend.name=megatron")
     if b.pipeline_parallel != 1:
         _fail("backend.pipeline_parallel", f"{b.pipeline_parallel}: the trainer's step code does not drive "
               "megatron-core's pipeline schedule yet (MegatronLearner does: learner.backends.megatron.pipeline); "

@@ -149,8 +149,10 @@ def test_backend_config_keys_are_validated_by_name():
     tiny = ["model.num_experts=4", "model.experts_per_token=2", "loss.kl_coef=0"]
     cfg = load_config(LearnerConfig, None, tiny + ["backend.name=megatron", "backend.tensor_parallel=2"])
     assert (cfg.backend.tensor_parallel, cfg.backend.pipeline_parallel) == (2, 1)
-    with pytest.raises(ConfigError, match="backend.tensor_parallel.*need the megatron backend"):
+    with pytest.raises(ConfigError, match="backend.tensor_parallel: 2 needs the megatron backend"):
         load_config(LearnerConfig, None, ["backend.tensor_parallel=2"])
+    with pytest.raises(ConfigError, match="backend.shard_optimizer: True needs the megatron backend"):
+        load_config(LearnerConfig, None, ["backend.shard_optimizer=true"])
     with pytest.raises(ConfigError, match="backend.tensor_parallel: 0 must be >= 1"):
         load_config(LearnerConfig, None, tiny + ["backend.name=megatron", "backend.tensor_parallel=0"])
     with pytest.raises(ConfigError, match="backend.tensor_parallel: 4 does not divide model.num_kv_heads 2"):
