@@ -1,9 +1,11 @@
 """The megatron learner: policy (and critic) as megatron GPTModels, one optimizer step per call.
 
 Each rank of a torchrun/Ray job builds one `MegatronLearner` from the same HF-format weights and
-feeds it its own share of the batch (data parallel); experts are split over `expert_parallel`
-ranks. `sao learn --backend megatron` drives its models with the trainer's own step code through
-`megatron_backend` (learner.backends.megatron.backend); its own API (the parity checks, bench) is:
+feeds it its data-parallel replica's share of the batch; experts are split over `expert_parallel`
+ranks, matrices over `tensor_parallel` (tp.py), layers over `pipeline_parallel` stages (pipeline.py:
+policy_step, value_step, forward_logprobs and values then run megatron-core's 1F1B schedule), AdamW
+state over data-parallel ranks with `shard_optimizer` (zero.py). `sao learn --backend megatron` drives
+its models with the trainer's own step code through `megatron_backend` (not at PP > 1); its own API is:
 
     lrn = make_megatron_learner(cfg, policy, value, MegatronOptions(expert_parallel=2))
     logp = lrn.forward_logprobs(ids, attn)                # [B, T], grad-enabled
