@@ -51,7 +51,9 @@ class Backend(Protocol):
 
     def layout(self) -> dict:
         """How the weights and optimizer state are split ({"backend", "world_size", "expert_parallel"}); saved
-        with each checkpoint, which resumes only under the same layout."""
+        with each checkpoint, which resumes only under the same layout, unless the backend also has
+        `export_optimizer(name) -> (tensors, meta)` (a collective) and `import_optimizer(name, file, meta)`:
+        optimizer state in HF naming, which any layout of that backend resumes (megatron: reshard.py)."""
 
     def shutdown(self) -> None:
         """Leave the ranks' process group, if any."""

@@ -295,14 +295,36 @@ def finish_checkpoint(root: str | Path, tmp: Path, step: int, models: dict[str, 
     return final
 
 
-def check_layout(path: Path, mine: dict) -> None:
-    """ValueError unless the checkpoint at `path` was written by a learner of layout `mine` (Backend.layout())."""
+def save_layout_free(directory: Path, optim: dict[str, tuple[dict[str, torch.Tensor], dict]]) -> None:
+    """Optimizer states in HF naming (`Backend.export_optimizer`'s), one file pair per model, any layout's."""
+    for name, (tensors, meta) in optim.items():
+        save_file(tensors, str(directory / f"optim_{name}.hf.safetensors"))
+        (directory / f"optim_{name}.hf.json").write_text(json.dumps(meta))
+
+
+def layout_free(path: Path, names) -> dict[str, tuple[Path, dict]] | None:
+    """{model: (its layout-free optimizer file, meta)} when the checkpoint at `path` has them for every name."""
+    files = {n: path / f"optim_{n}.hf.safetensors" for n in names}
+    if not all(f.is_file() for f in files.values()):
+        return None
+    return {n: (f, json.loads(f.with_suffix(".json").read_text())) for n, f in files.items()}
+
+
+def check_layout(path: Path, mine: dict, reshards: bool = False) -> None:
+    """ValueError unless the checkpoint at `path` was written by a learner of layout `mine` (Backend.layout()), or,
+    `reshards` (its optimizer state is layout-free and this backend reads it), by the same backend."""
     saved = json.loads((path / "state.json").read_text()).get("layout")
     saved = saved or {"backend": "torch", "world_size": 1, "expert_parallel": 1}  # before layouts were saved
-    if saved != mine:
-        raise ValueError(f"checkpoint {path} was written by {saved}, this learner is {mine}: "
-                         "resume with the same backend, ranks and backend.expert_parallel, or use a new "
-                         "checkpoint.dir (io.init can start from its policy.safetensors' directory)")
+    if saved == mine:
+        return
+    if reshards and saved.get("backend") == mine.get("backend"):
+        log.info("checkpoint %s: resharding from %s to %s", path, saved, mine)
+        return
+    why = ("its optimizer state is another backend's" if reshards else
+           "its optimizer state is tied to that layout (saved per rank, or by a backend that does not reshard)")
+    raise ValueError(f"checkpoint {path} was written by {saved}, this learner is {mine}, and {why}: "
+                     "resume with the same backend, ranks and backend.expert_parallel, or use a new "
+                     "checkpoint.dir (io.init can start from its policy.safetensors' directory)")
 
 
 def load_checkpoint(path: str | Path, models: dict[str, torch.nn.Module],

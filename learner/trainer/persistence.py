@@ -42,21 +42,30 @@ class Checkpointing:
             state["offsets"] = self.quarantine.state(self.batcher.pending())
         opts = self._optimizers()
         hf = {name: self.backend.export_hf(name) for name in opts}  # a collective over the ranks
+        # a backend that can: its optimizer state in HF naming, one copy any layout resumes (a collective too)
+        free = None if not hasattr(self.backend, "export_optimizer") else {
+            n: self.backend.export_optimizer(n) for n in opts}
         root, g = self.cfg.checkpoint.dir, self.group
-        if g is None:
+        if g is None and free is None:
             ckpt.save_checkpoint(root, self.step, hf, opts, state, self.batcher.pending(), self.cfg.checkpoint.keep)
             self.source.commit(self.positions)
             return
         tmp = ckpt.tmp_dir(root, self.step, "ranks")
-        if g.leader:
+        if self.leader:
             ckpt.begin_checkpoint(root, self.step, "ranks")
-        g.barrier()
-        ckpt.save_optimizers(tmp, opts, rank=g.rank)
-        g.barrier()
-        if g.leader:
+        if g is not None:
+            g.barrier()
+        if free is None:
+            ckpt.save_optimizers(tmp, opts, rank=g.rank)
+        elif self.leader:
+            ckpt.save_layout_free(tmp, free)
+        if g is not None:
+            g.barrier()
+        if self.leader:
             ckpt.finish_checkpoint(root, tmp, self.step, hf, state, self.batcher.pending(), self.cfg.checkpoint.keep)
             self.source.commit(self.positions)
-        g.barrier()
+        if g is not None:
+            g.barrier()
 
     def resume(self) -> bool:
         """Restore from the latest checkpoint in checkpoint.dir, if any; the source seeks to its offsets."""
@@ -72,12 +81,15 @@ class Checkpointing:
             path = ckpt.intact_checkpoint(c.dir) if c.resume and not self.leader else path
         if path is None:
             return False
-        ckpt.check_layout(path, self.backend.layout())
         opts = self._optimizers()
+        free = ckpt.layout_free(path, opts) if hasattr(self.backend, "import_optimizer") else None
+        ckpt.check_layout(path, self.backend.layout(), reshards=free is not None)
         hf = {name: self.backend.hf_target(name) for name in opts}  # the checkpoint holds HF-format weights
-        state, pending = ckpt.load_checkpoint(path, hf, opts, self.group.rank if self.group else None)
+        state, pending = ckpt.load_checkpoint(path, hf, {} if free else opts, self.group.rank if self.group else None)
         for name, model in hf.items():
             self.backend.import_hf(name, model)
+        for name, (file, meta) in (free or {}).items():  # cut for this rank's layout, whichever wrote it
+            self.backend.import_optimizer(name, file, meta)
         self.step, self.version, self.policy_steps = state["step"], state["version"], state["policy_steps"]
         self.vindex, self.redo_until = state.get("version_index", self.version), state.get("redo_until", -1)
         self.resumed = True

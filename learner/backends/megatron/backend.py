@@ -18,7 +18,7 @@ import os
 import torch
 
 from learner.backends.base import Backend
-from learner.backends.megatron import grads, parallel
+from learner.backends.megatron import grads, parallel, reshard
 from learner.backends.megatron.hf_compat import HFCompatPolicy, HFCompatValue
 from learner.trainer.ranks import RankGroup
 from learner.trainer.step import Models
@@ -53,6 +53,14 @@ class MegatronBackend(Backend):
             self.lrn.load_hf_policy(model)
         else:
             self.lrn.load_hf_value(model)
+
+    def export_optimizer(self, name: str) -> tuple[dict[str, torch.Tensor], dict]:
+        """The AdamW state of "policy" or "value" in HF naming, for a checkpoint any layout resumes (reshard.py);
+        a collective."""
+        return reshard.export(self.lrn, name)
+
+    def import_optimizer(self, name: str, file, meta: dict) -> None:
+        reshard.load(self.lrn, name, file, meta)
 
     def layout(self) -> dict:
         o = self.lrn.options

@@ -161,12 +161,13 @@ class MegatronLearner:
         return {**stats, **_reduce_and_step(self.value, self.value_opt, self.optim_cfg.grad_clip)}
 
     # ---- weights out
-    def policy_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full HF-format policy state dict on every rank (a collective over the EP group)."""
+    def policy_state_dict(self, tensors: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The full HF-format policy state dict on every rank (a collective over the EP group); `tensors`: other
+        tensors named and shaped as the policy's (its AdamW moments, reshard.py) instead of the weights."""
         from megatron.core import parallel_state as ps
 
-        local = convert.megatron_to_hf(self.full_params(self.policy), self.hf_config, self.ep_rank, self.ep_size,
-                                       stage=self.stage)
+        mine = tp.gather_state(megatron_params(self.policy) if tensors is None else tensors, self.layout)
+        local = convert.megatron_to_hf(mine, self.hf_config, self.ep_rank, self.ep_size, stage=self.stage)
         full = convert.gather_experts(local, self.hf_config, ps.get_expert_model_parallel_group())
         return _cpu(pipeline.gather_stages(full, self.hf_config, _DTYPES[self.options.dtype]))
 
@@ -183,21 +184,23 @@ class MegatronLearner:
         writer = max(ps.get_expert_data_parallel_rank(), self.layout["etp_rank"])
         return PolicyShard(self.full_params(self.policy), self.hf_config, self.ep_rank, self.ep_size, writer)
 
-    def value_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full value model in H2's ValueModel layout (backbone.*, head.*); collective."""
+    def value_state_dict(self, tensors: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The full value model in H2's ValueModel layout (backbone.*, head.*); collective. `tensors`: as
+        policy_state_dict's, named as the MegatronValueModel's (backbone.*, value_head.*)."""
         from megatron.core import parallel_state as ps
 
         if self.value is None:
             raise RuntimeError("MegatronLearner.value_state_dict: built without a value model")
         from learner.models.value import ValueModel
 
-        local = convert.megatron_to_hf(self.full_params(self.value.backbone), self.hf_config, self.ep_rank,
-                                       self.ep_size, prefix="backbone.", with_output=False, stage=self.value_stage)
+        t = megatron_params(self.value) if tensors is None else tensors
+        backbone = tp.gather_state({k[9:]: v for k, v in t.items() if k.startswith("backbone.")}, self.layout)
+        local = convert.megatron_to_hf(backbone, self.hf_config, self.ep_rank, self.ep_size, prefix="backbone.",
+                                       with_output=False, stage=self.value_stage)
         local.pop("lm_head.weight", None)
-        vh = self.value.value_head
         if self.value_stage.last:  # the head on other stages is never used
-            local.update({"backbone.norm.weight": vh.norm.weight.detach(),
-                          "head.weight": vh.head.weight.detach(), "head.bias": vh.head.bias.detach()})
+            local.update({"backbone.norm.weight": t["value_head.norm.weight"],
+                          "head.weight": t["value_head.head.weight"], "head.bias": t["value_head.head.bias"]})
         full = convert.gather_experts(local, self.hf_config, ps.get_expert_model_parallel_group())
         return _cpu(pipeline.gather_stages(full, self.hf_config, _DTYPES[self.options.dtype], ValueModel))
 
