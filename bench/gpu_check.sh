@@ -36,6 +36,11 @@ echo "saved runs/bench/gpu_check.json"
   --ep "$EP" --size gpu --dtype bfloat16 --batch "$BATCH" --seq "$SEQ" --steps 10 --warmup 3 \
   $PEAK --out runs/bench/gpu_check_learner.json
 echo "saved runs/bench/gpu_check_learner.json"
+# the policy step at every layout of bench/megatron_step.py's LAYOUTS that fits the GPUs present (TP, PP, EP,
+# ZeRO-1; one GPU: the 1-rank row only): tokens/s, MFU, peak memory per rank (torch.cuda.max_memory_allocated),
+# beside the CPU figures of docs/results/megatron_step.json
+"$PY" bench/megatron_step.py --layouts --size gpu --dtype bfloat16 --batch "$BATCH" --seq "$SEQ" --steps 10 \
+  --warmup 3 $PEAK --out docs/results/megatron_step_gpu.json
 fi
 
 # vLLM engine (learner/engines/vllm.py). vLLM pins its own torch/transformers, so it usually lives in its own

@@ -2,6 +2,8 @@
 
     .venv/bin/python bench/megatron_step.py                 # CPU: HF torch, megatron 1x EP1, 2x EP1, 2x EP2
     .venv/bin/python bench/megatron_step.py --trainer       # the same rows for the learner's whole step
+    .venv/bin/python bench/megatron_step.py --layouts       # the policy step at every layout of LAYOUTS (TP, PP,
+        EP, ZeRO-1) with tokens/s and memory per rank -> docs/results/megatron_step.json (GPU: --out ..._gpu.json)
     torchrun --nproc_per_node N bench/megatron_step.py --worker --ep N --size gpu --dtype bfloat16
 
 A step = forward (log-probs), SAO loss, backward, gradient all-reduce (dense over data parallel,
@@ -171,9 +173,10 @@ def _worker_learner(args, policy):
 
     value = ValueModel.from_policy(policy, seed=1).train()
     cfg, batch = learner_cfg(args), learner_batch(args, policy)
-    models, lrn = megatron_trainer_models(cfg, policy, value, MegatronOptions(args.ep, args.dtype))
+    models, lrn = megatron_trainer_models(cfg, policy, value, MegatronOptions(
+        args.ep, args.dtype, tensor_parallel=args.tp, shard_optimizer=args.shard_optimizer))
     batch = batch.to(lrn.device)
-    shard = RankGroup(lrn.device).shard(args.batch)
+    shard = RankGroup(lrn.device, dp=(lrn.layout["dp_rank"], lrn.layout["dp"])).shard(args.batch)
     return lambda: update(cfg, models, batch, prepare(cfg, models, batch), True, shard), lrn.device
 
 
@@ -187,16 +190,32 @@ def worker(args) -> int:
 
     torch.set_num_threads(args.threads)
     policy = build_hf(args.size)
-    opts = MegatronOptions(expert_parallel=args.ep, dtype=args.dtype)
+    opts = MegatronOptions(expert_parallel=args.ep, dtype=args.dtype, tensor_parallel=args.tp,
+                           pipeline_parallel=args.pp, micro_batches=args.micro_batches,
+                           shard_optimizer=args.shard_optimizer)
     lrn = MegatronLearner(policy, None, opts, OptimSettings(lr=1e-5, grad_clip=1.0), sao)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if args.batch % world:
-        raise SystemExit(f"--batch {args.batch} is not divisible by the world size {world}")
-    b = make_batch(args.batch // world, args.seq, policy.config.vocab_size, seed=rank)
+    # the ranks of one replica (TP, PP) share its rows: split by the data-parallel rank and size, as ranks.py does
+    dp_rank, dp = lrn.layout["dp_rank"], lrn.layout["dp"]
+    if args.batch % dp:
+        raise SystemExit(f"--batch {args.batch} is not divisible by the data-parallel size {dp}")
+    b = make_batch(args.batch // dp, args.seq, policy.config.vocab_size, seed=dp_rank)
     with torch.no_grad():
         b["old_logp"] = lrn.forward_logprobs(b["input_ids"], b["attention_mask"]).float().cpu()
     times = time_steps(lambda: lrn.policy_step(b), args.warmup, args.steps, dist.barrier)
-    return _report(args, "megatron", times, lrn.device, policy.config)
+    return _report(args, "megatron", times, lrn.device, policy.config, _memory(lrn))
+
+
+def _memory(lrn) -> list[float]:
+    """MiB on this rank: [peak (GPU: max allocated; CPU: the process's peak RSS, imports included), the policy's
+    weights, its AdamW state]."""
+    import resource
+
+    from learner.backends.megatron.zero import state_bytes
+
+    peak = (torch.cuda.max_memory_allocated() if torch.cuda.is_available()
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    weights = sum(t.numel() * t.element_size() for t in lrn.policy.parameters())
+    return [x / 2**20 for x in (peak, weights, state_bytes(lrn.opt))]
 
 
 def _run_worker(args, name: str) -> int:
@@ -208,15 +227,26 @@ def _run_worker(args, name: str) -> int:
     return _report(args, name, time_steps(step, args.warmup, args.steps, dist.barrier), device, policy.config)
 
 
-def _report(args, name: str, times: list[float], device, hf_cfg) -> int:
+def _report(args, name: str, times: list[float], device, hf_cfg, memory: list[float] | None = None) -> int:
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
     t = torch.tensor(times, dtype=torch.float64, device=device)  # NCCL: device tensors
     dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a step ends when its slowest rank does
+    mem = None
+    if memory is not None:
+        mine = torch.tensor(memory, dtype=torch.float64, device=device)
+        mem = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(mem, mine)
     if rank == 0:
-        label = f"{name} {world}x EP{args.ep}" + (" (cuda)" if torch.cuda.is_available() else "")
+        label = f"{name} {world}x {layout_name(args)}" + (" (cuda)" if torch.cuda.is_available() else "")
         res = _summary(label, world, args.ep, t.cpu().tolist(), args, hf_cfg, args.threads)
+        res.update(tp=args.tp, pp=args.pp, shard_optimizer=args.shard_optimizer)
+        if mem is not None:  # per rank, in rank order
+            per = [m.cpu().tolist() for m in mem]
+            res.update(peak_mib_per_rank=[r[0] for r in per], weights_mib_per_rank=[r[1] for r in per],
+                       optimizer_state_mib_per_rank=[r[2] for r in per],
+                       peak_is="torch.cuda.max_memory_allocated" if torch.cuda.is_available() else "peak RSS")
         print(_line(res), flush=True)
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -241,6 +271,11 @@ def _summary(label, world, ep, times, args, hf_cfg, threads) -> dict:
             "mfu": achieved / peak if peak else None}
 
 
+def layout_name(args) -> str:
+    parts = [f"TP{args.tp}"] * (args.tp > 1) + [f"PP{args.pp}"] * (args.pp > 1) + [f"EP{args.ep}"]
+    return " ".join(parts) + (" ZeRO-1" if args.shard_optimizer else "")
+
+
 def _line(r: dict) -> str:
     mfu = f"{100 * r['mfu']:.2f}%" if r["mfu"] is not None else "n/a (no peak for CPU)"
     return (f"{r['backend']:<28} step {r['step_s_median'] * 1e3:8.1f} ms  "
@@ -253,24 +288,59 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(nproc: int, ep: int, args, out: Path) -> dict:
+def launch(nproc: int, ep: int, args, out: Path, layout: tuple[int, int, bool, int] = (1, 1, False, 1)) -> dict:
+    """One torchrun of `nproc` ranks; `layout`: (TP, PP, shard_optimizer, micro-batches)."""
+    tp, pp, zero, micro = layout
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), __file__, "--worker",
-           "--ep", str(ep), "--size", args.size, "--dtype", args.dtype, "--batch", str(args.batch),
+           "--ep", str(ep), "--tp", str(tp), "--pp", str(pp), "--micro-batches", str(micro),
+           "--size", args.size, "--dtype", args.dtype, "--batch", str(args.batch),
            "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--threads", str(max(1, args.threads // nproc)), "--out", str(out)] + (["--trainer"] if args.trainer else [])
+    cmd += ["--shard-optimizer"] if zero else []
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, args.threads // nproc))}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise SystemExit(f"torchrun {nproc}x EP{ep} failed:\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"torchrun {nproc}x EP{ep} TP{tp} PP{pp} failed:\n{proc.stderr[-3000:]}")
     return json.loads(out.read_text())
+
+
+# (ranks, EP, (TP, PP, shard_optimizer, micro-batches)): every layout megatron-core runs on CPU with gloo
+LAYOUTS = [(1, 1, (1, 1, False, 1)), (2, 1, (1, 1, False, 1)), (2, 1, (1, 1, True, 1)), (2, 2, (1, 1, False, 1)),
+           (2, 1, (2, 1, False, 1)), (2, 2, (2, 1, False, 1)), (2, 1, (1, 2, False, 4)), (2, 2, (1, 2, False, 4))]
+
+
+def bench_layouts(args) -> int:
+    """The policy step at each layout of LAYOUTS that fits the machine (GPU: ranks <= GPUs); writes `args.out`."""
+    ngpu = torch.cuda.device_count()
+    tmp = REPO / "runs" / "bench" / "megatron_layouts"
+    tmp.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for nproc, ep, lay in LAYOUTS:
+        if ngpu and nproc > ngpu:
+            continue
+        rows.append(launch(nproc, ep, args, tmp / f"{nproc}_{ep}_{'_'.join(map(str, lay))}.json", lay))
+        print(_line(rows[-1]), "peak MiB per rank", [round(m) for m in rows[-1]["peak_mib_per_rank"]], flush=True)
+    device = torch.cuda.get_device_name() if ngpu else f"CPU ({os.cpu_count()} cores), gloo"
+    out = Path(args.out or REPO / "docs" / "results" / "megatron_step.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"device": device, "command": "bench/megatron_step.py --layouts " + " ".join(
+        sys.argv[2:]), "global_batch": args.batch, "seq": args.seq, "threads_in_all": args.threads,
+        "load_avg_1m": os.getloadavg()[0], "rows": rows}, indent=2))
+    print(f"saved {out}")
+    return 0
 
 
 def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", action="store_true", help="run one config (under torchrun)")
     ap.add_argument("--trainer", action="store_true", help="time the learner's whole step (critic + policy)")
+    ap.add_argument("--layouts", action="store_true", help="every layout of LAYOUTS -> docs/results/megatron_step.json")
     ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--micro-batches", type=int, default=1, help="pipeline micro-batches (PP > 1)")
+    ap.add_argument("--shard-optimizer", action="store_true", help="ZeRO-1 AdamW state over data parallelism")
     ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--batch", type=int, default=16, help="global sequences per step")
@@ -287,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.worker:
         return worker(args)
+    if args.layouts:
+        return bench_layouts(args)
     out_dir = REPO / "runs" / "bench"
     out_dir.mkdir(parents=True, exist_ok=True)
     name = "megatron_learner_step" if args.trainer else "megatron_step"
