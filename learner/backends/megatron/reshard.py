@@ -12,8 +12,9 @@ and cuts them as it cuts the weights; with a sharded optimizer it keeps its slic
 or a concatenation, so the moments come back bit-identical at any layout.
 
 What a checkpoint does not hold here: momenta of tensors without gradients (GLM's router bias is a buffer: zeros,
-ignored on load). The step count is one number per optimizer: every parameter steps every time (gradients are
-all-reduced, so none is left None); different counts are refused by name.
+ignored on load; a parameter a stage never uses, as the critic's head off the last pipeline stage: zeros). The step
+count is one number per optimizer: every parameter with a gradient steps every time (gradients are all-reduced);
+different counts are refused.
 """
 
 from __future__ import annotations
@@ -76,11 +77,9 @@ def local_moments(module: torch.nn.Module, opt) -> tuple[dict[str, dict[str, tor
     step = _step_of([opt.state.get(p, {}) for p in params], "optimizer")
     if step == 0:
         return out, 0
-    for p in params:
-        if not opt.state.get(p):
-            raise ValueError(f"optimizer: parameter '{names[id(p)]}' has no AdamW state at step {step}")
+    for p in params:  # no state: never had a gradient (the critic's head off the last pipeline stage): zeros
         for mom in MOMENTS:
-            out[mom][names[id(p)]] = opt.state[p][mom]
+            out[mom][names[id(p)]] = opt.state[p][mom] if opt.state.get(p) else torch.zeros_like(p)
     return out, step
 
 
