@@ -101,9 +101,8 @@ def test_two_nodes_train_in_step(traj_file, tmp_path):  # noqa: F811
     events = [json.loads(line) for line in (ck / "events.jsonl").read_text().splitlines()]
     assert [(e["step"], e["version"], e["n_trajectories"]) for e in events] == [(1, 1, 7), (2, 2, 7)]
     assert [pv.version for pv in WeightStore(tmp_path / "w").versions()] == [0, 1, 2]
-    step = ck / "step_00000002"  # the models once, an optimizer shard from each node's rank
-    assert {p.name for p in step.glob("optim_policy*.safetensors")} == {"optim_policy.rank00000.safetensors",
-                                                                        "optim_policy.rank00001.safetensors"}
+    step = ck / "step_00000002"  # the models once, the optimizer state once in HF naming (gathered from both nodes)
+    assert {p.name for p in step.glob("optim_policy*.safetensors")} == {"optim_policy.hf.safetensors"}
     assert json.loads((step / "state.json").read_text())["layout"]["world_size"] == 2
     assert not list(ck.glob(".sao-shared-*"))  # the start's check left nothing behind
 
