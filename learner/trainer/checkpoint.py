@@ -3,8 +3,9 @@
     <root>/step_00000120/
         policy.safetensors  value.safetensors        model weights (tied weights stored once)
         optim_policy.safetensors + optim_policy.json optimizer state: tensors + the rest as JSON
-        optim_policy.rank00001.safetensors + .json   several ranks (megatron): one per rank, since
-                                                     under expert parallelism each rank's AdamW differs
+        optim_policy.hf.safetensors + .hf.json       megatron: the AdamW moments in HF naming, once, which any
+                                                     layout reads back (learner/backends/megatron/reshard.py)
+        optim_policy.rank00001.safetensors + .json   one per rank (megatron checkpoints written before that)
         rng.safetensors                              torch CPU RNG state
         pending.jsonl                                trajectories read but not yet trained on
         state.json                                   step, version, source positions, counters

@@ -12,8 +12,8 @@ backend shards the optimizer itself:
             AdamW on its slice only (the slice is a view: the update lands in the model's weights), then the
             slices are all-gathered into every rank's buffer.
 AdamW is elementwise, so the result is the unsharded AdamW's, element for element; each rank keeps 2/D of the
-moments (exp_avg, exp_avg_sq) instead of 2 copies of every weight. The state dict is this rank's slices (the
-checkpoint's per-rank optimizer files, as before).
+moments (exp_avg, exp_avg_sq) instead of 2 copies of every weight. The state dict is this rank's slices; checkpoints
+save the moments whole in HF naming instead (reshard.py), so they resume sharded or not, at any layout.
 """
 
 from __future__ import annotations
