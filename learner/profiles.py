@@ -41,22 +41,27 @@ class Profile:
     optim_grad_clip: float
     loss_kl_coef: float
     value_warmup_steps: int
+    # published versions kept in the weight store; None: the learner's own default (32, or 4 over http). A
+    # pretrained model's merged version is its full size (540 MB for SmolLM2-135M): 32 of them filled a disk
+    io_keep_versions: int | None = None
 
     def settings(self) -> dict[str, float | int]:
-        """{'optim.lr': 1e-6, ...}: the profile as learner keys."""
-        return {f.name.replace("_", ".", 1): getattr(self, f.name) for f in fields(self) if f.name != "name"}
+        """{'optim.lr': 1e-6, ...}: the profile as learner keys (those it leaves to the learner left out)."""
+        return {f.name.replace("_", ".", 1): getattr(self, f.name) for f in fields(self)
+                if f.name != "name" and getattr(self, f.name) is not None}
 
     def describe(self) -> str:
         s = self.settings()
         return (f"lr {s['optim.lr']:g}, value_lr {s['optim.value_lr']:g}, weight_decay {s['optim.weight_decay']:g}, "
                 f"grad_clip {s['optim.grad_clip']:g}, kl_coef {s['loss.kl_coef']:g}, "
-                f"critic warm-up {s['value.warmup_steps']} steps")
+                f"critic warm-up {s['value.warmup_steps']} steps"
+                + (f", {s['io.keep_versions']} versions kept" if "io.keep_versions" in s else ""))
 
 
 TOY = Profile("toy", optim_lr=2e-4, optim_value_lr=1e-3, optim_weight_decay=0.0, optim_grad_clip=1.0,
               loss_kl_coef=0.1, value_warmup_steps=5)
 PRETRAINED = Profile("pretrained", optim_lr=1e-6, optim_value_lr=1e-5, optim_weight_decay=0.01, optim_grad_clip=1.0,
-                     loss_kl_coef=0.001, value_warmup_steps=5)
+                     loss_kl_coef=0.001, value_warmup_steps=5, io_keep_versions=4)
 PROFILES = {p.name: p for p in (TOY, PRETRAINED)}
 
 
@@ -137,5 +142,5 @@ def explain(learner, model: str) -> list[str]:
         section, name = key.split(".")
         yours = getattr(getattr(learner, section), name)
         if yours != value:
-            lines.append(f"      {key}={yours:g}: yours, kept (the profile's: {value:g})")
+            lines.append(f"      {key}={yours}: yours, kept (the profile's: {value})")
     return lines + [f"      {w}" for w in warnings_for(learner, params)]

@@ -65,7 +65,8 @@ def test_a_large_model_gets_the_pretrained_profile(large):
     assert cfg.learner.profile == "auto"  # the request stays; explain says what it chose
     lines = explain(cfg.learner, str(large))
     assert lines == [f"profile pretrained: --model {large} given (60.0M parameters); lr 1e-06, value_lr 1e-05, "
-                     f"weight_decay 0.01, grad_clip 1, kl_coef 0.001, critic warm-up 5 steps"]
+                     f"weight_decay 0.01, grad_clip 1, kl_coef 0.001, critic warm-up 5 steps, 4 versions kept"]
+    assert cfg.learner.io.versions_kept() == 4  # a merged version is the model's full size
 
 
 def test_a_toy_sized_model_keeps_the_toy_profile(tmp_path):
