@@ -120,7 +120,8 @@ def run_on_ray(h: Hosts, tmp_path: Path, image: dict) -> None:
     assert h.sh("worker", f"ls {remote}/logs").split() == ["worker"]
     assert "No such file" in h.sh("worker", "ls /app/runs/cache 2>&1 || true")  # the warm start stays on the head
     statuses = [json.loads(h.sh("worker", f"cat {remote}/{a}.json")) for a in agents]
-    assert all(s["agent_id"].startswith("worker-") and s["refused"] == {} for s in statuses), statuses
+    assert [s["agent_id"] for s in statuses] == agents, statuses  # sao up's names, kept across restarts
+    assert all(s["host"].startswith("worker") and s["refused"] == {} for s in statuses), statuses
     agent_logs = "".join(h.sh("worker", f"sed 's/^/[{a}] /' {remote}/logs/worker/{a}.log") for a in agents)
     announced = h.policy_versions(host="head", run=run)
     out = tmp_path / "run"

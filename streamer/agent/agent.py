@@ -211,7 +211,8 @@ class Agent:
 
     def status(self) -> dict[str, Any]:
         f = self.follower
-        return {"agent_id": self.agent_id, "pid": os.getpid(), "version": int(self.engine.version),
+        return {"agent_id": self.agent_id, "host": socket.gethostname(), "pid": os.getpid(),
+                "version": int(self.engine.version),
                 "tasks": self.stats.tasks, "trajectories": self.stats.trajectories, "failed": self.stats.failed,
                 "oversized": self.stats.oversized,
                 "assignment": sorted(f"{tp.topic}:{tp.partition}" for tp in self.tasks.assignment()),
