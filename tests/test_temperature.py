@@ -175,13 +175,17 @@ def test_top_p_on_policy_ratio_is_the_nucleus_mass():
     assert float(r.max()) < 0.99  # the tiny model's flat distributions: the nucleus always cuts some mass
 
 
-def test_megatron_forward_logprobs_takes_the_temperature():
+def test_megatron_forward_logprobs_takes_the_temperature(monkeypatch):
     pytest.importorskip("megatron.core")
     from types import SimpleNamespace
 
+    from learner.backends.megatron import learner as megatron_learner
     from learner.backends.megatron.learner import MegatronLearner
 
+    # the logits stand in for the model's (whose run needs megatron's parallel state): the temperature is the point
+    monkeypatch.setattr(megatron_learner, "megatron_logits", lambda model, ids, mask: model(ids, mask))
+
     logits, ids, mask = _one_step([0.0, LN2, 2 * LN2])
-    fake = SimpleNamespace(device=torch.device("cpu"), policy=lambda *_: logits)
+    fake = SimpleNamespace(device=torch.device("cpu"), policy=lambda *_: logits, layout={"pp": 1, "tp": 1})
     lp = MegatronLearner.forward_logprobs(fake, ids, mask, torch.tensor([0.5]))
     assert float(lp[0, 1]) == pytest.approx(math.log(16 / 21), abs=1e-6)
