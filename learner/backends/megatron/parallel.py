@@ -100,6 +100,17 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+def report_and_shutdown(out: dict, path: str) -> int:
+    """A check script's end: rank 0 writes `out` as JSON to `path`, then the parallel state goes; returns 0."""
+    import json
+
+    if dist.get_rank() == 0:
+        with open(path, "w") as f:
+            json.dump(out, f, indent=2)
+    shutdown()
+    return 0
+
+
 def ep_rank_size() -> tuple[int, int]:
     from megatron.core import parallel_state as ps
 

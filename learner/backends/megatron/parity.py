@@ -21,7 +21,6 @@ thresholds):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
@@ -318,11 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         parallel.init(1, 0, args.tp, 1, args.etp)
         logits_1 = check_forward_and_grads(1, out, src)
         out[f"logits_ep1_vs_ep{args.ep}"] = _all_max(_max_abs(logits_1, logits_ep))
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=2)
-    parallel.shutdown()
-    return 0
+    return parallel.report_and_shutdown(out, args.out)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ The policy runs through megatron-core's 1F1B schedule (`pipeline.run`); batches,
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
@@ -180,11 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         check_step(opts, "sgd", out, src)
         check_step(opts, "adamw", out, src)
         check_value(opts, out, src)
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=2)
-    parallel.shutdown()
-    return 0
+    return parallel.report_and_shutdown(out, args.out)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ elementwise: expected 0), and per rank the bytes of optimizer state and of param
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import torch
@@ -78,11 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     sh, rep = runs["sharded"], runs["replicated"]
     out["max_abs_per_step"] = [max(_max_abs(a[k], b[k]) for k in a) for a, b in zip(sh, rep)]
     out["moved_per_step"] = [max(_max_abs(a[k], b[k]) for k in a) for a, b in zip(sh[1:], sh)]
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=2)
-    parallel.shutdown()
-    return 0
+    return parallel.report_and_shutdown(out, args.out)
 
 
 if __name__ == "__main__":
