@@ -2,8 +2,8 @@
 state into the version, in the training dtype, and the merged version equals today's full gather bit for bit.
 
 One 2-rank torchrun (gloo) of `learner.backends.megatron.publish_check` publishes the same trained weights both
-ways, for the tiny Qwen3-MoE and a tiny GLM-4-MoE, at EP 2 and EP 1 (fp32), and the Qwen3-MoE at EP 2 in bf16;
-the stores it leaves are read here as agents read them (directory and HTTP)."""
+ways, for the tiny Qwen3-MoE and a tiny GLM-4-MoE, at EP 2, EP 1, TP 2 and PP 2 (fp32), and the Qwen3-MoE at EP 2
+in bf16; the stores it leaves are read here as agents read them (directory and HTTP)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,9 @@ from streamer.transport.weight_server import WeightServer  # noqa: E402
 from streamer.transport.weights import INDEX_FILE, WeightStore  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-LAYOUTS = [("qwen3_moe", 2, "float32"), ("qwen3_moe", 1, "float32"), ("glm4_moe", 2, "float32"),
-           ("glm4_moe", 1, "float32"), ("qwen3_moe", 2, "bfloat16")]
+PARALLEL = [(2, 1, 1), (1, 1, 1), (1, 2, 1), (1, 1, 2)]  # (EP, TP, PP)
+LAYOUTS = [(m, p, "float32") for m in ("qwen3_moe", "glm4_moe") for p in PARALLEL] + [("qwen3_moe", (2, 1, 1),
+                                                                                        "bfloat16")]
 
 
 @pytest.fixture(scope="module")
@@ -37,23 +38,30 @@ def published(tmp_path_factory) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
            "-m", "learner.backends.megatron.publish_check", "--out", str(root), "--model-dir", str(glm),
-           "--bf16-ep", "2"]
+           "--bf16-ep", "2", *(x for p in PARALLEL for x in ("--layout", ",".join(map(str, p))))]
     env = {**os.environ, "SAO_TEST_THREADS": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return {(r["model"], r["ep"], r["dtype"]): r for r in json.loads((root / "publish.json").read_text())}
+    return {(r["model"], (r["ep"], r["tp"], r["pp"]), r["dtype"]): r
+            for r in json.loads((root / "publish.json").read_text())}
 
 
-@pytest.mark.slow  # the `published` fixture: one 2-rank torchrun, ~20 s on 2 cores
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"{x[0]}-ep{x[1]}-{x[2]}")
+def _name(layout) -> str:
+    model, (ep, tp, pp), dtype = layout
+    return f"{model}-ep{ep}-tp{tp}-pp{pp}-{dtype}"
+
+
+@pytest.mark.slow  # the `published` fixture: one 2-rank torchrun, ~45 s on 2 cores
+@pytest.mark.parametrize("layout", LAYOUTS, ids=_name)
 def test_the_sharded_version_equals_the_full_gather_bit_for_bit(published, layout):
     r = published[layout]
     full, shards = WeightStore(Path(r["dir"]) / "full"), WeightStore(Path(r["dir"]) / "shards")
     gathered = full.load(full.latest())
     pv = shards.latest()
     vdir = shards.resolve(pv)
+    writers = sum(x["shard"] >= 0 for x in r["ranks"])
     assert sorted(p.name for p in vdir.glob("model-*.safetensors")) == [
-        f"model-{i + 1:05d}-of-{r['ep']:05d}.safetensors" for i in range(r["ep"])]
+        f"model-{i + 1:05d}-of-{writers:05d}.safetensors" for i in range(writers)]
     assert (vdir / INDEX_FILE).is_file() and not (vdir / "model.safetensors").exists()
     server = WeightServer(shards.root, "127.0.0.1:0").start()
     try:
@@ -71,23 +79,27 @@ def test_the_sharded_version_equals_the_full_gather_bit_for_bit(published, layou
 
 
 @pytest.mark.slow  # the `published` fixture
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: f"{x[0]}-ep{x[1]}-{x[2]}")
+@pytest.mark.parametrize("layout", LAYOUTS, ids=_name)
 def test_no_rank_converts_the_whole_expert_set_or_holds_the_whole_model(published, layout):
     r = published[layout]
     ranks, total = r["ranks"], r["expert_tensors_total"]
     model_bytes = ranks[0]["full_gathered_bytes"]  # the whole HF state in the training dtype
     assert sum(x["bytes"] for x in ranks) == model_bytes  # every tensor written once, by one rank
-    if r["ep"] == 2:
+    ep, tp, pp = layout[1]
+    if ep == 2 or pp == 2:  # each rank its own experts (EP) or its own stage's (PP: one MoE layer each)
         assert [x["shard"] for x in ranks] == [0, 1]
-        assert [x["expert_tensors"] for x in ranks] == [total // 2, total // 2]  # its own experts only
+        assert [x["expert_tensors"] for x in ranks] == [total // 2, total // 2]
+    elif tp == 2:  # whole experts (expert TP 1) over expert-DP 2: rank 0 writes them; the dense tensors split
+        assert [x["shard"] for x in ranks] == [0, 1] and [x["expert_tensors"] for x in ranks] == [total, 0]
+        assert all(0 < x["bytes"] < model_bytes for x in ranks)
     else:  # EP 1: each rank holds every expert; rank 0 writes them, rank 1 (a data-parallel copy) nothing
         assert [(x["shard"], x["expert_tensors"], x["bytes"]) for x in ranks] == [(0, total, model_bytes), (-1, 0, 0)]
     for x in ranks:
-        # at most one mapping entry (e.g. the embedding, one expert's fc1) held at a time; the full gather holds
-        # the whole gathered state dict and a whole HF model built from it on every rank (publish_check runs it
-        # with gather_experts raising: the sharded publish never gathered)
-        assert x["peak_bytes"] <= x["largest_tensor_bytes"] and x["peak_bytes"] * 8 < model_bytes
-        assert x["full_gathered_bytes"] == model_bytes and x["full_model_bytes"] >= model_bytes
+        # at most one mapping entry (e.g. the embedding, one expert's fc1) held at a time, beside the whole tensor
+        # it gathered over TP; the full gather holds the whole gathered state dict and a whole HF model built from
+        # it on every rank (publish_check runs the sharded publish with the whole-model gathers raising)
+        assert x["peak_bytes"] <= 2 * x["largest_tensor_bytes"] and x["peak_bytes"] * 4 < model_bytes
+        assert x["full_gathered_bytes"] >= model_bytes and x["full_model_bytes"] >= model_bytes
         if layout[0] == "qwen3_moe" and x["rss_growth"] >= 0:  # 13 MB: what the process itself shows (Linux)
             # measured: by shard 1.4-1.8 MB on each rank; the full gather 22-60 MB (the gathered state dict, the HF
             # model built from it, rank 0's serialized file)

@@ -99,10 +99,11 @@ def _mapping(hf_cfg, ep_rank: int, ep_size: int, prefix: str, with_output: bool,
 
 
 def hf_mapping(hf_cfg, ep_rank: int = 0, ep_size: int = 1, prefix: str = "model.",
-               with_output: bool = True) -> list[tuple[str, str, tuple[str, ...]]]:
-    """(kind, megatron name, HF names) of every tensor this EP rank holds (its experts, every dense tensor); a tied
-    lm_head is not one (it is the embedding)."""
-    return _mapping(hf_cfg, ep_rank, ep_size, prefix, with_output)
+               with_output: bool = True, stage=None) -> list[tuple[str, str, tuple[str, ...]]]:
+    """(kind, megatron name, HF names) of every tensor this EP rank (of pipeline `stage`; None: the whole model)
+    holds (its experts, every dense tensor); a tied lm_head is not one (it is the embedding; a last stage's copy of
+    it is a TIED entry)."""
+    return _mapping(hf_cfg, ep_rank, ep_size, prefix, with_output, stage)
 
 
 def _qkv_to_megatron(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hf_cfg) -> torch.Tensor:

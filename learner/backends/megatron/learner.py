@@ -172,17 +172,13 @@ class MegatronLearner:
         return _cpu(pipeline.gather_stages(full, self.hf_config, _DTYPES[self.options.dtype]))
 
     def policy_shard(self):
-        """This rank's own part of the HF policy, to publish by shard (`export.PolicyShard`: its experts, and the
-        dense tensors on EP rank 0; nothing on a data-parallel copy of another rank's experts). Not a collective."""
-        from megatron.core import parallel_state as ps
+        """This rank's own part of the HF policy, to publish by shard (`export.PolicyShard`: the whole tensors it
+        owns among its stage's dense tensors and its experts; nothing on a data-parallel copy). A collective over
+        the world (which ranks write)."""
+        from learner.backends.megatron.export import PolicyShard, is_writer
 
-        from learner.backends.megatron.export import PolicyShard
-
-        if self.layout["pp"] > 1:
-            raise NotImplementedError("publishing by shard at pipeline_parallel > 1 (use the full gather)")
-        # TP: every TP rank joins the gather; one of them (expert-TP rank 0, expert-DP rank 0) writes
-        writer = max(ps.get_expert_data_parallel_rank(), self.layout["etp_rank"])
-        return PolicyShard(self.full_params(self.policy), self.hf_config, self.ep_rank, self.ep_size, writer)
+        shard = parallel.writer_index(is_writer(self.layout))
+        return PolicyShard(megatron_params(self.policy), self.hf_config, self.layout, self.stage, shard)
 
     def value_state_dict(self, tensors: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The full value model in H2's ValueModel layout (backbone.*, head.*); collective. `tensors`: as

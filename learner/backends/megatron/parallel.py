@@ -111,6 +111,15 @@ def report_and_shutdown(out: dict, path: str) -> int:
     return 0
 
 
+def writer_index(writer: bool) -> tuple[int, int]:
+    """(this rank's index among the ranks that pass `writer`, in global rank order, or -1; how many do): a
+    collective over the world."""
+    flags = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(flags, torch.tensor([int(writer)]))
+    before = sum(int(f) for f in flags[:dist.get_rank()])
+    return (before if writer else -1), sum(int(f) for f in flags)
+
+
 def ep_rank_size() -> tuple[int, int]:
     from megatron.core import parallel_state as ps
 
