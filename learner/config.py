@@ -211,7 +211,7 @@ class BackendConfig:
     name: BackendName = "torch"  # torch: one process; megatron: megatron-core MoE, one process per rank (torchrun)
     expert_parallel: int = 1  # megatron: ranks the experts are split over (divides world size, num_experts)
     tensor_parallel: int = 1  # megatron: ranks each matrix is split over (divides the heads; sequence parallel)
-    pipeline_parallel: int = 1  # megatron: layer stages (MegatronLearner only: sao learn's trainer needs 1)
+    pipeline_parallel: int = 1  # megatron: layer stages (megatron-core's 1F1B schedule, batch.micro_batch rows each)
     shard_optimizer: bool = False  # megatron: AdamW state sharded over the data-parallel ranks (ZeRO-1)
     dtype: BackendDtype = "float32"  # megatron weights: float32 (CPU, parity) or bfloat16 (GPUs)
 
@@ -322,11 +322,10 @@ def _validate_backend(b: BackendConfig, model: ModelConfig, from_init: bool) -> 
     for name in ("tensor_parallel", "pipeline_parallel", "shard_optimizer"):
         if b.name == "torch" and getattr(b, name) != getattr(BackendConfig, name):  # not the default
             _fail(f"backend.{name}", f"{getattr(b, name)} needs the megatron backend; set backend.name=megatron")
-    if b.pipeline_parallel != 1:
-        _fail("backend.pipeline_parallel", f"{b.pipeline_parallel}: the trainer's step code does not drive "
-              "megatron-core's pipeline schedule yet (MegatronLearner does: learner.backends.megatron.pipeline); "
-              "use 1")
     if b.name == "megatron" and not from_init:
+        if model.num_layers < b.pipeline_parallel:
+            _fail("backend.pipeline_parallel", f"{b.pipeline_parallel} stages for model.num_layers "
+                                               f"{model.num_layers}: each stage needs a layer")
         for field, n in (("num_heads", model.num_heads), ("num_kv_heads", model.num_kv_heads)):
             if n % b.tensor_parallel:
                 _fail("backend.tensor_parallel", f"{b.tensor_parallel} does not divide model.{field} {n}")

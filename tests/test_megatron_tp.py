@@ -157,8 +157,12 @@ def test_backend_config_keys_are_validated_by_name():
         load_config(LearnerConfig, None, tiny + ["backend.name=megatron", "backend.tensor_parallel=0"])
     with pytest.raises(ConfigError, match="backend.tensor_parallel: 4 does not divide model.num_kv_heads 2"):
         load_config(LearnerConfig, None, tiny + ["backend.name=megatron", "backend.tensor_parallel=4"])
-    with pytest.raises(ConfigError, match="backend.pipeline_parallel: 2: the trainer's step code"):
-        load_config(LearnerConfig, None, tiny + ["backend.name=megatron", "backend.pipeline_parallel=2"])
+    with pytest.raises(ConfigError, match="backend.pipeline_parallel: 2 stages for model.num_layers 1"):
+        load_config(LearnerConfig, None, tiny + ["backend.name=megatron", "backend.pipeline_parallel=2",
+                                                 "model.num_layers=1"])
+    cfg = load_config(LearnerConfig, None, tiny + ["backend.name=megatron", "backend.pipeline_parallel=2",
+                                                   "model.num_layers=2"])
+    assert cfg.backend.pipeline_parallel == 2
 
 
 # ---------------------------------------------------------------------- sao learn at TP 2

@@ -311,12 +311,17 @@ def update(cfg: LearnerConfig, models: Models, batch: Batch, ref: dict, train_po
         batch, ref = shard_batch(batch, ref, shard)
     metrics: dict[str, float] = {}
     finite = True
+    # at pipeline parallelism the backend runs each backward through its schedule (same losses and weights)
+    scheduled = getattr(models.backend, "scheduled_backward", None) if getattr(models.backend, "pipelined", False) \
+        else None
     if models.value is not None:
-        metrics.update(reduce(value_backward(cfg, models, batch, ref, norms["value"], scale)))
+        backward = value_backward if scheduled is None else lambda *a: scheduled("value", *a)
+        metrics.update(reduce(backward(cfg, models, batch, ref, norms["value"], scale)))
         metrics["value_grad_norm"] = models.clip_grads(models.value, cfg.optim.grad_clip)
         finite &= all(map(_finite, (metrics["value_loss"], metrics["value_grad_norm"])))
     if train_policy and finite:
-        pm = reduce(policy_backward(cfg, models, batch, ref, norms["policy"], scale))
+        backward = policy_backward if scheduled is None else lambda *a: scheduled("policy", *a)
+        pm = reduce(backward(cfg, models, batch, ref, norms["policy"], scale))
         metrics.update({("policy_loss" if k == "loss" else k): v for k, v in pm.items()})
         metrics["grad_norm"] = models.clip_grads(models.policy, cfg.optim.grad_clip)
         finite &= all(map(_finite, (metrics["policy_loss"], metrics["grad_norm"])))

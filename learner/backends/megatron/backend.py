@@ -18,7 +18,7 @@ import os
 import torch
 
 from learner.backends.base import Backend
-from learner.backends.megatron import grads, parallel, reshard
+from learner.backends.megatron import grads, parallel, pipeline_step, reshard
 from learner.backends.megatron.hf_compat import HFCompatPolicy, HFCompatValue
 from learner.trainer.ranks import RankGroup
 from learner.trainer.step import Models
@@ -32,9 +32,17 @@ class MegatronBackend(Backend):
         self.lrn = lrn
         self.device, self.hf_config = lrn.device, lrn.hf_config
         self.group = RankGroup(lrn.device, dp=(lrn.layout["dp_rank"], lrn.layout["dp"]))
-        value = HFCompatValue(lrn.value, lrn.device) if lrn.value is not None else None
-        self.models = Models(HFCompatPolicy(lrn.policy, lrn.device), lrn.opt, value,
+        tp_pp = lrn.layout["tp"], lrn.layout["pp"]
+        self.pipelined = tp_pp[1] > 1  # the trainer's backward passes go through `scheduled_backward`
+        value = HFCompatValue(lrn.value, lrn.device, *tp_pp) if lrn.value is not None else None
+        self.models = Models(HFCompatPolicy(lrn.policy, lrn.device, *tp_pp), lrn.opt, value,
                              lrn.value_opt if value is not None else None, backend=self)
+
+    def scheduled_backward(self, kind: str, cfg, models: Models, batch, ref: dict, norm, scale: float) -> dict:
+        """learner.trainer.step's value_backward / policy_backward at pipeline parallelism (pipeline_step)."""
+        model = self.lrn.value if kind == "value" else self.lrn.policy
+        model.train()
+        return pipeline_step.scheduled_backward(kind, cfg, model, batch, ref, norm, scale, self.lrn.layout["tp"])
 
     def clip_grads(self, model: torch.nn.Module, max_norm: float) -> float:
         return float(grads.reduce_and_clip(model, max_norm))

@@ -42,9 +42,9 @@ def is_writer(layout: dict[str, int]) -> bool:
 
 def walk(entries: list[Entry], params: dict[str, torch.Tensor],
          layout: dict[str, int]) -> list[tuple[Entry, int, bool]]:
-    """(entry, the TP (expert: expert-TP) rank that writes it, expert) in the order every rank of a TP group visits them: dense entries first
-    (replica 0 only), then experts (expert replica 0 only), each widest dtype first (safetensors' own order keeps
-    every tensor aligned), else the mapping's order."""
+    """(entry, the TP (expert: expert-TP) rank that writes it, expert) in the order every rank of a TP group visits
+    them: dense entries first (replica 0 only), then experts (expert replica 0 only), each widest dtype first
+    (safetensors' own order keeps every tensor aligned), else the mapping's order."""
     entries = [e for e in entries if e[0] != convert.TIED]
     out = []
     for expert, size, mine in ((False, layout["tp"], layout["dp_rank"] == 0),

@@ -71,8 +71,9 @@ LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
 def run(model, mbs: list[dict], loss_fn: LossFn | None, forward_only: bool, values: bool = False) -> list[dict]:
     """One pass over `mbs` through the 1F1B schedule; on the last stage a list of per-micro-batch dicts
     {"logp" ([b, T], detached; "values" for the critic, `values=True`), "stats": the loss's stats}, elsewhere [].
-    The loss takes the log-probs (the critic: the values, 0 at padding). Gradients accumulate on every stage's
-    parameters (the caller zeroes and reduces them)."""
+    The loss takes the log-probs (the critic: the values, 0 at padding) and the micro-batch, with its "logits"
+    ([b, T, V] fp32, in the graph) added. Gradients accumulate on every stage's parameters (the caller zeroes and
+    reduces them)."""
     from megatron.core.pipeline_parallel.schedules import forward_backward_pipelining_without_interleaving
 
     from learner.models.scoring import logprobs_from_logits
@@ -90,7 +91,7 @@ def run(model, mbs: list[dict], loss_fn: LossFn | None, forward_only: bool, valu
                 "logp", logprobs_from_logits(output, mb["input_ids"], mb["attention_mask"], mb.get("temperature")))
             if loss_fn is None:
                 return output.sum() * 0.0, {key: x.detach(), "logits": output.detach()}
-            loss, stats = loss_fn(x, mb)
+            loss, stats = loss_fn(x, {**mb, "logits": output})
             # the schedule divides by the number of micro-batches: the sum is sum_m weight_m * loss_m
             return loss * (mb["weight"] * n), {key: x.detach(), "stats": stats, "weight": mb["weight"]}
 
@@ -161,13 +162,33 @@ def _owners(names, hf_cfg, pp: int) -> dict[str, int]:
 
 
 def forward(model, input_ids: torch.Tensor, mask: torch.Tensor, tp: int, temperature=None,
-            values: bool = False) -> torch.Tensor:
-    """[B, T] log-probs (the critic: values) through the schedule without a graph, on every stage of the pipeline."""
+            values: bool = False, key: str = "") -> torch.Tensor:
+    """[B, T] log-probs (the critic: values; `key` "logits": the policy's [B, T, V] logits) through the schedule
+    without a graph, on every stage of the pipeline."""
     mbs = micro_batches({"input_ids": input_ids, "attention_mask": mask, "temperature": temperature}, 1, tp)
     with torch.no_grad():
         res = run(model, mbs, None, forward_only=True, values=values)
-    key = "values" if values else "logp"
-    return broadcast_from_last(res[0][key] if res else None, tuple(input_ids.shape), torch.float32)
+    key = key or ("values" if values else "logp")
+    shape = (*input_ids.shape, *([model.vocab_size] if key == "logits" else []))
+    return broadcast_from_last(res[0][key] if res else None, shape, torch.float32)
+
+
+def share_stats(stats: dict[str, float] | None) -> dict[str, float]:
+    """The last stage's `stats` on every stage of this rank's pipeline (JSON in a uint8 tensor, never pickled)."""
+    import json
+
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return stats or {}
+    last = ps.is_pipeline_last_stage(ignore_virtual=True)
+    payload = json.dumps(stats).encode() if last else b""
+    group, src = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_last_rank()
+    n = torch.tensor([len(payload)], dtype=torch.int64)
+    dist.broadcast(n, src=src, group=group)
+    buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if last else torch.empty(int(n), dtype=torch.uint8)
+    dist.broadcast(buf, src=src, group=group)
+    return json.loads(bytes(buf.numpy()).decode())
 
 
 def broadcast_from_last(x: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

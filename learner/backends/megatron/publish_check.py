@@ -4,9 +4,9 @@
         --out DIR [--model-dir DIR ...] [--layout 2,1,1 --layout 1,2,1 ...] [--bf16-ep 2]
 
 For each model (the tiny Qwen3-MoE of `ModelConfig`, then each --model-dir HF causal LM, e.g. a tiny GLM-4-MoE)
-and each layout (EP,TP,PP; default EP 2 and EP 1): every rank builds the learner from the same HF weights and takes one SAO step (so the
-published weights are trained ones: replicated tensors updated on every rank, experts on their own), then the same
-weights are published twice, into two stores under DIR/<model>_ep<N>_tp<N>_pp<N>[_bf16]/:
+and each layout (EP,TP,PP; default EP 2 and EP 1): every rank builds the learner from the same HF weights and
+takes one SAO step (so the published weights are trained ones: replicated tensors updated on every rank, experts
+on their own), then the same weights are published twice, into two stores under DIR/<model>_ep<N>_tp<N>_pp<N>[_bf16]/:
 
   full/    today's export: `export_hf_policy` (every rank all-gathers the experts, TP slices and stages and
            builds a full fp32 HF model), then rank 0's `DirectoryPublisher.publish` (one model.safetensors)
@@ -15,12 +15,11 @@ weights are published twice, into two stores under DIR/<model>_ep<N>_tp<N>_pp<N>
            calls them meanwhile
 
 Rank 0 writes DIR/publish.json: per layout, each rank's shard stats (tensors and routed-expert tensors converted,
-bytes converted, the most bytes held at once, its largest megatron tensor) and what the full gather holds on each
-rank, the largest whole tensor it walks (the gathered HF state dict, the HF model built from it, rank 0's serialized file), in bytes; and for each
-way, how far the rank's resident set rose during the publish (`rss_growth`, `full_rss_growth`: peak RSS over RSS
-before, Linux, the sharded publish measured first). `--bf16-ep N`
-adds a layout trained in bf16 (no step: the publish only), whose shards keep bf16. tests/test_megatron_publish.py
-compares the stores.
+bytes converted, the most bytes held at once, the largest whole megatron tensor it walks) and what the full gather
+holds on each rank (the gathered HF state dict, the HF model built from it, rank 0's serialized file), in bytes;
+and for each way, how far the rank's resident set rose during the publish (`rss_growth`, `full_rss_growth`: peak
+RSS over RSS before, Linux, the sharded publish measured first). `--bf16-ep N` adds a layout trained in bf16 (no
+step: the publish only), whose shards keep bf16. tests/test_megatron_publish.py compares the stores.
 """
 
 from __future__ import annotations

@@ -161,6 +161,10 @@ def load(lrn, name: str, file: Path, meta: dict) -> None:
                 st[mom] = flat[b.rank * b.per:(b.rank + 1) * b.per].clone()
             opt.state[master] = st
         return
+    # the critic's head off the last pipeline stage never has a gradient: no state, as in the run that saved
+    idle = name == "value" and not lrn.value_stage.last
     for p in opt.param_groups[0]["params"]:
         n = names[id(p)]
-        opt.state[p] = {"step": scalar.clone(), **{m: moments[m][n].to(p.dtype).clone().view_as(p) for m in MOMENTS}}
+        if not (idle and n.startswith("value_head.")):
+            opt.state[p] = {"step": scalar.clone(), **{m: moments[m][n].to(p.dtype).clone().view_as(p)
+                                                       for m in MOMENTS}}
