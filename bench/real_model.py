@@ -40,10 +40,12 @@ MODELS_DIR = ROOT / "runs/models"
 LORA = ["policy.lora.r=16", "policy.lora.alpha=32"]
 HEAD = ["value.kind=head"]
 BF16, CKPT, MICRO = ["precision=bfloat16"], ["gradient_checkpointing=true"], ["batch.micro_tokens=256"]
+COPY8 = ["value.layers=8"]  # a smaller separate critic: the backbone's first 8 blocks and a head
 CONFIGS = {  # name -> learner keys on top of the pretrained profile: each option alone against the baseline, then
     # the memory options added one by one (each against the one before)
-    "baseline": [], "lora": LORA, "value_head": HEAD, "bf16": BF16, "grad_ckpt": CKPT, "micro_tokens": MICRO,
-    "lora+head": LORA + HEAD, "lora+head+ckpt": LORA + HEAD + CKPT, "lora+head+ckpt+micro": LORA + HEAD + CKPT + MICRO,
+    "baseline": [], "lora": LORA, "value_head": HEAD, "value_copy_8": COPY8, "bf16": BF16, "grad_ckpt": CKPT,
+    "micro_tokens": MICRO, "lora+head": LORA + HEAD, "lora+copy_8": LORA + COPY8, "lora+head+ckpt": LORA + HEAD + CKPT,
+    "lora+head+ckpt+micro": LORA + HEAD + CKPT + MICRO,
     "lora+head+ckpt+micro+bf16": LORA + HEAD + CKPT + MICRO + BF16,
 }
 QWEN2_500M = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=30, num_attention_heads=14,
@@ -87,6 +89,10 @@ def qwen2_500m(out: Path, tokenizer_from: Path) -> Path:
     return out
 
 
+def num_layers(model_dir: Path) -> int:
+    return json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+
+
 def parameters(model_dir: Path) -> int:
     """Parameters in the model's safetensors files, from their headers (nothing loaded)."""
     n = 0
@@ -99,12 +105,14 @@ def parameters(model_dir: Path) -> int:
     return n
 
 
-def state_gib(params: int, keys: list[str], kl: bool) -> float:
+def state_gib(params: int, keys: list[str], kl: bool, layers: int) -> float:
     """Estimated fp32 weights, gradients and AdamW moments (4 + 4 + 8 bytes a trained parameter) of a configuration:
-    the policy, a value copy unless a head, the KL reference copy unless LoRA (whose base is the reference)."""
+    the policy, a value copy unless a head (`value.layers=N`: N of the model's `layers` blocks, counted as that share
+    of the parameters), the KL reference copy unless LoRA (whose base is the reference)."""
     lora, head = LORA[0] in keys, HEAD[0] in keys
+    depth = next((int(k.split("=")[1]) for k in keys if k.startswith("value.layers=")), layers)
     policy = 4 * params + (0 if lora else 12 * params)
-    value = 0 if head else 16 * params
+    value = 0 if head else 16 * params * min(depth, layers) / layers
     ref = 4 * params if kl and not lora else 0
     return (policy + value + ref) / GIB
 
@@ -243,7 +251,8 @@ def measure_model(name: str, model: Path, a: argparse.Namespace, only: list[str]
                                 str(a.new_tokens), "--steps", str(a.steps)], a.timeout)
     print(f"  sampler: {out['sampler']}", flush=True)
     for config in only:
-        est, avail = state_gib(params, CONFIGS[config], PRETRAINED.loss_kl_coef > 0), available_gib()
+        est = state_gib(params, CONFIGS[config], PRETRAINED.loss_kl_coef > 0, num_layers(model))
+        avail = available_gib()
         row = {"keys": CONFIGS[config], "estimated_state_gib": round(est, 2)}
         if peak_estimate_gib(est) > a.memory_fraction * avail:
             row["skipped"] = (f"not run: estimated weights, gradients and AdamW state {est:.1f} GiB, peak "

@@ -19,9 +19,11 @@ GIB_PARAMS = 2 ** 30  # one GiB of parameters: the estimate is then the bytes a 
     ("value_head", True, 4 + 12 + 4),
     ("lora+head", True, 4),
     ("bf16", True, 36),  # fp32 master weights: bf16 autocast saves no state
+    ("value_copy_8", True, 4 + 12 + 16 * 8 / 32 + 4),  # a critic of 8 of the 32 blocks: a quarter of the copy
+    ("lora+copy_8", False, 4 + 4),
 ])
 def test_state_estimate_by_hand(config, kl, want):
-    assert state_gib(GIB_PARAMS, CONFIGS[config], kl) == pytest.approx(want)
+    assert state_gib(GIB_PARAMS, CONFIGS[config], kl, layers=32) == pytest.approx(want)
 
 
 def test_parameters_are_counted_from_the_safetensors_headers(tmp_path):

@@ -113,17 +113,21 @@ def pretrained_eval(model_dir: Path, n: int, seed: int, threads: int) -> dict:
     return out
 
 
-def up_command(model_dir: Path, seed: int, runs_dir: Path, max_seconds: float) -> list[str]:
+def up_command(model_dir: Path, seed: int, runs_dir: Path, max_seconds: float, name: str = "real-model",
+               sets: tuple[str, ...] = ()) -> list[str]:
+    """The run `<name>-s<seed>`; `sets`: KEY=VALUE overrides of run.yaml (`sao up --set`)."""
     return [*SAO, "up", "--config", str(RUN_YAML.relative_to(ROOT)), "--model", str(model_dir),
-            "--stream", str(STREAM.relative_to(ROOT)), "--seed", str(seed), "--run", f"real-model-s{seed}",
-            "--runs-dir", str(runs_dir), "--max-seconds", f"{max_seconds:g}", "--no-dashboard", "--no-eval"]
+            "--stream", str(STREAM.relative_to(ROOT)), "--seed", str(seed), "--run", f"{name}-s{seed}",
+            "--runs-dir", str(runs_dir), "--max-seconds", f"{max_seconds:g}", "--no-dashboard", "--no-eval",
+            *(x for kv in sets for x in ("--set", kv))]
 
 
-def run_seed(model_dir: Path, seed: int, runs_dir: Path, max_seconds: float) -> dict:
-    """One `sao up`, its output in <runs_dir>/real-model-s<seed>.log; the wall time of the whole command."""
-    cmd = up_command(model_dir, seed, runs_dir, max_seconds)
+def run_seed(model_dir: Path, seed: int, runs_dir: Path, max_seconds: float, name: str = "real-model",
+             sets: tuple[str, ...] = ()) -> dict:
+    """One `sao up`, its output in <runs_dir>/<name>-s<seed>.log; the wall time of the whole command."""
+    cmd = up_command(model_dir, seed, runs_dir, max_seconds, name, sets)
     runs_dir.mkdir(parents=True, exist_ok=True)
-    log = runs_dir / f"real-model-s{seed}.log"
+    log = runs_dir / f"{name}-s{seed}.log"
     t0, loads = time.time(), []
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT)
