@@ -101,8 +101,9 @@ def test_two_nodes_train_in_step(traj_file, tmp_path):  # noqa: F811
     events = [json.loads(line) for line in (ck / "events.jsonl").read_text().splitlines()]
     assert [(e["step"], e["version"], e["n_trajectories"]) for e in events] == [(1, 1, 7), (2, 2, 7)]
     assert [pv.version for pv in WeightStore(tmp_path / "w").versions()] == [0, 1, 2]
-    step = ck / "step_00000002"  # the models once, the optimizer state once in HF naming (gathered from both nodes)
-    assert {p.name for p in step.glob("optim_policy*.safetensors")} == {"optim_policy.hf.safetensors"}
+    step = ck / "step_00000002"  # each node its part of the weights and moments (HF naming), into the shared dir
+    assert {p.name for p in step.glob("policy.weights.*")} == {
+        f"policy.weights.{i:05d}-of-00002.safetensors" for i in (1, 2)}
     assert json.loads((step / "state.json").read_text())["layout"]["world_size"] == 2
     assert not list(ck.glob(".sao-shared-*"))  # the start's check left nothing behind
 

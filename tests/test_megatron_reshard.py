@@ -57,13 +57,17 @@ def test_ep2_checkpoint_resumes_on_one_rank(traj_file, torch_run, tmp_path):  # 
     """Saved at (EP 2) on 2 ranks after step 1; resumed at (TP 1, EP 1) on 1 rank for steps 2 and 3."""
     _learn(traj_file, tmp_path, 1, 2, ["backend.expert_parallel=2"])
     ck = tmp_path / "ck" / "step_00000001"
-    assert {p.name for p in ck.glob("optim_*")} == {
-        f"optim_{n}.hf.{x}" for n in ("policy", "value") for x in ("safetensors", "json")}  # one copy, no rank's
-    moments = load_file(str(ck / "optim_policy.hf.safetensors"))
-    weights = load_file(str(ck / "policy.safetensors"))
-    names = {k.rsplit("/", 1)[0] for k in moments}  # HF names: every expert, whole
-    assert names ^ set(weights) == {"model.embed_tokens.weight", "lm_head.weight"}  # tied: each file keeps one
-    assert all(moments[f"{k}/exp_avg"].shape == weights[k].shape for k in names & set(weights))
+    # written by shard: each EP rank its own experts (and rank 0 the dense tensors) of the weights and each moment
+    assert {p.name for p in ck.glob("policy.*")} == {
+        f"policy.{k}.{i:05d}-of-00002.safetensors" for k in ("weights", "exp_avg", "exp_avg_sq") for i in (1, 2)}
+    assert not list(ck.glob("optim_*.safetensors")) and not (ck / "policy.safetensors").exists()
+    files = {k: [load_file(str(f)) for f in sorted(ck.glob(f"policy.{k}.*"))] for k in ("weights", "exp_avg")}
+    experts = [{n for n in part if ".mlp.experts." in n} for part in files["weights"]]
+    assert experts[0] and experts[1] and not experts[0] & experts[1]  # each rank its own experts, whole
+    weights = {n: t for part in files["weights"] for n, t in part.items()}
+    moments = {n: t for part in files["exp_avg"] for n, t in part.items()}
+    assert set(moments) == set(weights) and "lm_head.weight" not in weights  # HF names; tied: the embedding alone
+    assert all(moments[k].shape == weights[k].shape for k in weights)
     _learn(traj_file, tmp_path, 3, 1, ["backend.expert_parallel=1"])
     state = json.loads((tmp_path / "ck" / "step_00000003" / "state.json").read_text())
     assert state["layout"] == {"backend": "megatron", "world_size": 1, "expert_parallel": 1}

@@ -88,11 +88,12 @@ def test_sao_learn_with_sharded_optimizer_resumes_and_matches_torch(traj_file, t
     ck = tmp_path / "ck" / "step_00000001"
     layout = json.loads((ck / "state.json").read_text())["layout"]
     assert layout == {"backend": "megatron", "world_size": 2, "expert_parallel": 1, "shard_optimizer": True}
-    # the slices gathered into one layout-free copy (any layout resumes it: tests/test_megatron_reshard.py)
-    moments = load_file(str(ck / "optim_policy.hf.safetensors"))
-    weights = load_file(str(ck / "policy.safetensors"))
-    assert all(float(t.abs().max()) > 0 for k, t in moments.items() if k.endswith("/exp_avg_sq"))  # both slices
-    assert sum(t.numel() for t in moments.values()) == 2 * sum(t.numel() for t in weights.values())
+    # the slices gathered into rank 0's whole moments (EP 1: rank 0 writes every tensor; any layout resumes them:
+    # tests/test_megatron_reshard.py)
+    moments = load_file(str(ck / "policy.exp_avg_sq.00001-of-00001.safetensors"))
+    weights = load_file(str(ck / "policy.weights.00001-of-00001.safetensors"))
+    assert all(float(t.abs().max()) > 0 for t in moments.values())  # both ranks' slices
+    assert sum(t.numel() for t in moments.values()) == sum(t.numel() for t in weights.values())
     _learn_sharded(traj_file, tmp_path, max_steps=3)
     store = WeightStore(tmp_path / "w")
     assert [pv.version for pv in store.versions()] == [0, 1, 2, 3]

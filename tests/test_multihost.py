@@ -325,7 +325,8 @@ def image_has_node_flags(name: str) -> bool:
 def test_learner_ranks_on_two_hosts_train_in_step(image, tmp_path):
     """The learner as two torchrun ranks in two containers (megatron, gloo, expert parallelism 2): rank 0 on the
     learner host, rank 1 on a second learner host; the two share one disk (the checkpoint directory every rank
-    writes its optimizer shard into must be shared: `sao learn` checks it at start), the agents host nothing."""
+    writes its part of the weights and moments into must be shared: `sao learn` checks it at start), the agents
+    host nothing."""
     if not image_has_node_flags(IMAGE):
         pytest.skip("sao learn has no --nnodes in this tree: the multi-host launch (issue 46 item 2) is not here")
     built = subprocess.run([str(ROOT / "docker" / "build-extras.sh"), "megatron"], cwd=ROOT, capture_output=True,
@@ -352,9 +353,9 @@ def test_learner_ranks_on_two_hosts_train_in_step(image, tmp_path):
     assert (learner["n_trajectories"][:steps] == BATCH).all() and not learner["skipped"].any()
     checkpoints = sorted((out / "checkpoints").glob("step_*"))
     assert checkpoints, "no checkpoint"
-    for step in checkpoints:  # the models and the optimizer state (HF naming, both hosts' experts) once each
-        shards = {p.name for p in step.glob("optim_policy*.safetensors")}
-        assert shards == {"optim_policy.hf.safetensors"}, shards
+    for step in checkpoints:  # each host its part of the weights and moments (HF naming) into the shared disk
+        shards = {p.name for p in step.glob("policy.exp_avg.*")}
+        assert shards == {f"policy.exp_avg.{i:05d}-of-00002.safetensors" for i in (1, 2)}, shards
         assert json.loads((step / "state.json").read_text())["layout"]["world_size"] == 2
     assert "Traceback" not in rank1, rank1[-3000:]
     h.mark("wall_s")

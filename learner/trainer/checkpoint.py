@@ -6,6 +6,9 @@
         optim_policy.hf.safetensors + .hf.json       megatron: the AdamW moments in HF naming, once, which any
                                                      layout reads back (learner/backends/megatron/reshard.py)
         optim_policy.rank00001.safetensors + .json   one per rank (megatron checkpoints written before that)
+        policy.weights.00001-of-00002.safetensors    megatron now: each rank's part of the weights and moments
+          policy.exp_avg.*, policy.exp_avg_sq.*      instead of the files above (ckpt_shards.py); any layout
+                                                     reads them back
         rng.safetensors                              torch CPU RNG state
         pending.jsonl                                trajectories read but not yet trained on
         state.json                                   step, version, source positions, counters
@@ -309,6 +312,11 @@ def layout_free(path: Path, names) -> dict[str, tuple[Path, dict]] | None:
     if not all(f.is_file() for f in files.values()):
         return None
     return {n: (f, json.loads(f.with_suffix(".json").read_text())) for n, f in files.items()}
+
+
+def written_by_shard(path: Path) -> bool:
+    """Whether each rank wrote its part of the weights (the megatron backend: learner.backends.megatron.ckpt_shards)."""
+    return any(Path(path).glob("policy.weights.*-of-*.safetensors"))
 
 
 def check_layout(path: Path, mine: dict, reshards: bool = False) -> None:

@@ -41,12 +41,14 @@ class Checkpointing:
         if self.quarantine is not None:
             state["offsets"] = self.quarantine.state(self.batcher.pending())
         opts = self._optimizers()
-        hf = {name: self.backend.export_hf(name) for name in opts}  # a collective over the ranks
+        # a backend that writes by shard (megatron): each rank its part, below; no rank holds the whole model
+        by_shard = getattr(self.backend, "checkpoints_by_shard", False)
+        hf = {} if by_shard else {name: self.backend.export_hf(name) for name in opts}  # a collective
         # a backend that can: its optimizer state in HF naming, one copy any layout resumes (a collective too)
-        free = None if not hasattr(self.backend, "export_optimizer") else {
+        free = None if by_shard or not hasattr(self.backend, "export_optimizer") else {
             n: self.backend.export_optimizer(n) for n in opts}
         root, g = self.cfg.checkpoint.dir, self.group
-        if g is None and free is None:
+        if g is None and free is None and not by_shard:
             ckpt.save_checkpoint(root, self.step, hf, opts, state, self.batcher.pending(), self.cfg.checkpoint.keep)
             self.source.commit(self.positions)
             return
@@ -55,7 +57,9 @@ class Checkpointing:
             ckpt.begin_checkpoint(root, self.step, "ranks")
         if g is not None:
             g.barrier()
-        if free is None:
+        if by_shard:
+            self.backend.save_shards(tmp, list(opts))
+        elif free is None:
             ckpt.save_optimizers(tmp, opts, rank=g.rank)
         elif self.leader:
             ckpt.save_layout_free(tmp, free)
@@ -66,6 +70,19 @@ class Checkpointing:
             self.source.commit(self.positions)
         if g is not None:
             g.barrier()
+
+    def _load_whole(self, path, opts: dict) -> tuple[dict, list]:
+        """Restore a checkpoint that holds each model whole (HF format) and its optimizer state in HF naming or per
+        rank; (state, pending trajectories)."""
+        free = ckpt.layout_free(path, opts) if hasattr(self.backend, "import_optimizer") else None
+        ckpt.check_layout(path, self.backend.layout(), reshards=free is not None)
+        hf = {name: self.backend.hf_target(name) for name in opts}  # the checkpoint holds HF-format weights
+        state, pending = ckpt.load_checkpoint(path, hf, {} if free else opts, self.group.rank if self.group else None)
+        for name, model in hf.items():
+            self.backend.import_hf(name, model)
+        for name, (file, meta) in (free or {}).items():  # cut for this rank's layout, whichever wrote it
+            self.backend.import_optimizer(name, file, meta)
+        return state, pending
 
     def resume(self) -> bool:
         """Restore from the latest checkpoint in checkpoint.dir, if any; the source seeks to its offsets."""
@@ -82,14 +99,12 @@ class Checkpointing:
         if path is None:
             return False
         opts = self._optimizers()
-        free = ckpt.layout_free(path, opts) if hasattr(self.backend, "import_optimizer") else None
-        ckpt.check_layout(path, self.backend.layout(), reshards=free is not None)
-        hf = {name: self.backend.hf_target(name) for name in opts}  # the checkpoint holds HF-format weights
-        state, pending = ckpt.load_checkpoint(path, hf, {} if free else opts, self.group.rank if self.group else None)
-        for name, model in hf.items():
-            self.backend.import_hf(name, model)
-        for name, (file, meta) in (free or {}).items():  # cut for this rank's layout, whichever wrote it
-            self.backend.import_optimizer(name, file, meta)
+        if ckpt.written_by_shard(path):  # each rank reads its part (any layout of the backend that wrote it)
+            ckpt.check_layout(path, self.backend.layout(), reshards=hasattr(self.backend, "load_shards"))
+            state, pending = ckpt.load_checkpoint(path, {}, {})
+            self.backend.load_shards(path, list(opts))
+        else:
+            state, pending = self._load_whole(path, opts)
         self.step, self.version, self.policy_steps = state["step"], state["version"], state["policy_steps"]
         self.vindex, self.redo_until = state.get("version_index", self.version), state.get("redo_until", -1)
         self.resumed = True

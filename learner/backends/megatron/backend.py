@@ -18,7 +18,7 @@ import os
 import torch
 
 from learner.backends.base import Backend
-from learner.backends.megatron import grads, parallel, pipeline_step, reshard
+from learner.backends.megatron import ckpt_shards, grads, parallel, pipeline_step, reshard
 from learner.backends.megatron.hf_compat import HFCompatPolicy, HFCompatValue
 from learner.trainer.ranks import RankGroup
 from learner.trainer.step import Models
@@ -69,6 +69,15 @@ class MegatronBackend(Backend):
 
     def import_optimizer(self, name: str, file, meta: dict) -> None:
         reshard.load(self.lrn, name, file, meta)
+
+    checkpoints_by_shard = True  # the trainer calls these instead of export_hf / export_optimizer
+
+    def save_shards(self, directory, names: list[str]) -> None:
+        """Each rank's part of the weights and AdamW moments into a checkpoint directory (ckpt_shards)."""
+        ckpt_shards.save(self.lrn, directory, names, self.group.leader)
+
+    def load_shards(self, directory, names: list[str]) -> None:
+        ckpt_shards.load(self.lrn, directory, names)
 
     def layout(self) -> dict:
         o = self.lrn.options

@@ -35,6 +35,18 @@ Plan = list[tuple[str, torch.dtype, tuple[int, ...]]]
 Entry = tuple[str, str, tuple[str, ...]]  # convert's (kind, megatron name, HF names)
 
 
+def value_entries(hf_cfg, layout: dict[str, int], stage) -> list[Entry]:
+    """The critic's entries: its backbone (megatron names under `backbone.`, HF under `backbone.`) and, on the last
+    stage, the head (its norm is the HF backbone's final norm)."""
+    out = [(k, "backbone." + m, hs) for k, m, hs in convert.hf_mapping(hf_cfg, layout["ep_rank"], layout["ep"],
+                                                                       "backbone.", False, stage)]
+    if stage is None or stage.last:
+        out += [(convert.RENAME, "value_head.norm.weight", ("backbone.norm.weight",)),
+                (convert.RENAME, "value_head.head.weight", ("head.weight",)),
+                (convert.RENAME, "value_head.head.bias", ("head.bias",))]
+    return out
+
+
 def is_writer(layout: dict[str, int]) -> bool:
     """Whether this rank writes a shard: it holds the dense tensors of replica 0, or experts of expert replica 0."""
     return layout["dp_rank"] == 0 or layout["edp_rank"] == 0
@@ -82,13 +94,15 @@ def _whole(name: str, t: torch.Tensor, owner: int, expert: bool, layout: dict[st
 
 class PolicyShard:
     """One rank's part of the policy in HF format (a `learner.trainer.publish_shards.HFShard`): `params` are this
-    rank's megatron tensors (its TP slices, its experts, its stage's layers), `shard` (index or -1, count)."""
+    rank's megatron tensors (its TP slices, its experts, its stage's layers; or tensors named and shaped as them,
+    its AdamW moments), `shard` (index or -1, count); `entries` another model's (`value_entries`)."""
 
     def __init__(self, params: dict[str, torch.Tensor], hf_cfg, layout: dict[str, int], stage,
-                 shard: tuple[int, int]) -> None:
+                 shard: tuple[int, int], entries: list[Entry] | None = None) -> None:
         self.index, self.count = shard
         self.params, self.hf_cfg, self.layout = params, hf_cfg, layout
-        entries = convert.hf_mapping(hf_cfg, layout["ep_rank"], layout["ep"], stage=stage)
+        if entries is None:  # the policy's
+            entries = convert.hf_mapping(hf_cfg, layout["ep_rank"], layout["ep"], stage=stage)
         self.walk = walk(entries, params, layout) if self.index >= 0 else []
         self.stats = {"tensors": 0, "expert_tensors": 0, "bytes": 0, "peak_bytes": 0}
 

@@ -175,10 +175,18 @@ class MegatronLearner:
         """This rank's own part of the HF policy, to publish by shard (`export.PolicyShard`: the whole tensors it
         owns among its stage's dense tensors and its experts; nothing on a data-parallel copy). A collective over
         the world (which ranks write)."""
-        from learner.backends.megatron.export import PolicyShard, is_writer
+        return self.shard_of("policy", megatron_params(self.policy))
+
+    def shard_of(self, name: str, tensors: dict[str, torch.Tensor]):
+        """This rank's part of "policy" or "value" in HF format, of its weights or of `tensors` named as them (its
+        AdamW moments); a collective over the world."""
+        from learner.backends.megatron.export import PolicyShard, is_writer, value_entries
 
         shard = parallel.writer_index(is_writer(self.layout))
-        return PolicyShard(megatron_params(self.policy), self.hf_config, self.layout, self.stage, shard)
+        if name == "policy":
+            return PolicyShard(tensors, self.hf_config, self.layout, self.stage, shard)
+        entries = value_entries(self.hf_config, self.layout, self.value_stage)
+        return PolicyShard(tensors, self.hf_config, self.layout, self.value_stage, shard, entries)
 
     def value_state_dict(self, tensors: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The full value model in H2's ValueModel layout (backbone.*, head.*); collective. `tensors`: as
@@ -224,14 +232,21 @@ class MegatronLearner:
 
     def load_hf_policy(self, hf_policy) -> None:
         """Replace the policy's weights with an HF model's (e.g. a checkpoint's); this rank's experts."""
-        load_megatron(self.policy, tp.shard_state(convert.hf_to_megatron(
-            hf_policy.state_dict(), self.hf_config, self.ep_rank, self.ep_size, stage=self.stage), self.layout))
+        self.load_hf_tensors("policy", hf_policy.state_dict())
 
     def load_hf_value(self, hf_value) -> None:
-        if self.value is None:
+        self.load_hf_tensors("value", hf_value.state_dict())
+
+    def load_hf_tensors(self, name: str, hf_sd) -> None:
+        """"policy" or "value"'s weights from HF-named tensors (a dict, or a mapping that reads only the tensors
+        this rank asks for: its stage, experts and TP slices)."""
+        if name == "policy":
+            load_megatron(self.policy, tp.shard_state(convert.hf_to_megatron(
+                hf_sd, self.hf_config, self.ep_rank, self.ep_size, stage=self.stage), self.layout))
+        elif self.value is None:
             raise RuntimeError("MegatronLearner.load_hf_value: built without a value model")
-        load_value(self.value, hf_value.state_dict(), self.hf_config, self.ep_rank, self.ep_size, self.layout,
-                   self.value_stage)
+        else:
+            load_value(self.value, hf_sd, self.hf_config, self.ep_rank, self.ep_size, self.layout, self.value_stage)
 
     def export_hf_value(self):
         """H2's `ValueModel` holding the critic's current weights (collective)."""

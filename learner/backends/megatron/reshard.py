@@ -83,19 +83,30 @@ def local_moments(module: torch.nn.Module, opt) -> tuple[dict[str, dict[str, tor
     return out, step
 
 
+def meta_of(opt, step: int) -> dict:
+    """What a layout-free checkpoint keeps of an AdamW beside its moments: its step and settings."""
+    group = {k: list(v) if isinstance(v, tuple) else v for k, v in opt.param_groups[0].items() if k in _HPARAMS}
+    return {"step": step, "param_group": group, "layout_free": True}
+
+
+def whole_moments(module, opt) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
+    """`local_moments` with every mapped tensor present (zeros for buffers and never-updated parameters)."""
+    moments, step = local_moments(module, opt)
+    return {mom: {n: moments[mom].get(n, torch.zeros_like(t)) for n, t in _mapped(module).items()}
+            for mom in MOMENTS}, step
+
+
 def export(lrn, name: str) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors `<HF name>/<moment>`, meta) of "policy" or "value"'s AdamW: a collective over every rank."""
     module, opt = _module_opt(lrn, name)
-    moments, step = local_moments(module, opt)
-    group = {k: list(v) if isinstance(v, tuple) else v for k, v in opt.param_groups[0].items() if k in _HPARAMS}
-    meta = {"step": step, "param_group": group, "layout_free": True}
+    moments, step = whole_moments(module, opt)
+    meta = meta_of(opt, step)
     if step == 0:
         return {}, meta
     hf_of = lrn.policy_state_dict if name == "policy" else lrn.value_state_dict
     tensors = {}
     for mom in MOMENTS:
-        full = {n: moments[mom].get(n, torch.zeros_like(t)) for n, t in _mapped(module).items()}
-        hf = hf_of(full)
+        hf = hf_of(moments[mom])
         if name == "policy" and lrn.hf_config.tie_word_embeddings:
             hf.pop("lm_head.weight", None)  # the embedding's, shared
         tensors.update({f"{k}/{mom}": v.contiguous() for k, v in hf.items()})
@@ -139,6 +150,13 @@ def load(lrn, name: str, file: Path, meta: dict) -> None:
     """Set "policy" or "value"'s AdamW state from a layout-free file (`export`'s), cut for this rank's layout."""
     from safetensors import safe_open
 
+    with safe_open(str(file), framework="pt") as f:
+        keys = set(f.keys())
+        load_from(lrn, name, {mom: _Lazy(f, keys, mom) for mom in MOMENTS}, meta)
+
+
+def load_from(lrn, name: str, sources: dict[str, Mapping], meta: dict) -> None:
+    """Set "policy" or "value"'s AdamW state from HF-named moments (`sources[moment]`, read as asked for)."""
     module, opt = _module_opt(lrn, name)
     for g in opt.param_groups:
         g.update({k: tuple(v) if isinstance(v, list) else v for k, v in meta["param_group"].items()})
@@ -146,9 +164,7 @@ def load(lrn, name: str, file: Path, meta: dict) -> None:
     step = int(meta["step"])
     if step == 0:
         return
-    with safe_open(str(file), framework="pt") as f:
-        keys = set(f.keys())
-        moments = {mom: _to_megatron(lrn, name, _Lazy(f, keys, mom)) for mom in MOMENTS}
+    moments = {mom: _to_megatron(lrn, name, sources[mom]) for mom in MOMENTS}
     names = _names(module)
     scalar = torch.tensor(float(step), dtype=torch.float32)
     if hasattr(opt, "buckets"):
