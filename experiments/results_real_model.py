@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from experiments.results_format import EXAMPLES, Reader, cnt, f3, sec, section, table
+from experiments.results_format import EXAMPLES, Reader, cnt, f3, rec, sec, section, table
 
 MEASURED = EXAMPLES / "real-model/measured.json"
 
@@ -47,3 +47,35 @@ def real_model_example_section(root: Path) -> str:
             f"compares the run's first window (`add`, pretrained) with its last (`sub`, after the drift).")
     return section("12. A real pretrained model through the loop (examples/real-model)", what,
                    [table(head, rows), tail], get.read, [])
+
+
+VALUE_OPTIONS = EXAMPLES / "real-model/value_options.json"
+
+
+def value_options_section(root: Path) -> str:
+    """The critic's options in the same example run: the value head against a full and an 8-block copy."""
+    get = Reader(root)
+    v = get(VALUE_OPTIONS)
+    what = (f"The same `sao up` as section 12, {sec(v['max_seconds'])} s a run, with the critic as the value head on "
+            f"the LoRA policy's backbone (section 12's runs of these seeds), a full copy of the backbone "
+            f"(`value.kind=copy`, 30 blocks), or its first 8 blocks (`value.layers=8`); both copies train every "
+            f"weight of the critic at the profile's value_lr 1e-5, the head at run.yaml's 1e-3. Learner memory: "
+            f"the peak resident set of the `sao learn` process (polled every 5 s; not recorded for section 12's "
+            f"runs, see section 11 for the same options in isolation). Load: the machine's 1-minute load average "
+            f"over the run (2 cores; more than 2 means other work slowed it).")
+    head = ["critic", "seed", "load", "trajectories", "learner steps", "learner peak (GiB)", "all: margin",
+            "add: first → last", "sub: first → last", "drift"]
+    rows = []
+    for option, seeds in v["runs"].items():
+        for seed, r in sorted(seeds.items()):
+            lrn, launch, c = r.get("learner") or {}, r["launch"], r["concepts"]
+            drift = r["recoveries"][0] if r["recoveries"] else {}
+            rows.append([option, seed, f"{launch.get('loadavg_1m_mean') or 0:.2f}", cnt(r["trajectories"]),
+                         lrn.get("steps", "—"), f"{launch['learner_peak_rss_gib']:.2f}"
+                         if "learner_peak_rss_gib" in launch else "—", f"{r['overall']['reward_margin']:+.3f}",
+                         *(_cells(c[k])[0] if k in c else "—" for k in ("add", "sub")), rec(**drift) if drift else "—"])
+    means = "; ".join(f"{o} {a['overall']['reward_margin_mean']:+.3f} (min {a['overall']['reward_margin_min']:+.3f})"
+                      for o, a in v["over_seeds"].items())
+    return section("13. The critic's options on the real model (examples/real-model/value_options.py)", what,
+                   [table(head, rows), f"Mean reward margin over seeds (first → last window of the run): {means}."],
+                   get.read, [])

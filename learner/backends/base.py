@@ -39,8 +39,8 @@ class Backend(Protocol):
 
     def export_shard(self, name: str) -> Any:
         """This rank's own part of "policy" in HF format, to publish a version by shard without any rank holding
-        the whole model (a `learner.trainer.publish_shards.HFShard`), or None: publish the whole `export_hf`. Not a
-        collective (publishing the shards is)."""
+        the whole model (a `learner.trainer.publish_shards.HFShard`), or None: publish the whole `export_hf`. A
+        collective where the backend needs one to say which ranks write (megatron)."""
         return None
 
     def hf_target(self, name: str) -> torch.nn.Module:
@@ -53,7 +53,14 @@ class Backend(Protocol):
         """How the weights and optimizer state are split ({"backend", "world_size", "expert_parallel"}); saved
         with each checkpoint, which resumes only under the same layout, unless the backend also has
         `export_optimizer(name) -> (tensors, meta)` (a collective) and `import_optimizer(name, file, meta)`:
-        optimizer state in HF naming, which any layout of that backend resumes (megatron: reshard.py)."""
+        optimizer state in HF naming, which any layout of that backend resumes (megatron: reshard.py). A backend
+        with `checkpoints_by_shard` = True writes and reads checkpoints itself, each rank its part:
+        `save_shards(directory, names)` and `load_shards(directory, names)`, both collectives (megatron:
+        ckpt_shards.py); the trainer then writes only its own state beside them.
+
+        At pipeline parallelism a backend sets `pipelined` = True and runs the trainer's backward passes itself:
+        `scheduled_backward(kind, cfg, models, batch, ref, norm, scale)`, kind "value" or "policy", as
+        learner.trainer.step's value_backward and policy_backward (megatron: pipeline_step.py)."""
 
     def shutdown(self) -> None:
         """Leave the ranks' process group, if any."""
