@@ -130,6 +130,17 @@ def _policy(store: WeightStore, version: int) -> dict[str, torch.Tensor]:
     return store.load(pv)  # raises CheckpointError unless the bytes match the announced sha256
 
 
+def torch_reference(traj: Path, root: Path, overrides: list[str], steps: int) -> dict:
+    """The torch backend on `traj` for `steps` steps ({"store": its published versions, "events": its steps})."""
+    cfg = load_config(LearnerConfig, None, overrides + [f"checkpoint.dir={root / 'ck'}"])
+    events = []
+    trainer = Trainer(cfg, build_models(cfg), FileSource(traj), DirectoryPublisher(root / "w"), [events.append])
+    trainer.start()
+    for _ in range(steps):
+        assert trainer.step_once()
+    return {"store": WeightStore(root / "w"), "events": events}
+
+
 def _value(ck: Path) -> dict[str, torch.Tensor]:
     """The critic of a megatron checkpoint, its ranks' shards merged."""
     return {k: t for f in sorted(ck.glob("value.weights.*")) for k, t in load_file(str(f)).items()}

@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("megatron.core")
 
 from learner.backends.megatron.pipeline_step import padded_rows  # noqa: E402
-from tests.test_megatron_learn import TRAIN, _max_abs, _policy, traj_file  # noqa: E402, F401
+from tests.test_megatron_learn import TRAIN, _max_abs, _policy, torch_reference, traj_file  # noqa: E402, F401
 
 REPO = Path(__file__).resolve().parents[1]
 PP_TRAIN = TRAIN + ["model.num_layers=2"]  # one layer a stage
@@ -52,21 +52,7 @@ def pp_run(traj_file, tmp_path_factory) -> Path:  # noqa: F811
 @pytest.fixture(scope="module")
 def torch_pp_ref(traj_file, tmp_path_factory) -> dict:  # noqa: F811
     """The torch backend on the same file and model, 3 steps."""
-    from learner.config import LearnerConfig
-    from learner.train import build_models
-    from learner.trainer.loop import Trainer
-    from learner.trainer.publish import DirectoryPublisher
-    from learner.trainer.source import FileSource
-    from streamer.transport.weights import WeightStore
-    from streamer.wire.config import load_config
-
-    root = tmp_path_factory.mktemp("torch_pp_ref")
-    cfg = load_config(LearnerConfig, None, PP_TRAIN + [f"checkpoint.dir={root / 'ck'}"])
-    events = []
-    trainer = Trainer(cfg, build_models(cfg), FileSource(traj_file), DirectoryPublisher(root / "w"), [events.append])
-    trainer.start()
-    assert trainer.step_once() and trainer.step_once() and trainer.step_once()
-    return {"store": WeightStore(root / "w"), "events": events}
+    return torch_reference(traj_file, tmp_path_factory.mktemp("torch_pp_ref"), PP_TRAIN, 3)
 
 
 @pytest.mark.slow  # a 2-rank torchrun of sao learn (~30 s) and a 2-step torch run

@@ -19,7 +19,7 @@ pytest.importorskip("megatron.core")
 from learner.trainer.checkpoint import check_layout  # noqa: E402
 from streamer.transport.weights import WeightStore  # noqa: E402
 from streamer.wire.config import set_args  # noqa: E402
-from tests.test_megatron_learn import TRAIN, _max_abs, _policy, torch_run, traj_file  # noqa: E402, F401
+from tests.test_megatron_learn import TRAIN, _max_abs, _policy, torch_reference, torch_run, traj_file  # noqa: E402, F401
 
 REPO = Path(__file__).resolve().parents[1]
 KV2 = ["model.num_kv_heads=2"]  # TP 2 splits whole KV groups
@@ -74,28 +74,10 @@ def test_ep2_checkpoint_resumes_on_one_rank(traj_file, torch_run, tmp_path):  # 
     _continues_as(tmp_path, torch_run["events"], torch_run["store"], (2, 3))
 
 
-def _torch_ref(traj: Path, root: Path, model: list[str]) -> dict:
-    """The torch backend, 3 steps, on the tiny model with `model`'s overrides."""
-    from learner.config import LearnerConfig
-    from learner.train import build_models
-    from learner.trainer.loop import Trainer
-    from learner.trainer.publish import DirectoryPublisher
-    from learner.trainer.source import FileSource
-    from streamer.wire.config import load_config
-
-    cfg = load_config(LearnerConfig, None, TRAIN + model + [f"checkpoint.dir={root / 'ck'}"])
-    events = []
-    trainer = Trainer(cfg, build_models(cfg), FileSource(traj), DirectoryPublisher(root / "w"), [events.append])
-    trainer.start()
-    for _ in range(3):
-        assert trainer.step_once()
-    return {"store": WeightStore(root / "w"), "events": events}
-
-
 @pytest.fixture(scope="module")
 def torch_kv2(traj_file, tmp_path_factory) -> dict:  # noqa: F811
     """3 torch steps on the model TP 2 needs (2 KV heads)."""
-    return _torch_ref(traj_file, tmp_path_factory.mktemp("torch_kv2"), KV2)
+    return torch_reference(traj_file, tmp_path_factory.mktemp("torch_kv2"), TRAIN + KV2, 3)
 
 
 @pytest.mark.slow  # two 2-rank sao learn runs (~25 s each) and a 3-step torch run
@@ -110,7 +92,7 @@ def test_tp2_checkpoint_resumes_at_ep2_with_sharded_optimizer(traj_file, torch_k
 def test_pp2_checkpoint_resumes_at_tp2(traj_file, tmp_path):  # noqa: F811
     """Saved at (PP 2) after step 1 (each stage one layer); resumed at (TP 2) for steps 2 and 3."""
     model = KV2 + ["model.num_layers=2"]
-    ref = _torch_ref(traj_file, tmp_path / "torch", model)
+    ref = torch_reference(traj_file, tmp_path / "torch", TRAIN + model, 3)
     _learn(traj_file, tmp_path, 1, 2, ["backend.pipeline_parallel=2"], model)
     _learn(traj_file, tmp_path, 3, 2, ["backend.tensor_parallel=2"], model)
     _continues_as(tmp_path, ref["events"], ref["store"], (2, 3))

@@ -167,7 +167,7 @@ def test_backend_config_keys_are_validated_by_name():
 
 # ---------------------------------------------------------------------- sao learn at TP 2
 
-from tests.test_megatron_learn import TRAIN, _max_abs, _policy, traj_file  # noqa: E402, F401
+from tests.test_megatron_learn import TRAIN, _max_abs, _policy, torch_reference, traj_file  # noqa: E402, F401
 
 TP_TRAIN = TRAIN + ["model.num_kv_heads=2"]  # megatron-core splits whole KV groups over the TP ranks
 
@@ -195,21 +195,7 @@ def tp_run(traj_file, tmp_path_factory) -> Path:  # noqa: F811
 @pytest.fixture(scope="module")
 def torch_tp_ref(traj_file, tmp_path_factory) -> dict:  # noqa: F811
     """The torch backend on the same file and model, 2 steps (as tests/test_megatron_learn.py's torch_run)."""
-    from learner.config import LearnerConfig
-    from learner.train import build_models
-    from learner.trainer.loop import Trainer
-    from learner.trainer.publish import DirectoryPublisher
-    from learner.trainer.source import FileSource
-    from streamer.transport.weights import WeightStore
-    from streamer.wire.config import load_config
-
-    root = tmp_path_factory.mktemp("torch_tp_ref")
-    cfg = load_config(LearnerConfig, None, TP_TRAIN + [f"checkpoint.dir={root / 'ck'}"])
-    events = []
-    trainer = Trainer(cfg, build_models(cfg), FileSource(traj_file), DirectoryPublisher(root / "w"), [events.append])
-    trainer.start()
-    assert trainer.step_once() and trainer.step_once()
-    return {"store": WeightStore(root / "w"), "events": events}
+    return torch_reference(traj_file, tmp_path_factory.mktemp("torch_tp_ref"), TP_TRAIN, 2)
 
 
 @pytest.mark.slow  # a 2-rank torchrun of sao learn (~25 s) and a 2-step torch run
