@@ -81,6 +81,15 @@ if "$VLLM_PY" -c "import vllm" 2>/dev/null && [ "${SKIP_OWN_MODEL:-0}" != 1 ]; t
   echo "saved $OWN (trajectories.jsonl, events.jsonl)"
 fi
 
+# The torch learner on the GPU (learner.device auto): a randomly initialised ~0.5B Qwen2 built from its config (no
+# download), one learner update per memory option (LoRA, value head, gradient checkpointing, micro-batches by
+# tokens, bf16) with its peak GPU memory and tokens/s, beside docs/results/real_model.json's CPU figures.
+if [ "${SKIP_REAL_MODEL:-0}" != 1 ]; then
+  "$PY" bench/real_model.py --models qwen2-500m --rows 16 --tokens 512 --steps 3 --timeout 600 \
+    --configs baseline,lora,value_head,bf16,grad_ckpt,lora+head+ckpt+micro+bf16 --out runs/bench/gpu_real_model.json
+  echo "saved runs/bench/gpu_real_model.json"
+fi
+
 # The drift suite's pilot (issue 15, item 7) in 8 minutes: a timing pilot prices every arm's runs, then the arms that
 # fit run many at once, one thread each (experiments/pilot_sizing.py). The tiny model's harness runs on CPU threads: this
 # uses the machine's cores, not the GPU. The warm start is built first when runs/cache lacks it (timed apart).

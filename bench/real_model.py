@@ -191,8 +191,11 @@ def learner_child(a: argparse.Namespace) -> dict:
         applied.append(step(batch))
         times.append(time.perf_counter() - t)
     trained = sum(p.numel() for p in models.policy.parameters() if p.requires_grad)
-    return {"keys": CONFIGS[a.config], "build_s": round(build_s, 1), "peak_rss_after_build_gib": round(rss_built, 3),
-            "peak_rss_gib": round(peak_rss_gib(), 3), "step_s": [round(t, 2) for t in times],
+    gpu = ({"device": torch.cuda.get_device_name(), "peak_gpu_gib": round(torch.cuda.max_memory_allocated() / GIB, 3)}
+           if models.backend.device.type == "cuda" else {"device": "cpu"})  # learner.device auto: the GPU if any
+    return {**gpu, "keys": CONFIGS[a.config], "build_s": round(build_s, 1),
+            "peak_rss_after_build_gib": round(rss_built, 3), "peak_rss_gib": round(peak_rss_gib(), 3),
+            "step_s": [round(t, 2) for t in times],
             "tokens_per_step": batch.n_tokens, "learner_tokens_per_s": round(batch.n_tokens / min(times), 1),
             "micro_batches": len(list(_cuts(cfg, batch))), "applied": all(applied),
             "policy_trained_params": trained, "loadavg_1m_after": round(os.getloadavg()[0], 2)}

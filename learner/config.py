@@ -32,6 +32,7 @@ Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]
 BackendName = Literal["torch", "megatron"]
 BackendDtype = Literal["float32", "bfloat16"]
 Precision = Literal["float32", "bfloat16"]
+Device = Literal["auto", "cpu", "cuda"]
 ValueKind = Literal["copy", "head"]
 LoraPublish = Literal["merged", "adapters"]
 ESTIMATORS = get_args(Estimator)
@@ -125,8 +126,7 @@ class ValueConfig:
     # move the policy in random directions (the first policy step's loss was -0.54 without it)
     warmup_steps: int = 5
     # clipped value loss. The old values come from the same critic weights (`prepare` or the batch's first update's
-    # forward, learner.trainer.step), so the clip binds only
-    # from the second update on one batch (optim.updates_per_batch > 1); off by default, where it cannot bind
+    # forward): the clip binds only from a batch's second update (optim.updates_per_batch > 1); off by default
     value_clip: float | None = None
     agg: Aggregation = "token_mean"
     rewarm_steps: int = 2  # critic-only steps after a value-loss spike, e.g. a drift the critic has not seen
@@ -235,9 +235,10 @@ class LearnerConfig:
     max_steps: int = 0  # stop after this many steps (0: run until the source ends)
     threads: int = 2  # torch intra-op threads
     # torch backend: the forwards' compute dtype. bfloat16: autocast over fp32 master weights, gradients and AdamW
-    # state (TRL/accelerate's bf16=True, verl's FSDP mixed precision); refused where the device cannot compute it.
-    # The fast packed forward of the embedded policy is fp32-only: under bfloat16 it takes the HF forward
+    # state (TRL/accelerate's bf16=True, verl's FSDP mixed precision); refused where the device cannot compute it
+    # (the embedded policy's packed forward is fp32-only: under bfloat16 it takes the HF forward)
     precision: Precision = "float32"
+    device: Device = "auto"  # torch backend: where the models train; auto: the GPU torch sees first, else the CPU
     # torch backend: HF gradient checkpointing on the policy and the critic's backbone (activations recomputed in
     # backward: less memory, ~1/3 more compute); the embedded policy's packed forward is then not used
     gradient_checkpointing: bool = False
@@ -375,8 +376,9 @@ def _validate_numbers(c: LearnerConfig) -> None:
 
 def _validate_memory_options(c: LearnerConfig) -> None:
     lora, megatron = c.policy.lora, c.backend.name == "megatron"
-    if c.precision not in get_args(Precision):
-        _fail("precision", f"'{c.precision}' unknown; choose one of {', '.join(get_args(Precision))}")
+    for name, kinds in (("precision", Precision), ("device", Device)):
+        if getattr(c, name) not in get_args(kinds):
+            _fail(name, f"'{getattr(c, name)}' unknown; choose one of {', '.join(get_args(kinds))}")
     if lora.r < 0 or (lora.r and not (lora.alpha > 0 and 0.0 <= lora.dropout < 1.0 and lora.target_modules)):
         _fail("policy.lora", f"r={lora.r} alpha={lora.alpha} dropout={lora.dropout} target_modules="
                              f"{lora.target_modules}: need r >= 0 (0: off), alpha > 0, dropout in [0, 1) and a module")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from learner.models.memory import check_precision, native_bf16
+from learner.models.memory import check_precision, learner_device, native_bf16
 from learner.models.policy import build_policy
 from learner.train import build_models
 from learner.trainer.batching import Batch, by_length, collate
@@ -120,6 +120,7 @@ def test_all_options_together_take_a_finite_step(tmp_path, batch):
 @pytest.mark.parametrize("override, field", [
     ("batch.micro_tokens=-1", "batch.micro_tokens"),
     ("precision=float16", "precision"),
+    ("device=tpu", "device"),
 ])
 def test_bad_values_name_the_key(tmp_path, override, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
@@ -141,6 +142,16 @@ def test_bf16_is_refused_where_the_device_cannot(tmp_path):
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="LearnerConfig.precision: bfloat16 needs a GPU with bf16"):
             check_precision("bfloat16", torch.device("cuda"))
+
+
+def test_the_learner_device_is_the_gpu_when_there_is_one(tmp_path):
+    gpu = torch.cuda.is_available()
+    assert learner_device("auto").type == ("cuda" if gpu else "cpu") and learner_device("cpu").type == "cpu"
+    if not gpu:
+        with pytest.raises(ConfigError, match="LearnerConfig.device: cuda, but torch sees no GPU"):
+            learner_device("cuda")
+    models = build_models(make_cfg(tmp_path, "device=cpu"))
+    assert models.backend.device.type == "cpu" and next(models.policy.parameters()).device.type == "cpu"
 
 
 def test_native_bf16_reads_the_cpu_flags(tmp_path):

@@ -1,4 +1,5 @@
-"""The default backend: the HF policy (and critic) trained as they are, in this one process, on the CPU.
+"""The default backend: the HF policy (and critic) trained as they are, in this one process, on `learner.device`
+(auto: the GPU torch sees first, else the CPU).
 
 The trainer's step drives the HF modules directly; AdamW (`learner.trainer.step.build_optimizers`) steps them and
 torch's `clip_grad_norm_` clips them. Export and import are the live modules themselves: a checkpoint loads in
@@ -17,7 +18,7 @@ import torch
 from learner.backends.base import Backend
 from learner.config import LearnerConfig
 from learner.models.lora import BaseOf, has_lora
-from learner.models.memory import check_precision, enable_checkpointing
+from learner.models.memory import check_precision, enable_checkpointing, learner_device
 from learner.trainer.step import build_optimizers, clip_grad_norm
 
 LAYOUT = {"backend": "torch", "world_size": 1, "expert_parallel": 1}
@@ -27,10 +28,13 @@ class TorchBackend(Backend):
     """The Backend over HF modules in one process."""
 
     def __init__(self, cfg: LearnerConfig, policy: torch.nn.Module, value: torch.nn.Module | None) -> None:
-        self.device = torch.device("cpu")
+        self.device = learner_device(cfg.device)
         self.group = None
         self.hf_config = policy.config
         check_precision(cfg.precision, self.device)
+        policy.to(self.device)
+        if value is not None:
+            value.to(self.device)
         self.models = build_optimizers(cfg, policy, value, backend=self)
         if cfg.loss.kl_coef > 0:  # with LoRA the base is the initial policy: the same modules, adapters off
             self.models.reference = BaseOf(policy) if has_lora(policy) else frozen_copy(policy)

@@ -33,6 +33,15 @@ def autocast(precision: str, device_type: str) -> contextlib.AbstractContextMana
     return torch.autocast(device_type, dtype=torch.bfloat16)
 
 
+def learner_device(choice: str) -> torch.device:
+    """`learner.device`: auto takes the GPU torch sees first, else the CPU; cuda without a GPU is refused."""
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("LearnerConfig.device: cuda, but torch sees no GPU here (a CPU build of torch, or no "
+                          "device); set learner.device=cpu or auto")
+    gpu = choice == "cuda" or (choice == "auto" and torch.cuda.is_available())
+    return torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+
+
 def check_precision(precision: str, device: torch.device) -> None:
     """Refuse bfloat16 where `device` cannot compute it (a ConfigError naming learner.precision)."""
     if precision == "float32":
