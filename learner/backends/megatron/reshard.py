@@ -11,6 +11,10 @@ hyperparameters). Loading (`load`): each rank reads only the HF tensors its layo
 and cuts them as it cuts the weights; with a sharded optimizer it keeps its slice. Every step of the way is a slice
 or a concatenation, so the moments come back bit-identical at any layout.
 
+Checkpoints are now written by shard (`ckpt_shards.py`: each rank its part of the weights and of each moment, named
+as here, through `whole_moments` and `load_from`); `export` and `load` keep the one-file format of the checkpoints
+written before that, which still resume.
+
 What a checkpoint does not hold here: momenta of tensors without gradients (GLM's router bias is a buffer: zeros,
 ignored on load; a parameter a stage never uses, as the critic's head off the last pipeline stage: zeros). The step
 count is one number per optimizer: every parameter with a gradient steps every time (gradients are all-reduced);
