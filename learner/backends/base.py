@@ -51,9 +51,9 @@ class Backend(Protocol):
 
     def layout(self) -> dict:
         """How the weights and optimizer state are split ({"backend", "world_size", "expert_parallel"}); saved
-        with each checkpoint, which resumes only under the same layout, unless the backend also has
-        `export_optimizer(name) -> (tensors, meta)` (a collective) and `import_optimizer(name, file, meta)`:
-        optimizer state in HF naming, which any layout of that backend resumes (megatron: reshard.py). A backend
+        with each checkpoint, which resumes only under the same layout, unless the backend reads optimizer state
+        in HF naming, which any layout of it resumes: `import_optimizer(name, file, meta)` (megatron's checkpoints
+        written before they went by shard: reshard.py). A backend
         with `checkpoints_by_shard` = True writes and reads checkpoints itself, each rank its part:
         `save_shards(directory, names)` and `load_shards(directory, names)`, both collectives (megatron:
         ckpt_shards.py); the trainer then writes only its own state beside them.

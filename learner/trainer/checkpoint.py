@@ -3,12 +3,13 @@
     <root>/step_00000120/
         policy.safetensors  value.safetensors        model weights (tied weights stored once)
         optim_policy.safetensors + optim_policy.json optimizer state: tensors + the rest as JSON
-        optim_policy.hf.safetensors + .hf.json       megatron: the AdamW moments in HF naming, once, which any
-                                                     layout reads back (learner/backends/megatron/reshard.py)
-        optim_policy.rank00001.safetensors + .json   one per rank (megatron checkpoints written before that)
-        policy.weights.00001-of-00002.safetensors    megatron now: each rank's part of the weights and moments
-          policy.exp_avg.*, policy.exp_avg_sq.*      instead of the files above (ckpt_shards.py); any layout
-                                                     reads them back
+        policy.weights.00001-of-00002.safetensors    megatron: each rank's part of the weights and of the AdamW
+          policy.exp_avg.*, policy.exp_avg_sq.*      moments, in HF naming, instead of the files above, with
+          optim_policy.hf.json                       AdamW's step and settings; any layout reads them back
+                                                     (learner/backends/megatron/ckpt_shards.py)
+        optim_policy.hf.safetensors + .hf.json       megatron checkpoints written before that: the moments in HF
+                                                     naming, once (still read back: reshard.py)
+        optim_policy.rank00001.safetensors + .json   one per rank (megatron checkpoints older still)
         rng.safetensors                              torch CPU RNG state
         pending.jsonl                                trajectories read but not yet trained on
         state.json                                   step, version, source positions, counters
@@ -297,13 +298,6 @@ def finish_checkpoint(root: str | Path, tmp: Path, step: int, models: dict[str, 
     for old in step_dirs(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
-
-
-def save_layout_free(directory: Path, optim: dict[str, tuple[dict[str, torch.Tensor], dict]]) -> None:
-    """Optimizer states in HF naming (`Backend.export_optimizer`'s), one file pair per model, any layout's."""
-    for name, (tensors, meta) in optim.items():
-        save_file(tensors, str(directory / f"optim_{name}.hf.safetensors"))
-        (directory / f"optim_{name}.hf.json").write_text(json.dumps(meta))
 
 
 def layout_free(path: Path, names) -> dict[str, tuple[Path, dict]] | None:

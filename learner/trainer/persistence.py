@@ -44,11 +44,8 @@ class Checkpointing:
         # a backend that writes by shard (megatron): each rank its part, below; no rank holds the whole model
         by_shard = getattr(self.backend, "checkpoints_by_shard", False)
         hf = {} if by_shard else {name: self.backend.export_hf(name) for name in opts}  # a collective
-        # a backend that can: its optimizer state in HF naming, one copy any layout resumes (a collective too)
-        free = None if by_shard or not hasattr(self.backend, "export_optimizer") else {
-            n: self.backend.export_optimizer(n) for n in opts}
         root, g = self.cfg.checkpoint.dir, self.group
-        if g is None and free is None and not by_shard:
+        if g is None and not by_shard:
             ckpt.save_checkpoint(root, self.step, hf, opts, state, self.batcher.pending(), self.cfg.checkpoint.keep)
             self.source.commit(self.positions)
             return
@@ -59,10 +56,8 @@ class Checkpointing:
             g.barrier()
         if by_shard:
             self.backend.save_shards(tmp, list(opts))
-        elif free is None:
+        else:
             ckpt.save_optimizers(tmp, opts, rank=g.rank)
-        elif self.leader:
-            ckpt.save_layout_free(tmp, free)
         if g is not None:
             g.barrier()
         if self.leader:

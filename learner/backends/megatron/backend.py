@@ -62,15 +62,11 @@ class MegatronBackend(Backend):
         else:
             self.lrn.load_hf_value(model)
 
-    def export_optimizer(self, name: str) -> tuple[dict[str, torch.Tensor], dict]:
-        """The AdamW state of "policy" or "value" in HF naming, for a checkpoint any layout resumes (reshard.py);
-        a collective."""
-        return reshard.export(self.lrn, name)
-
     def import_optimizer(self, name: str, file, meta: dict) -> None:
+        """The AdamW state of a checkpoint written before checkpoints went by shard (one HF-named file, reshard.py)."""
         reshard.load(self.lrn, name, file, meta)
 
-    checkpoints_by_shard = True  # the trainer calls these instead of export_hf / export_optimizer
+    checkpoints_by_shard = True  # the trainer calls these instead of export_hf
 
     def save_shards(self, directory, names: list[str]) -> None:
         """Each rank's part of the weights and AdamW moments into a checkpoint directory (ckpt_shards)."""
