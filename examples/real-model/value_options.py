@@ -108,7 +108,13 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{option} seed {seed} ...", flush=True)
                 launch = run_option(Path(a.model_dir), runs_dir, option, seed, a.max_seconds)
             run = {"launch": launch, **measure.analyze(runs_dir / name, a.window)}
-            result["runs"].setdefault(option, {})[str(seed)] = summarize(run)
+            earlier = old.get("runs", {}).get(option, {}).get(str(seed))
+            row = summarize(run)
+            if earlier and earlier["launch"] != launch:  # run again: the attempt it replaces stays on record
+                row["previous_attempt"] = {k: earlier[k] for k in ("launch", "trajectories", "overall", "learner")}
+            elif earlier and "previous_attempt" in earlier:
+                row["previous_attempt"] = earlier["previous_attempt"]
+            result["runs"].setdefault(option, {})[str(seed)] = row
             print(option, seed, json.dumps(run["overall"]), launch.get("learner_peak_rss_gib"), flush=True)
     result["over_seeds"] = {o: measure.over_seeds(r) for o, r in result["runs"].items()}
     save_json(result, out_path)
