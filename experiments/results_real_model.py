@@ -52,6 +52,14 @@ def real_model_example_section(root: Path) -> str:
 VALUE_OPTIONS = EXAMPLES / "real-model/value_options.json"
 
 
+def _run_cells(r: dict) -> list[str]:
+    """Load, trajectories, learner steps, learner peak memory and the whole run's reward margin of one run."""
+    launch, lrn = r["launch"], r.get("learner") or {}
+    peak = launch.get("learner_peak_rss_gib")
+    return [f"{launch.get('loadavg_1m_mean') or 0:.2f}", cnt(r["trajectories"]), str(lrn.get("steps", "—")),
+            "—" if peak is None else f"{peak:.2f}", f"{r['overall']['reward_margin']:+.3f}"]
+
+
 def value_options_section(root: Path) -> str:
     """The critic's options in the same example run: the value head against a full and an 8-block copy."""
     get = Reader(root)
@@ -68,12 +76,12 @@ def value_options_section(root: Path) -> str:
     rows = []
     for option, seeds in v["runs"].items():
         for seed, r in sorted(seeds.items()):
-            lrn, launch, c = r.get("learner") or {}, r["launch"], r["concepts"]
+            c = r["concepts"]
             drift = r["recoveries"][0] if r["recoveries"] else {}
-            rows.append([option, seed, f"{launch.get('loadavg_1m_mean') or 0:.2f}", cnt(r["trajectories"]),
-                         lrn.get("steps", "—"), f"{launch['learner_peak_rss_gib']:.2f}"
-                         if "learner_peak_rss_gib" in launch else "—", f"{r['overall']['reward_margin']:+.3f}",
-                         *(_cells(c[k])[0] if k in c else "—" for k in ("add", "sub")), rec(**drift) if drift else "—"])
+            rows.append([option, seed, *_run_cells(r), *(_cells(c[k])[0] if k in c else "—" for k in ("add", "sub")),
+                         rec(**drift) if drift else "—"])
+            if "previous_attempt" in r:  # replaced by the row above; kept so that nothing measured is hidden
+                rows.append([f"{option} (earlier attempt)", seed, *_run_cells(r["previous_attempt"]), "—", "—", "—"])
     means = "; ".join(f"{o} {a['overall']['reward_margin_mean']:+.3f} (min {a['overall']['reward_margin_min']:+.3f})"
                       for o, a in v["over_seeds"].items())
     return section("13. The critic's options on the real model (examples/real-model/value_options.py)", what,

@@ -100,3 +100,23 @@ def test_measured_figures_are_the_ones_the_readme_quotes():
         assert f"{concept} {v['success']:.2f}" in readme
     for name, agg in measured["over_seeds"].items():
         assert f"{name}: {agg['reward_margin_mean']:+.2f} (min {agg['reward_margin_min']:+.2f})" in readme
+
+
+def test_value_options_runs_the_same_sao_up_with_the_critic_overridden():
+    import sys
+
+    sys.path.insert(0, str(EXAMPLE))
+    spec = importlib.util.spec_from_file_location("real_model_value_options", EXAMPLE / "value_options.py")
+    vo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vo)
+    m = _measure()
+    base = m.up_command(Path("runs/models/smollm2"), 1, Path("runs/real-model"), 600)
+    cmd = m.up_command(Path("runs/models/smollm2"), 1, Path("runs/real-model"), 600, "real-model-copy-8",
+                       vo.OPTIONS["copy-8"])
+    extra = cmd[len(base):]  # measure.py's command, the run renamed and the critic's keys added
+    assert cmd[:len(base)] == [x.replace("real-model-s1", "real-model-copy-8-s1") for x in base]
+    assert extra == ["--set", "learner.value.kind=copy", "--set", "learner.value.layers=8", "--set",
+                     "learner.optim.value_lr=1e-5"]
+    measured = json.loads((EXAMPLE / "value_options.json").read_text())
+    assert set(measured["runs"]) == {"head", "copy", "copy-8"}
+    assert all(set(seeds) == {"1", "2"} for seeds in measured["runs"].values())
