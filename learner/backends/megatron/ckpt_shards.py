@@ -47,12 +47,11 @@ def _write(path: Path, shard) -> None:
 
 def save(lrn, directory: Path, names: list[str], leader: bool) -> None:
     """Every rank's part of `names`' weights and AdamW moments into `directory`; a collective over the world."""
-    from learner.backends.megatron.learner import megatron_params
-
     for name in names:
         module, opt = reshard._module_opt(lrn, name)
         moments, step = reshard.whole_moments(module, opt)
-        for kind, tensors in [("weights", megatron_params(module)), *(moments.items() if step else [])]:
+        weights = {n: t.detach() for n, t in reshard._mapped(module).items()}
+        for kind, tensors in [("weights", weights), *(moments.items() if step else [])]:
             shard = lrn.shard_of(name, tensors)
             if shard.index >= 0:
                 _write(shard_file(directory, name, kind, shard.index, shard.count), shard)
