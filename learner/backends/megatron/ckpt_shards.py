@@ -23,7 +23,6 @@ from pathlib import Path
 
 from learner.backends.megatron import reshard
 
-KINDS = ("weights", *reshard.MOMENTS)
 _CHUNK = 1 << 30  # the manifest chunk the writer hashes in; the checkpoint's seal hashes each whole file anyway
 
 

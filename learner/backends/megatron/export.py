@@ -1,9 +1,11 @@
-"""Publishing the policy by shard: this rank's own part of the HF state, converted one tensor at a time.
+"""Publishing the policy (and checkpointing either model) by shard: this rank's own part of the HF state, converted
+one tensor at a time.
 
-The full-gather export (`MegatronLearner.policy_state_dict`, still what checkpoints use) all-gathers every expert,
-every tensor-parallel slice and every pipeline stage onto every rank and builds a full HF model on each.
-Publishing a version does not (`learner.trainer.publish_shards`): each rank writes the tensors it owns, whole, into
-its own shard file, and no rank ever holds more than one whole tensor beyond its own slices.
+The full-gather export (`MegatronLearner.policy_state_dict`, `export_hf_policy`) all-gathers every expert, every
+tensor-parallel slice and every pipeline stage onto every rank and builds a full HF model on each. Publishing a
+version does not (`learner.trainer.publish_shards`), nor does a checkpoint (`ckpt_shards.py`, which walks the same
+way over the weights and the AdamW moments): each rank writes the tensors it owns, whole, into its own shard file,
+and no rank ever holds more than one whole tensor beyond its own slices.
 
     dense tensors    (embedding, attention, norms, routers and their bias, shared experts, dense MLPs, final norm,
                      output layer) of this rank's pipeline stage: written by the ranks of data-parallel rank 0;
