@@ -88,3 +88,20 @@ def test_sao_learn_at_pp2_resumes_from_its_checkpoint(pp_run, torch_pp_ref, traj
     for k in ("grad_norm", "value_grad_norm", "policy_loss", "value_loss"):
         assert abs(m[f"learner/{k}"] - t[f"learner/{k}"]) <= 1e-5 * max(1.0, abs(t[f"learner/{k}"])), k
     assert _max_abs(_policy(WeightStore(pp_run / "w"), 3), _policy(torch_pp_ref["store"], 3)) <= 1e-6
+
+
+@pytest.mark.slow  # a 2-rank torchrun of one step and a 1-step torch run
+def test_decoupled_ppo_at_pp2_scores_its_proximal_policy_through_the_schedule(traj_file, tmp_path):  # noqa: F811
+    """decoupled_ppo's proximal log-probs come from `prepare`'s policy forward without a graph: at PP 2 the HF-call
+    wrapper runs it through the schedule (the logits sent from the last stage) and the step matches the torch one."""
+    from streamer.transport.weights import WeightStore
+
+    sets = PP_TRAIN + ["loss.name=decoupled_ppo"]
+    proc = _learn(tmp_path / "m", traj_file, sets + ["backend.name=megatron", "backend.pipeline_parallel=2"], steps=1)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ref = torch_reference(traj_file, tmp_path / "torch", sets, 1)
+    [e] = [json.loads(line) for line in (tmp_path / "m" / "ck" / "events.jsonl").read_text().splitlines()]
+    t = ref["events"][0].metrics
+    for k in ("policy_loss", "grad_norm", "entropy"):
+        assert abs(e["metrics"][f"learner/{k}"] - t[f"learner/{k}"]) <= 1e-5 * max(1.0, abs(t[f"learner/{k}"])), k
+    assert _max_abs(_policy(WeightStore(tmp_path / "m" / "w"), 1), _policy(ref["store"], 1)) <= 1e-6
