@@ -93,12 +93,18 @@ def traj_file(tmp_path_factory) -> Path:
                               synthetic_trajectories(behaviour, 21, seed=1), append=False)
 
 
-def _learn(traj: Path, root: Path, max_steps: int) -> None:
-    cmd = [sys.executable, "-m", "streamer.launch.cli", "learn", "--backend", "megatron", "--nproc", "2",
-           "--set", "backend.expert_parallel=2", "--trajectories", str(traj), "--checkpoint-dir", str(root / "ck"),
-           "--weights-dir", str(root / "w"), "--max-steps", str(max_steps), *set_args(TRAIN)]
+def megatron_learn(root: Path, traj: Path, sets: list[str], steps: int, nproc: int = 2,
+                   timeout: int = 300) -> subprocess.CompletedProcess:
+    """`sao learn --backend megatron --nproc N` on `traj` for `steps` steps, checkpoints and versions under `root`."""
+    cmd = [sys.executable, "-m", "streamer.launch.cli", "learn", "--backend", "megatron", "--nproc", str(nproc),
+           "--trajectories", str(traj), "--checkpoint-dir", str(root / "ck"), "--weights-dir", str(root / "w"),
+           "--max-steps", str(steps), *set_args(sets)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _learn(traj: Path, root: Path, max_steps: int) -> None:
+    proc = megatron_learn(root, traj, ["backend.expert_parallel=2", *TRAIN], max_steps, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 

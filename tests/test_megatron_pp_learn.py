@@ -5,9 +5,7 @@ backend on the same trajectories; and the micro-batch rows it cuts, by hand."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +13,7 @@ import pytest
 pytest.importorskip("megatron.core")
 
 from learner.backends.megatron.pipeline_step import padded_rows  # noqa: E402
-from tests.test_megatron_learn import TRAIN, _max_abs, _policy, torch_reference, traj_file  # noqa: E402, F401
+from tests.test_megatron_learn import TRAIN, _max_abs, _policy, megatron_learn, torch_reference, traj_file  # noqa: E402, F401
 
 REPO = Path(__file__).resolve().parents[1]
 PP_TRAIN = TRAIN + ["model.num_layers=2"]  # one layer a stage
@@ -31,13 +29,7 @@ def test_micro_batch_rows_by_hand():
 
 
 def _learn(root: Path, traj: Path, sets: list[str], steps: int = 2) -> subprocess.CompletedProcess:
-    from streamer.wire.config import set_args
-
-    cmd = [sys.executable, "-m", "streamer.launch.cli", "learn", "--backend", "megatron", "--nproc", "2",
-           "--trajectories", str(traj), "--checkpoint-dir", str(root / "ck"), "--weights-dir", str(root / "w"),
-           "--max-steps", str(steps), *set_args(sets)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return megatron_learn(root, traj, sets, steps)
 
 
 @pytest.fixture(scope="module")

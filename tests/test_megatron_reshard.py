@@ -18,19 +18,14 @@ pytest.importorskip("megatron.core")
 
 from learner.trainer.checkpoint import check_layout  # noqa: E402
 from streamer.transport.weights import WeightStore  # noqa: E402
-from streamer.wire.config import set_args  # noqa: E402
-from tests.test_megatron_learn import TRAIN, _max_abs, _policy, torch_reference, torch_run, traj_file  # noqa: E402, F401
+from tests.test_megatron_learn import TRAIN, _max_abs, _policy, megatron_learn, torch_reference, torch_run, traj_file  # noqa: E402, F401
 
 REPO = Path(__file__).resolve().parents[1]
 KV2 = ["model.num_kv_heads=2"]  # TP 2 splits whole KV groups
 
 
 def _learn(traj: Path, root: Path, max_steps: int, nproc: int, layout: list[str], extra: list[str] = ()) -> None:
-    cmd = [sys.executable, "-m", "streamer.launch.cli", "learn", "--backend", "megatron", "--nproc", str(nproc),
-           "--trajectories", str(traj), "--checkpoint-dir", str(root / "ck"), "--weights-dir", str(root / "w"),
-           "--max-steps", str(max_steps), *set_args([*TRAIN, *extra, *layout])]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = megatron_learn(root, traj, [*TRAIN, *extra, *layout], max_steps, nproc)
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 

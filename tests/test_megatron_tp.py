@@ -167,15 +167,9 @@ def test_backend_config_keys_are_validated_by_name():
 
 # ---------------------------------------------------------------------- sao learn at TP 2
 
-from tests.test_megatron_learn import TRAIN, _max_abs, _policy, torch_reference, traj_file  # noqa: E402, F401
+from tests.test_megatron_learn import TRAIN, _max_abs, _policy, megatron_learn, torch_reference, traj_file  # noqa: E402, F401
 
 TP_TRAIN = TRAIN + ["model.num_kv_heads=2"]  # megatron-core splits whole KV groups over the TP ranks
-
-
-def _set(items):
-    from streamer.wire.config import set_args
-
-    return set_args(items)
 
 
 @pytest.fixture(scope="module")
@@ -183,11 +177,7 @@ def tp_run(traj_file, tmp_path_factory) -> Path:  # noqa: F811
     """`sao learn --backend megatron --nproc 2` at TP 2 (the two ranks are one replica: they share every row),
     expert TP 1: 2 steps."""
     root = tmp_path_factory.mktemp("megatron_tp_learn")
-    cmd = [sys.executable, "-m", "streamer.launch.cli", "learn", "--backend", "megatron", "--nproc", "2",
-           "--set", "backend.tensor_parallel=2", "--trajectories", str(traj_file), "--checkpoint-dir",
-           str(root / "ck"), "--weights-dir", str(root / "w"), "--max-steps", "2", *_set(TP_TRAIN)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = megatron_learn(root, traj_file, ["backend.tensor_parallel=2", *TP_TRAIN], 2)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return root
 

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from learner.backends.megatron import reshard
+from learner.backends.megatron.model import megatron_params
 
 _CHUNK = 1 << 30  # the manifest chunk the writer hashes in; the checkpoint's seal hashes each whole file anyway
 
@@ -49,8 +50,7 @@ def save(lrn, directory: Path, names: list[str], leader: bool) -> None:
     for name in names:
         module, opt = reshard._module_opt(lrn, name)
         moments, step = reshard.whole_moments(module, opt)
-        weights = {n: t.detach() for n, t in reshard._mapped(module).items()}
-        for kind, tensors in [("weights", weights), *(moments.items() if step else [])]:
+        for kind, tensors in [("weights", megatron_params(module)), *(moments.items() if step else [])]:
             shard = lrn.shard_of(name, tensors)
             if shard.index >= 0:
                 _write(shard_file(directory, name, kind, shard.index, shard.count), shard)

@@ -37,7 +37,9 @@ from learner.backends.megatron.backend import MegatronBackend, check_expert_para
 from learner.backends.megatron.model import (
     MegatronValueModel,
     build_gpt,
+    mapped_tensors,
     megatron_logits,
+    megatron_params,
     num_experts,
     run,
 )
@@ -307,16 +309,6 @@ def _reduce_and_step(module, opt, grad_clip: float | None) -> dict[str, float]:
     norm = grads.reduce_and_clip(module, grad_clip)
     opt.step()
     return {"grad_norm": norm}
-
-
-def mapped_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """What the conversion maps: parameters plus persistent buffers (GLM's router `expert_bias`)."""
-    saved = module.state_dict(keep_vars=True).keys()
-    return {**dict(module.named_parameters()), **{n: b for n, b in module.named_buffers() if n in saved}}
-
-
-def megatron_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: t.detach() for n, t in mapped_tensors(module).items()}
 
 
 def load_megatron(module: torch.nn.Module, sd: dict[str, torch.Tensor]) -> None:

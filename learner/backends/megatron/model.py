@@ -360,3 +360,13 @@ class MegatronValueModel(torch.nn.Module):
         pos = positions(input_ids) if position_ids is None else position_ids
         hidden = self.backbone(input_ids, pos, attention_mask=attention_mask)
         return self.value_head(hidden) if ps.is_pipeline_last_stage(ignore_virtual=True) else hidden
+
+
+def mapped_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What the conversion maps: parameters plus persistent buffers (GLM's router `expert_bias`)."""
+    saved = module.state_dict(keep_vars=True).keys()
+    return {**dict(module.named_parameters()), **{n: b for n, b in module.named_buffers() if n in saved}}
+
+
+def megatron_params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: t.detach() for n, t in mapped_tensors(module).items()}

@@ -101,7 +101,7 @@ def _hf_grads(policy, batches, loss_fn) -> dict[str, torch.Tensor]:
 def _megatron_grads(lrn: MegatronLearner) -> dict[str, torch.Tensor]:
     from megatron.core import parallel_state as ps
 
-    from learner.backends.megatron.learner import mapped_tensors
+    from learner.backends.megatron.model import mapped_tensors
 
     # buffers (GLM's router expert_bias) have no gradient: zeros, so the conversion finds every name
     g = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in mapped_tensors(lrn.policy).items()}

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from learner.backends.megatron import convert, grads, parallel, pipeline, tp
-from learner.backends.megatron.learner import MegatronLearner, MegatronOptions, OptimSettings, mapped_tensors
+from learner.backends.megatron.learner import MegatronLearner, MegatronOptions, OptimSettings
+from learner.backends.megatron.model import mapped_tensors
 from learner.backends.megatron.parity import _all_max, _hf_grads, _hf_models, _max_abs, batch_for, sao, with_behaviour
 
 

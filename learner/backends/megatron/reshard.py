@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from learner.backends.megatron import convert, tp
+from learner.backends.megatron.model import mapped_tensors
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 _HPARAMS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize")
@@ -41,12 +42,6 @@ def _module_opt(lrn, name: str):
 
 def _names(module: torch.nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in module.named_parameters()}
-
-
-def _mapped(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters and persistent buffers, as learner.mapped_tensors (which imports this module's importer)."""
-    saved = module.state_dict(keep_vars=True).keys()
-    return {**dict(module.named_parameters()), **{n: b for n, b in module.named_buffers() if n in saved}}
 
 
 def _step_of(states: list[dict], what: str) -> int:
@@ -96,7 +91,7 @@ def meta_of(opt, step: int) -> dict:
 def whole_moments(module, opt) -> tuple[dict[str, dict[str, torch.Tensor]], int]:
     """`local_moments` with every mapped tensor present (zeros for buffers and never-updated parameters)."""
     moments, step = local_moments(module, opt)
-    return {mom: {n: moments[mom].get(n, torch.zeros_like(t)) for n, t in _mapped(module).items()}
+    return {mom: {n: moments[mom].get(n, torch.zeros_like(t)) for n, t in mapped_tensors(module).items()}
             for mom in MOMENTS}, step
 
 
