@@ -71,6 +71,7 @@ def docker_daemon() -> str | None:
         return None
     if os.geteuid() != 0 or not shutil.which("dockerd"):
         return "no Docker daemon answers, and this user cannot start dockerd"
+    remove_stale_pid_file(Path("/var/run/docker.pid"), "dockerd")
     SHOTS.mkdir(parents=True, exist_ok=True)
     log = SHOTS / "dockerd.log"
     deadline = time.monotonic() + DOCKERD_WAIT_S
@@ -90,6 +91,18 @@ def docker_daemon() -> str | None:
         time.sleep(1)
     tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
     return f"dockerd did not answer within {DOCKERD_WAIT_S} s (log: {log}); its last lines:\n{tail}"
+
+
+def remove_stale_pid_file(pid_file: Path, name: str) -> None:
+    """Delete a pid file left by a daemon that is gone (a machine image taken while dockerd ran): dockerd refuses to
+    start while it exists. A file naming a live process called `name` is kept."""
+    try:
+        pid = int(pid_file.read_text().strip())
+        alive = Path(f"/proc/{pid}/comm").read_text().strip() == name
+    except (OSError, ValueError):
+        alive = False
+    if not alive:
+        pid_file.unlink(missing_ok=True)
 
 
 def compose_binary() -> list[str]:
