@@ -45,6 +45,7 @@ class Plan:
     learner_sets: tuple[str, ...] = ()  # `--set`: learner overrides for every arm, outside the plan (provisional)
     learner: tuple[str, ...] = ()  # the suite's own learner overrides for every arm (`learner:`, from 1.5)
     shared_pre: bool = False  # drifts with the same pre-drift tasks simulate them once (`shared_pre_drift:`, 1.5)
+    common_start: str | None = None  # every arm starts each drift from this arm's pre-drift checkpoint
 
 
 def resolve(value: Any, name: str, used: list[str]) -> Any:
@@ -96,7 +97,8 @@ def load_plan(path: str | Path, quick: bool = False) -> Plan:
                 warm_start_scenario(raw["name"], raw["scenario"], ws, raw["drifts"]), pretrain_sets,
                 list(raw["seeds"]["pilot"]), int(raw["post_rollouts"]["pilot"]["pilot_runs"]),
                 tuple(raw["admissible_start"]), raw.get("warm_start_sha256"), str(raw.get("version", "")),
-                learner=tuple(str(x) for x in raw.get("learner", [])), shared_pre=bool(raw.get("shared_pre_drift")))
+                learner=tuple(str(x) for x in raw.get("learner", [])), shared_pre=bool(raw.get("shared_pre_drift")),
+                common_start=raw.get("common_start"))
 
 
 def warm_start_note(plan: Plan, init: str) -> str | None:

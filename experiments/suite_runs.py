@@ -15,6 +15,14 @@ import pandas as pd
 
 from experiments.arms import Arm, arms
 from experiments.common import init_sha256, reusable_run
+from experiments.common_start import (
+    post_drift_sets,
+    post_drift_stream,
+    reference_arm,
+    start_dir,
+    start_settings,
+    train_common_start,
+)
 from experiments.harness import (
     Result,
     SimConfig,
@@ -58,15 +66,31 @@ def drift_stream(plan: Plan, drift: dict, seed: int, group_size: int) -> tuple[l
     return phase_prefix(stream, group_size), scn
 
 
+def common_start(plan: Plan, drift: dict, seed: int, init: str, out_dir: Path, log=print) -> dict[str, Any]:
+    """The checkpoint every arm starts `drift` from (`experiments.common_start`): trained once per pre-drift concept
+    and seed, reused after."""
+    ref = reference_arm(plan.common_start)
+    stream, scn = drift_stream(plan, drift, seed, 1)
+    sim = sim_config(plan, ref, seed)
+    settings = start_settings(ref, plan.pre, pre_key(drift), seed, json.loads(json.dumps(
+        dataclasses.asdict(sim), default=json_default)), learner_sets(plan, ref), init)
+    return train_common_start(start_dir(out_dir, pre_key(drift), seed), settings, sim, stream, scn.rate, log)
+
+
 def run_branches(plan: Plan, arm: Arm, drifts: list[dict], seed: int, init: str, out_dir: Path,
                  log=print) -> list[dict[str, Any]]:
     """One run of `arm` on each drift (same seed), written to its run file; several drifts that start with the same
-    tasks share their simulation of those (`simulate_branches`), each run's result the same as alone."""
+    tasks share their simulation of those (`simulate_branches`), each run's result the same as alone. With
+    `plan.common_start`, each run is the post-drift phase alone from the drift's common checkpoint."""
     streams, scns = zip(*(drift_stream(plan, d, seed, arm.group_size) for d in drifts))
     sim, sets = sim_config(plan, arm, seed), run_settings(plan, arm, drifts[0], seed)["learner_sets"]
     for d, stream in zip(drifts, streams):
         log(f"[suite] {d['name']} {arm.name} seed {seed}: {len(stream)} stream items, sim {sim}")
-    if len(drifts) == 1:
+    if plan.common_start:
+        results = [simulate(sim, init, post_drift_stream(s), sets, [], scn.rate, log,
+                            start_from=str(start_dir(out_dir, pre_key(d), seed))) for d, s, scn in
+                   zip(drifts, streams, scns)]
+    elif len(drifts) == 1:
         results = [simulate(sim, init, streams[0], sets, [], scns[0].rate, log)]
     else:
         results = simulate_branches(sim, init, list(streams), sets, [], scns[0].rate, log)
@@ -77,6 +101,9 @@ def write_run(plan: Plan, arm: Arm, drift: dict, seed: int, init: str, out_dir: 
               threads: int) -> dict[str, Any]:
     """The run's file: its settings, summary, by-phase table, recoveries, learner steps and post-drift rewards."""
     settings = run_settings(plan, arm, drift, seed)
+    if plan.common_start:
+        meta = json.loads((start_dir(out_dir, pre_key(drift), seed) / "start.json").read_text())
+        settings["common_start"] = {k: v for k, v in meta.items() if k != "settings"}
     steps = res.steps[[k for k in STEP_KEYS if k in res.steps]] if len(res.steps) else res.steps
     post = post_drift(res.trajectories)
     run = {"suite": plan.name, "arm": arm.name, "drift": drift["name"], "seed": seed, "init": init,
@@ -100,10 +127,16 @@ def run_path(out_dir: Path, arm: Arm, drift: dict, seed: int) -> Path:
 def run_settings(plan: Plan, arm: Arm, drift: dict, seed: int) -> dict[str, Any]:
     """What a run's result depends on besides its init: a run file with the same is that run (`finished_run`)."""
     sim = dataclasses.asdict(sim_config(plan, arm, seed))
+    sets = learner_sets(plan, arm)
     return {"drift_def": drift, "pre": plan.pre, "post": post_of(plan, drift),
-            "learner_sets": [*arm.learner, f"optim.lr={lr_of(plan, arm)}", *plan.learner, *plan.learner_sets],
+            "learner_sets": post_drift_sets(sets) if plan.common_start else sets,
             "sim": json.loads(json.dumps(sim, default=json_default)),
-            **({"shared_pre_drift": True} if plan.shared_pre else {})}
+            **({"shared_pre_drift": True} if plan.shared_pre else {}),
+            **({"common_start_arm": plan.common_start} if plan.common_start else {})}
+
+
+def learner_sets(plan: Plan, arm: Arm) -> list[str]:
+    return [*arm.learner, f"optim.lr={lr_of(plan, arm)}", *plan.learner, *plan.learner_sets]
 
 
 def finished_run(plan: Plan, arm: Arm, drift: dict, seed: int, init: str, out_dir: Path) -> dict | None:
@@ -124,10 +157,15 @@ def run_all(plan: Plan, todo: list[tuple[Arm, dict, int]], init: str, out_dir: P
             if (run := finished_run(plan, arm, drift, seed, init, out_dir)) is not None}
     if done:
         print(f"[suite] {len(done)} of {len(todo)} runs already in {out_dir / 'runs'} with these settings: reused")
+    if plan.common_start:
+        starts = {(pre_key(drift), seed): (plan, drift, seed, init, out_dir)
+                  for i, (_, drift, seed) in enumerate(todo) if i not in done}
+        run_parallel(common_start, list(starts.values()), jobs)
     branches: dict[tuple, list[int]] = {}  # the runs simulated together (one each, unless plan.shared_pre)
     for i in (i for i in range(len(todo)) if i not in done):
         arm, drift, seed = todo[i]
-        branches.setdefault((arm.name, seed, pre_key(drift) if plan.shared_pre else i), []).append(i)
+        shared = plan.shared_pre and not plan.common_start
+        branches.setdefault((arm.name, seed, pre_key(drift) if shared else i), []).append(i)
     groups = list(branches.values())
     results = run_parallel(run_branches, [(plan, todo[g[0]][0], [todo[i][1] for i in g], todo[g[0]][2], init, out_dir)
                                           for g in groups], jobs)
@@ -151,7 +189,7 @@ def json_default(x: Any) -> Any:
 def admissibility(plan: Plan, init: str, out_dir: Path, jobs: int = 1) -> dict[str, Any]:
     """The pilot's first check: the frozen arm's post-drift start (mean success of the first `window` post-drift
     rollouts) and pre-drift reward of every drift on the pilot seeds, against `admissible_start`."""
-    short = dataclasses.replace(plan, post=plan.window)
+    short = dataclasses.replace(plan, post=plan.window, common_start=None)  # the warm start's prior
     frozen = arms(["frozen"])[0]
     todo = [(frozen, drift, seed) for drift in plan.drifts for seed in plan.pilot_seeds]
     rows = []

@@ -33,10 +33,10 @@ from __future__ import annotations
 from experiments.harness.admission import SnapshotRing
 from experiments.harness.clock import arrival_times, finish_time
 from experiments.harness.config import MODES, UNBOUNDED_TOKENS, SimConfig, default_latency
-from experiments.harness.loop import Harness, Result, simulate, simulate_branches
+from experiments.harness.loop import Harness, Result, load_start, save_start, simulate, simulate_branches
 from experiments.harness.report import by_phase, summary
 from experiments.harness.streams import phase_prefix, scenario_stream, shared_tasks
 
 __all__ = ["MODES", "UNBOUNDED_TOKENS", "Harness", "Result", "SimConfig", "SnapshotRing", "arrival_times", "by_phase",
-           "default_latency", "finish_time", "phase_prefix", "scenario_stream", "shared_tasks", "simulate",
-           "simulate_branches", "summary"]
+           "default_latency", "finish_time", "load_start", "phase_prefix", "save_start", "scenario_stream",
+           "shared_tasks", "simulate", "simulate_branches", "summary"]

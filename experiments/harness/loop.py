@@ -11,17 +11,20 @@ import time
 from collections import defaultdict, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import numpy as np
 import pandas as pd
 import torch
+from safetensors.torch import load_model, save_model
 
 from experiments.harness.admission import RolloutAdmission, SnapshotRing
 from experiments.harness.clock import ORDER, Event, arrival_times
 from experiments.harness.config import UNBOUNDED_TOKENS, SimConfig
 from experiments.harness.streams import shared_tasks
+from learner.algorithms import NEEDS_GROUPS
 from learner.config import LearnerConfig
 from learner.engines import make_engine
 from learner.models import CharTokenizer
@@ -58,7 +61,10 @@ class Result:
 class Harness(RolloutAdmission):
     """One simulated run: the learner, the engine and the event queue (admission: `RolloutAdmission`)."""
 
-    def __init__(self, sim: SimConfig, init: str, learner_sets: list[str] = (), agent_sets: list[str] = ()) -> None:
+    def __init__(self, sim: SimConfig, init: str, learner_sets: list[str] = (), agent_sets: list[str] = (),
+                 start_from: str | None = None) -> None:
+        """`start_from`: a directory of `save_start`'s, whose policy (and critic, when this arm has one) replace the
+        models built from `init` before the first version; `init` stays the KL reference."""
         sim.validate()
         self.sim = sim
         torch.set_num_threads(sim.threads)
@@ -67,12 +73,14 @@ class Harness(RolloutAdmission):
         if sim.group_size > 1:
             sets.append(f"advantage.group_size={sim.group_size}")
         self.cfg = load_config(LearnerConfig, None, sets)
-        if (self.cfg.advantage.estimator != "gae") != (sim.group_size > 1):
+        if self.cfg.advantage.estimator in NEEDS_GROUPS and sim.group_size < 2:  # gae, reinforce_pp: any group_size
             raise ValueError(f"estimator {self.cfg.advantage.estimator} with group_size {sim.group_size}: a group "
-                             "estimator needs groups (group_size > 1) and gae single rollouts")
+                             "estimator needs groups (group_size > 1)")
         self.agent = load_config(AgentSettings, None, [f"seed={sim.seed}", f"group_size={sim.group_size}",
                                                        *agent_sets])
         self.models = build_models(self.cfg)
+        if start_from:
+            load_start(self.models, start_from)
         self.ring = SnapshotRing(sim.ring)
         self.trainer = Trainer(self.cfg, self.models, source=None, publisher=self.ring)
         self.trainer.start()  # publishes version 0 into the ring
@@ -221,8 +229,25 @@ class Harness(RolloutAdmission):
 
 
 def simulate(sim: SimConfig, init: str, stream: list[Task | DriftEvent], learner_sets: list[str] = (),
-             agent_sets: list[str] = (), scenario_rate: float = 0.0, log=print) -> Result:
-    return Harness(sim, init, learner_sets, agent_sets).run(stream, scenario_rate, log)
+             agent_sets: list[str] = (), scenario_rate: float = 0.0, log=print,
+             start_from: str | None = None) -> Result:
+    return Harness(sim, init, learner_sets, agent_sets, start_from).run(stream, scenario_rate, log)
+
+
+def save_start(models, path: str | Path) -> None:
+    """The policy's weights (and the critic's, when there is one) as safetensors in `path`: a common start."""
+    Path(path).mkdir(parents=True, exist_ok=True)
+    save_model(models.policy, str(Path(path) / "policy.safetensors"))
+    if models.value is not None:
+        save_model(models.value, str(Path(path) / "value.safetensors"))
+
+
+def load_start(models, path: str | Path) -> None:
+    """`save_start`'s weights into `models` (every tensor, or a clear error); a critic the start has none for keeps
+    its fresh weights (an arm with a critic started from a run without one)."""
+    load_model(models.policy, str(Path(path) / "policy.safetensors"))
+    if models.value is not None and (Path(path) / "value.safetensors").is_file():
+        load_model(models.value, str(Path(path) / "value.safetensors"))
 
 
 def simulate_branches(sim: SimConfig, init: str, streams: list[list[Task | DriftEvent]], learner_sets: list[str] = (),
