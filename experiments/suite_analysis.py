@@ -15,8 +15,11 @@ from experiments.common import differing
 from experiments.suite_config import Plan
 
 
-def run_outcomes(post: pd.DataFrame, window: int, n_rollouts: int, n_tokens: int) -> dict[str, Any]:
-    """One run's outcomes at the (drift, seed)'s common budgets: `n_rollouts` trajectories, `n_tokens` tokens."""
+def run_outcomes(post: pd.DataFrame, window: int, n_rollouts: int, n_tokens: int,
+                 n_steps: int | None = None) -> dict[str, Any]:
+    """One run's outcomes at the (drift, seed)'s common budgets: `n_rollouts` trajectories, `n_tokens` tokens, and
+    (where `n_steps` is given and `post` has each trajectory's `learner_step`, the post-drift learner steps taken
+    before it started) the trajectories started within `n_steps` post-drift learner steps: auc_equal_steps."""
     reward, success = post["reward"].to_numpy(float), post["success"].to_numpy(float)
     in_tokens = int(np.searchsorted(np.cumsum(post["n_gen"].to_numpy()), n_tokens, side="right"))
     out = {"auc_equal_rollouts": float(reward[:n_rollouts].mean()) if n_rollouts else math.nan,
@@ -24,6 +27,10 @@ def run_outcomes(post: pd.DataFrame, window: int, n_rollouts: int, n_tokens: int
            "equal_rollouts_n": n_rollouts, "equal_tokens_n": in_tokens,
            "final_reward": float(reward[-window:].mean()) if len(reward) else math.nan,
            "start_success": float(success[:window].mean()) if len(success) else math.nan}
+    if n_steps is not None and "learner_step" in post:
+        within = post["learner_step"].to_numpy() <= n_steps
+        out.update(auc_equal_steps=float(reward[within].mean()) if within.any() else math.nan,
+                   equal_steps_n=n_steps, equal_steps_rollouts=int(within.sum()))
     for thr in (0.7, 0.8):
         n, hit = stats.samples_to(success, thr, window)
         out[f"samples_to_{thr}"], out[f"reached_{thr}"] = n, hit
@@ -41,16 +48,30 @@ def combine(plan: Plan, runs: list[dict]) -> dict[str, Any]:
     for (drift, seed), group in _by(runs, ("drift", "seed")).items():
         n_roll = min(len(r["post_drift"]["reward"]) for r in group)
         n_tok = min(sum(r["post_drift"]["n_gen"]) for r in group)
+        n_steps = equal_steps(group)
         for r in group:
             post = pd.DataFrame(r["post_drift"])
             rows.append({"drift": drift, "seed": seed, "arm": r["arm"],
-                         **run_outcomes(post, plan.window, n_roll, n_tok),
+                         **run_outcomes(post, plan.window, n_roll, n_tok, n_steps),
                          "learner_steps": r["summary"]["learner_steps"],
-                         "trained_frac": r["summary"]["trained"] / max(r["summary"]["trajectories"], 1)})
+                         "trained_frac": r["summary"]["trained"] / max(r["summary"]["trajectories"], 1),
+                         **{k: r[k] for k in ("post_drift_learner_steps", "post_drift_dropped_uniform") if k in r}})
     ref = "sao" if "sao" in {a.name for a in plan.arms} else plan.arms[0].name
     return {"suite": plan.name, "suite_version": plan.version, "provisional": bool(plan.provisional),
             "provisional_values": plan.provisional, "init_sha256": next(iter(weights), None), "reference_arm": ref,
             "window": plan.window, **summarise(rows, ref)}
+
+
+def equal_steps(group: list[dict]) -> int | None:
+    """K of auc_equal_steps: the fewest post-drift learner steps of the (drift, seed)'s runs that train (the frozen
+    control, which takes none, aside); None where one of them has no count (a run file written before it existed)."""
+    counts = [r.get("post_drift_learner_steps") for r in group if r.get("sim", {}).get("train", True)]
+    return None if not counts or None in counts else int(min(counts))
+
+
+def outcomes_of(table: pd.DataFrame) -> tuple[str, ...]:
+    """OUTCOMES, and auc_equal_steps where every run has it (run files written before it existed have not)."""
+    return OUTCOMES + tuple(k for k in STEP_OUTCOMES if k in table and table[k].notna().all())
 
 
 def summarise(rows: list[dict], ref: str) -> dict[str, Any]:
@@ -66,7 +87,7 @@ def summarise(rows: list[dict], ref: str) -> dict[str, Any]:
             entry[f"censored_{thr}"] = int((~e).sum())
         base = table[(table["drift"] == drift) & (table["arm"] == ref)].set_index("seed")
         mine = g.set_index("seed")
-        for k in OUTCOMES:
+        for k in outcomes_of(table):
             entry[k] = float(mine[k].mean())
             if arm != ref:
                 common = mine.index.intersection(base.index)
@@ -106,6 +127,7 @@ def pool_results(results: list[dict], names: list[str]) -> dict[str, Any]:
 
 
 OUTCOMES = ("auc_equal_rollouts", "auc_equal_tokens", "final_reward")
+STEP_OUTCOMES = ("auc_equal_steps",)  # at equal post-drift learner steps: an arm whose groups are dropped takes fewer
 
 
 def seed_differences(table: pd.DataFrame, outcome: str, arm: str, ref: str) -> pd.Series:
@@ -122,7 +144,7 @@ def pooled(table: pd.DataFrame, ref: str) -> list[dict[str, Any]]:
     out = []
     for arm, g in table.groupby("arm", sort=False):
         entry: dict[str, Any] = {"arm": arm, "seeds": int(g["seed"].nunique()), "drifts": int(g["drift"].nunique())}
-        for k in OUTCOMES:
+        for k in outcomes_of(table):
             entry[k] = float(g.groupby("seed")[k].mean().mean())
             if arm != ref:
                 diffs = seed_differences(table, k, arm, ref).values

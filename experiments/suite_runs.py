@@ -33,6 +33,7 @@ from experiments.harness import (
     simulate_branches,
     summary,
 )
+from experiments.harness.admission import UNIFORM_DROPPED
 from experiments.parallel import run_parallel
 from experiments.suite_config import Plan, drift_scenario, lr_of, post_of, sim_config, split_threads
 from simulator.scenario import Scenario
@@ -99,13 +100,16 @@ def run_branches(plan: Plan, arm: Arm, drifts: list[dict], seed: int, init: str,
 
 def write_run(plan: Plan, arm: Arm, drift: dict, seed: int, init: str, out_dir: Path, res: Result,
               threads: int) -> dict[str, Any]:
-    """The run's file: its settings, summary, by-phase table, recoveries, learner steps and post-drift rewards."""
+    """The run's file: its settings, summary, by-phase table, recoveries, learner steps and post-drift rewards (with
+    each post-drift rollout's `post_drift_learner_steps` at its start), and the post-drift rollouts DAPO's dynamic
+    sampling dropped (their groups' rewards all equal: no learner step trained on them)."""
     settings = run_settings(plan, arm, drift, seed)
     if plan.common_start:
         meta = json.loads((start_dir(out_dir, pre_key(drift), seed) / "start.json").read_text())
         settings["common_start"] = {k: v for k, v in meta.items() if k != "settings"}
     steps = res.steps[[k for k in STEP_KEYS if k in res.steps]] if len(res.steps) else res.steps
     post = post_drift(res.trajectories)
+    at_start, post_steps = post_drift_learner_steps(post, res.steps, settings["sim"]["learner_step_s"])
     run = {"suite": plan.name, "arm": arm.name, "drift": drift["name"], "seed": seed, "init": init,
            "init_sha256": init_sha256(init),
            "provisional": bool(plan.provisional), "provisional_values": plan.provisional,
@@ -113,11 +117,26 @@ def write_run(plan: Plan, arm: Arm, drift: dict, seed: int, init: str, out_dir: 
            "by_phase": by_phase(res.trajectories), "recoveries": res.recoveries.to_dict("records"),
            "steps": steps.to_dict("records"),
            "post_drift": {"reward": post["reward"].tolist(), "success": post["success"].astype(float).tolist(),
-                          "n_gen": post["n_gen"].astype(int).tolist()}}
+                          "n_gen": post["n_gen"].astype(int).tolist(), "learner_step": at_start.tolist()},
+           "post_drift_learner_steps": post_steps,
+           "post_drift_dropped_uniform": int((post["status"] == UNIFORM_DROPPED).sum())}
     path = run_path(out_dir, arm, drift, seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(run, indent=1, default=json_default))
     return run
+
+
+def post_drift_learner_steps(post: pd.DataFrame, steps: pd.DataFrame, learner_step_s: float) -> tuple[np.ndarray, int]:
+    """Per post-drift trajectory (`post_drift`'s rows), the learner steps completed after the first post-drift rollout
+    started and before it started; and the run's post-drift learner steps (all those completed after that first
+    start). A step completes at its sim_time + learner_step_s, when its version is published; at one time the harness
+    runs steps and publications before admissions (harness.clock.ORDER), so a step at a rollout's start precedes it."""
+    started = post["started_at"].to_numpy(float)
+    if not len(started):
+        return np.zeros(0, dtype=int), 0
+    done = np.sort(steps["sim_time"].to_numpy(float) + learner_step_s) if len(steps) else np.zeros(0)
+    first = int(np.searchsorted(done, started.min(), side="right"))
+    return np.searchsorted(done, started, side="right") - first, len(done) - first
 
 
 def run_path(out_dir: Path, arm: Arm, drift: dict, seed: int) -> Path:

@@ -67,3 +67,21 @@ def test_every_older_version_the_page_names_is_in_git_history():
     old = [n.removeprefix("git show ") for n in named("older versions: ")]
     missing = [n for n in old if subprocess.run(["git", "cat-file", "-e", n.rstrip("/")], cwd=ROOT).returncode]
     assert old and missing == []
+
+
+def test_the_verdicts_section_renders_hand_written_json_exactly(tmp_path):
+    from experiments.results_verdicts import POOLED, verdicts_section
+
+    arm = {"hierarchical": {"mean": -0.0123}, "seeds_only": {"separates": True},
+           "verdict": "not separable at this power"}
+    d = {"reference_arm": "sao", "drifts": ["a", "b"], "n_boot": 10000,
+         "per_draw": [{"name": "v1", "arms": {"ppo": arm}}, {"name": "v2", "arms": {}}],
+         "pooled": {"ppo": {"mean": -0.0123, "low": -0.05, "high": 0.0204, "holm_p": 0.0,
+                            "verdict": "not separable at this power"}}}
+    path = tmp_path / POOLED
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(d))
+    lines = verdicts_section(tmp_path).splitlines()
+    assert lines[0] == "## 14. The suite's verdicts over every committed draw"
+    assert lines[2].endswith("these verdicts of single draws no longer separate: v1: ppo.")
+    assert lines[6] == "| ppo | -0.012 | — | -0.012 [-0.050, +0.020] | < 0.0001 | not separable at this power |"

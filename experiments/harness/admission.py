@@ -15,6 +15,8 @@ from learner.trainer.staleness import staleness
 from streamer.agent.rollouts import run_tasks
 from streamer.wire.schema import PolicyVersion, Task, Trajectory
 
+UNIFORM_DROPPED = "uniform group dropped"  # a row's status: its group dropped by DAPO's dynamic sampling
+
 
 class SnapshotRing:
     """The learner's `Publisher` in one process: the newest `keep` policy versions as state dicts."""
@@ -100,7 +102,7 @@ class RolloutAdmission:
         if trajs[0].traj_id in self.dropped:  # a straggler of sync_overprovision: already dropped
             return
         self.running.difference_update(t.traj_id for t in trajs)
-        v = self.trainer.vindex
+        v, uniform = self.trainer.vindex, self.trainer.batcher.dropped_uniform
         for t in trajs:
             row = self.rows[self.row_of[t.traj_id]]
             verdict = self.trainer.admission.admit(t, v)
@@ -108,4 +110,8 @@ class RolloutAdmission:
                        status="buffered" if verdict == "ok" else verdict)
             if verdict == "ok":
                 self.trainer.batcher.add(t)
+        if self.trainer.batcher.dropped_uniform > uniform:  # the group's rewards were all equal: dynamic sampling
+            for t in trajs:
+                if self.rows[self.row_of[t.traj_id]]["status"] == "buffered":
+                    self.rows[self.row_of[t.traj_id]]["status"] = UNIFORM_DROPPED
         self._maybe_train(now)

@@ -42,6 +42,7 @@ from learner.algorithms import (
     value_loss,
 )
 from learner.algorithms.masked import masked_mean
+from learner.algorithms.shaping import shaped_rewards
 from learner.config import LearnerConfig
 from learner.models.lora import trainable
 from learner.models.memory import autocast
@@ -153,16 +154,23 @@ def _old_values(batch: Batch, state_v: torch.Tensor) -> torch.Tensor:
     return torch.where(batch.loss_mask.bool(), state_v.detach(), torch.zeros_like(state_v))
 
 
+def rewards(cfg: LearnerConfig, batch: Batch) -> torch.Tensor:
+    """[B] the rewards the advantages are computed from: the trajectories' own, plus DAPO's soft overlong punishment
+    of their generated tokens with advantage.overlong (learner.algorithms.shaping)."""
+    return shaped_rewards(batch.rewards, batch.loss_mask, cfg.advantage.overlong)
+
+
 def _returns(cfg: LearnerConfig, batch: Batch, old_v: torch.Tensor) -> torch.Tensor:
     """Critic targets from the old values: each row's own, so a micro-batch's are the batch's rows."""
     mask = batch.loss_mask
-    return sao_returns(place_reward(batch.rewards, mask), old_v, mask, cfg.advantage.gamma, cfg.advantage.lam_critic)
+    return sao_returns(place_reward(rewards(cfg, batch), mask), old_v, mask, cfg.advantage.gamma,
+                       cfg.advantage.lam_critic)
 
 
 def _advantages(cfg: LearnerConfig, batch: Batch, old_v: torch.Tensor) -> torch.Tensor:
     """Actor advantages from the old values (whitened over the whole `batch` when advantage.batch_norm)."""
     a, mask = cfg.advantage, batch.loss_mask
-    return sao_actor_advantages(place_reward(batch.rewards, mask), old_v, mask, a.gamma, a.lam_actor,
+    return sao_actor_advantages(place_reward(rewards(cfg, batch), mask), old_v, mask, a.gamma, a.lam_actor,
                                 a.adaptive_alpha, a.batch_norm)
 
 
@@ -187,7 +195,7 @@ def prepare(cfg: LearnerConfig, models: Models, batch: Batch, values_from_update
             out.update(critic_refs(cfg, batch, _per_micro(cfg, batch, lambda b: state_values(models.value, b))))
     else:
         groups = [group_key(t) for t in batch.trajectories]
-        out["advantages"] = group_advantages(cfg.advantage.estimator, batch.rewards, groups, batch.loss_mask,
+        out["advantages"] = group_advantages(cfg.advantage.estimator, rewards(cfg, batch), groups, batch.loss_mask,
                                              cfg.advantage.batch_norm)
     if not train_policy:
         return out

@@ -1,0 +1,42 @@
+"""The drift suite's verdicts over every committed draw (docs/results.md, issue 49 item 5), from
+experiments/suite_stats.py's docs/results/suite_main/pooled_draws.json."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from experiments.results_format import RESULTS, Reader, section, table
+
+POOLED = RESULTS / "suite_main/pooled_draws.json"
+
+
+def signed(x: float) -> str:
+    return f"{x:+.3f}"
+
+
+def p_value(p: float, n_boot: int) -> str:
+    return f"< {1 / n_boot:.4f}" if p == 0 else f"{p:.4f}"
+
+
+def verdicts_section(root: Path) -> str:
+    get = Reader(root)
+    d = get(POOLED)
+    names = [draw["name"] for draw in d["per_draw"]]
+    per_draw = {draw["name"]: draw["arms"] for draw in d["per_draw"]}
+    rows = []
+    for arm, r in d["pooled"].items():
+        draws = [signed(per_draw[n][arm]["hierarchical"]["mean"]) if arm in per_draw[n] else "—" for n in names]
+        rows.append([arm, *draws, f"{signed(r['mean'])} [{signed(r['low'])}, {signed(r['high'])}]",
+                     p_value(r["holm_p"], d["n_boot"]), r["verdict"]])
+    narrowed = {n: ", ".join(sorted(a for a, r in per_draw[n].items() if r["seeds_only"]["separates"]
+                                    and r["verdict"] == "not separable at this power")) for n in names}
+    what = (f"Every committed main-seed draw of suites 1.4-1.6 (`experiments/suites/draws.yaml`: versions, machine "
+            f"builds, one exploratory strict-clip run), post-drift AUC at equal rollouts, arm minus "
+            f"{d['reference_arm']}, pooled over the {len(d['drifts'])} drifts. Each draw's column: its mean "
+            f"difference. Pooled: a bootstrap ({d['n_boot']:,} resamples) that draws the draws, the seeds within each "
+            "and the drifts with replacement; Holm's correction across the arms; 'holds': the arm is below SAO, "
+            "'does not': above it. The old reports resampled seeds alone; with drifts resampled too, these verdicts "
+            f"of single draws no longer separate: {'; '.join(f'{n}: {a}' for n, a in narrowed.items() if a)}.")
+    head = ["arm", *names, "pooled mean [95%]", "Holm p", "verdict"]
+    return section("14. The suite's verdicts over every committed draw", what, [table(head, rows)],
+                   [*get.read, POOLED.with_suffix(".md")], [])
