@@ -11,6 +11,43 @@ Interpretations written down here, since the issue names them in words:
 - "frozen (lr 0)": LearnerConfig refuses optim.lr=0 (it must be > 0), so the frozen control runs no learner step at
   all (SimConfig.train=False): the same stream, engine and verifiers, the warm-start policy throughout.
 - "eta=0": SAO with the staleness bound 0: only trajectories of the learner's current version are trained.
+
+The factorial isolating SAO's three claims (issue 49, item 2): {single rollout, group of n} x {value model, outcome
+baseline} x {strict double-side clip (loss sao), one-side clip (loss ppo)}, each cell at eta 0 and eta 4
+(`factorial_arms`; named f_<rollout>_<baseline>_<clip>_eta<eta>, e.g. f_single_value_strict_eta4 = the sao arm at
+eta 4, f_group4_base_oneside_eta4 = GRPO with n = 4):
+  rollout   single: group_size 1; group<n>: n rollouts of each task (n = 4 by default)
+  baseline  value: the critic's GAE (advantage.estimator=gae; with groups every member is scored by the critic alone)
+            base: no critic; single rollouts: reinforce_pp ((R - batch mean) / batch std, REINFORCE++), groups: grpo
+  clip      strict: loss.name=sao; oneside: loss.name=ppo (the same 0.2 band; PPO's pessimistic min clips only the
+            side the advantage's sign pushes the ratio toward)
+
+Which pairs answer which claim (each pair differs in its one factor; every pair at eta 0 and at eta 4, the same seeds):
+  claim                                     pairs (A vs B)                                    held fixed
+  1 single rollout beats groups             f_single_value_strict  vs f_group4_value_strict   value model, strict
+                                            f_single_value_oneside vs f_group4_value_oneside  value model, one-side
+                                            f_single_base_strict   vs f_group4_base_strict    no critic, strict
+                                            f_single_base_oneside  vs f_group4_base_oneside   no critic, one-side
+  2 a value model beats a group baseline    f_group4_value_strict  vs f_group4_base_strict    groups, strict
+                                            f_group4_value_oneside vs f_group4_base_oneside   groups, one-side
+                                            f_single_value_strict  vs f_single_base_strict    single, strict
+                                            f_single_value_oneside vs f_single_base_oneside   single, one-side
+  3 the strict double-side clip beats       f_single_value_strict  vs f_single_value_oneside  single, value model
+    the one-side clip                       f_single_base_strict   vs f_single_base_oneside   single, no critic
+                                            f_group4_value_strict  vs f_group4_value_oneside  groups, value model
+                                            f_group4_base_strict   vs f_group4_base_oneside   groups, no critic
+Caveats on reading it: in the no-critic row the baseline changes with the rollout factor (a batch's mean for single
+rollouts, a group's for n), so claim 1's two "base" pairs compare the two critic-free designs, not n alone; claim 2's
+single-rollout pairs pit the critic against REINFORCE++'s batch baseline, the groups pairs against GRPO's group one
+(the claim as stated). At eta 0 with one update per batch every trajectory is scored at its behaviour weights (ratio
+~1: numerics, and the nucleus mass when top_p < 1), so neither clip should bind there: claim 3's eta-0 pairs are a
+near-null control, the eta-4 pairs the test.
+A group arm sees ceil(k/n) tasks of a phase for k single rollouts (suite_runs.phase_prefix): equal rollouts, fewer
+tasks. rloo_n2 and rloo_n4 (estimator rloo, loss ppo, at the suite's eta) place a leave-one-out group baseline at
+small n beside the factorial's GRPO cells.
+
+The factorial's arms live in FACTORIAL_ARMS, not ARMS: ARMS is the drift suite's own list (drift_v1.yaml names every
+arm in it, tests/test_harness.py), and `arm`/`arms`, what a suite YAML's names go through, look up both.
 """
 
 from __future__ import annotations
@@ -51,15 +88,43 @@ ARMS: dict[str, Arm] = {a.name: a for a in (
 )}
 
 
+FACTORIAL_N = 4  # rollouts per task in the factorial's group cells
+_CLIPS = {"strict": "loss.name=sao", "oneside": "loss.name=ppo"}
+
+
+def factorial_arms(etas: tuple[int, ...] = (0, 4), n: int = FACTORIAL_N) -> list[Arm]:
+    """The 8 cells of the factorial at each eta in `etas` (see the module's docstring), named
+    f_{single|group<n>}_{value|base}_{strict|oneside}_eta<eta>, each setting SimConfig.eta itself."""
+    if n < 2:
+        raise ValueError(f"factorial_arms: n {n} must be >= 2 (the group cells' rollouts per task)")
+    out = []
+    for eta in etas:
+        for rollout, size in (("single", 1), (f"group{n}", n)):
+            for baseline, estimator in (("value", "gae"), ("base", "reinforce_pp" if size == 1 else "grpo")):
+                for clip, loss in _CLIPS.items():
+                    out.append(Arm(f"f_{rollout}_{baseline}_{clip}_eta{eta}",
+                                   (loss, f"advantage.estimator={estimator}"), size, sim={"eta": eta},
+                                   note=f"factorial: {rollout}, {estimator}, {loss.split('=')[1]} loss, eta {eta}"))
+    return out
+
+
+FACTORIAL_ARMS: dict[str, Arm] = {a.name: a for a in (
+    *factorial_arms(),
+    Arm("rloo_n2", ("loss.name=ppo", "advantage.estimator=rloo"), 2, note="groups of 2, leave-one-out mean, PPO clip"),
+    Arm("rloo_n4", ("loss.name=ppo", "advantage.estimator=rloo"), 4, note="groups of 4, leave-one-out mean, PPO clip"),
+)}
+_KNOWN: dict[str, Arm] = {**ARMS, **FACTORIAL_ARMS}
+
+
 def arm(name: str) -> Arm:
-    if name not in ARMS:
-        raise ValueError(f"unknown arm '{name}'; known arms: {', '.join(ARMS)}")
-    return ARMS[name]
+    if name not in _KNOWN:
+        raise ValueError(f"unknown arm '{name}'; known arms: {', '.join(_KNOWN)}")
+    return _KNOWN[name]
 
 
 def arms(names: list[str]) -> list[Arm]:
     """The arms a suite names, in its order; every unknown name is refused at once."""
-    unknown = [n for n in names if n not in ARMS]
+    unknown = [n for n in names if n not in _KNOWN]
     if unknown:
-        raise ValueError(f"unknown arm(s) {unknown}; known arms: {', '.join(ARMS)}")
-    return [ARMS[n] for n in names]
+        raise ValueError(f"unknown arm(s) {unknown}; known arms: {', '.join(_KNOWN)}")
+    return [_KNOWN[n] for n in names]

@@ -3,7 +3,7 @@
 Build one with `streamer.wire.config.load_config(LearnerConfig, yaml_path, ["loss.name=ppo", ...])`;
 `validate()` runs there and names the field and the fix. Section by section:
   loss       which policy loss (learner.algorithms.POLICY_LOSSES) and its clip parameters
-  advantage  GAE with decoupled lambda (value model) or a group estimator (GRPO family)
+  advantage  GAE with decoupled lambda (value model), a group estimator (GRPO family) or REINFORCE++'s batch one
   optim      learning rates and gradient clipping of the policy and the value model
   value      the critic: a copy of the backbone or a head on the policy's, warm-up, re-warm-up on a spike, clip
   policy     LoRA adapters instead of training every weight
@@ -17,8 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from learner.algorithms import AGGS, KL_TYPES, POLICY_LOSSES
-from learner.algorithms.shaping import OverlongConfig
+from learner.algorithms import AGGS, KL_TYPES, NEEDS_GROUPS, POLICY_LOSSES
 from learner.models.config import ModelConfig
 from learner.profiles import ProfileName
 from streamer.wire.config import ConfigError
@@ -27,7 +26,7 @@ from streamer.wire.settings import PULLS, WEIGHTS_TRANSPORTS, WeightsTransport, 
 # Choice fields are Literal types (load_config refuses anything else and lists the choices); each equals the keys
 # of the registry it selects from (tests/test_config.py checks it)
 LossName = Literal["sao", "ppo", "dual_clip", "dapo", "gspo", "cispo", "decoupled_ppo"]  # algorithms.POLICY_LOSSES
-Estimator = Literal["gae", "grpo", "dr_grpo", "rloo"]  # gae, then algorithms.GROUP_ESTIMATORS
+Estimator = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"]  # gae, then algorithms.GROUP_ESTIMATORS
 KLType = Literal["k1", "k3", "forward"]  # algorithms.KL_TYPES
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"]  # algorithms.AGGS
 BackendName = Literal["torch", "megatron"]
@@ -74,15 +73,14 @@ class LossConfig:
 
 @dataclass
 class AdvantageConfig:
-    estimator: Estimator = "gae"  # gae (value model, single rollout) or grpo, dr_grpo, rloo (groups)
+    estimator: Estimator = "gae"  # gae (value model), grpo, dr_grpo, rloo (groups) or reinforce_pp (batch baseline)
     gamma: float = 1.0
     lam_actor: float = 0.95  # fixed actor lambda (ignored when adaptive_alpha is set)
     lam_critic: float = 1.0  # 1.0: Monte-Carlo targets for the critic
     adaptive_alpha: float | None = None  # e.g. 0.05: lambda_actor = 1 - 1/(alpha·L) per sequence
     batch_norm: bool = False  # whiten advantages over the batch (masked mean/std)
-    group_size: int = 8  # GRPO family: members per group (a batch waits for complete groups)
+    group_size: int = 8  # algorithms.NEEDS_GROUPS: members per group (a batch waits for complete groups)
     dynamic_sampling: bool = False  # GRPO family: drop groups whose rewards are all equal (DAPO)
-    overlong: OverlongConfig = field(default_factory=OverlongConfig)  # DAPO's soft overlong punishment
 
 
 @dataclass
@@ -286,8 +284,9 @@ def _validate(c: LearnerConfig) -> None:
             _fail(f"advantage.{name}", f"{getattr(a, name)} is outside [0, 1]")
     if a.adaptive_alpha is not None and a.adaptive_alpha <= 0:
         _fail("advantage.adaptive_alpha", f"{a.adaptive_alpha} must be > 0 (or null to use lam_actor)")
-    if a.estimator != "gae" and a.group_size < 2:
-        _fail("advantage.group_size", f"{a.group_size}: a group estimator needs groups of >= 2")
+    if a.estimator in NEEDS_GROUPS and (a.group_size < 2 or (c.batch.sync and c.batch.sync_batch % a.group_size)):
+        _fail("advantage.group_size", f"{a.group_size}: a group estimator needs groups of >= 2 (in sync mode, "
+                                      f"dividing batch.sync_batch {c.batch.sync_batch})")
     _validate_numbers(c)
     _validate_backend(c.backend, c.model, bool(c.io.init))
     _validate_weights(c.io)
@@ -371,9 +370,6 @@ def _validate_numbers(c: LearnerConfig) -> None:
     _validate_memory_options(c)
     if c.value.value_clip is not None and c.value.value_clip <= 0:
         _fail("value.value_clip", f"{c.value.value_clip} must be > 0 (or null to disable the clip)")
-    if c.batch.sync and c.advantage.estimator != "gae" and c.batch.sync_batch % c.advantage.group_size:
-        _fail("batch.sync_batch", f"{c.batch.sync_batch} is not a multiple of advantage.group_size "
-                                  f"{c.advantage.group_size}")
 
 
 def _validate_memory_options(c: LearnerConfig) -> None:

@@ -1,4 +1,4 @@
-"""Advantage estimators: GAE over generated tokens (value model) and group-normalised outcomes.
+"""Advantage estimators: GAE over generated tokens (value model), group-normalised outcomes, batch-normalised ones.
 
 Token tensors are `[B, T]`; `mask` is 1 on generated (trained) tokens. A multi-turn trajectory
 has gaps in the mask where the environment's observation tokens lie: GAE skips them, so the
@@ -137,12 +137,32 @@ def rloo(rewards: torch.Tensor, groups) -> torch.Tensor:
                        torch.zeros_like(rewards))
 
 
-GROUP_ESTIMATORS = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo}
+def reinforce_pp(rewards: torch.Tensor, groups=None, eps: float = 1e-6) -> torch.Tensor:
+    """REINFORCE++ (https://arxiv.org/abs/2501.03262) for single rollouts, no critic, no group: (R - batch mean) /
+    (batch population std + eps); 0 for a constant-reward batch. `groups` is ignored: the baseline is the batch's.
+
+    The variant: OpenRLHF's `reinforce` (not `reinforce_baseline`, which first subtracts each prompt's group mean and
+    so needs n > 1) takes the token returns (the outcome reward, gamma 1) and whitens them over every action token of
+    the batch: mean and population variance token-weighted, x rsqrt(var clamped at 1e-8). Here each trajectory counts
+    once (as GRPO's group statistics do), + eps on the std; the two agree when responses are equally long, and
+    advantage.batch_norm=true adds the token-weighted whitening on top. The KL is the loss's (loss.kl_coef), not
+    folded into the reward."""
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards: expected a [N] tensor, got shape {tuple(rewards.shape)}")
+    r = rewards.double()  # a constant batch centres to exact zeros (a float32 mean can be an ulp off, / eps blows up)
+    centred = r - r.mean()
+    return (centred / (centred.pow(2).mean().sqrt() + eps)).to(rewards.dtype)
+
+
+# the critic-free outcome estimators `group_advantages` picks from; all but BATCH_ESTIMATORS' baselines are a group's
+GROUP_ESTIMATORS = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "reinforce_pp": reinforce_pp}
+BATCH_ESTIMATORS = ("reinforce_pp",)  # baseline over the whole batch: no groups needed (any group_size rollouts)
+NEEDS_GROUPS = tuple(n for n in GROUP_ESTIMATORS if n not in BATCH_ESTIMATORS)  # batches take whole groups
 
 
 def group_advantages(name: str, rewards: torch.Tensor, groups, mask: torch.Tensor,
                      normalize: bool = False) -> torch.Tensor:
-    """Outcome advantages of estimator `name`, broadcast to the [B, T] generated tokens."""
+    """Outcome advantages of estimator `name` (GROUP_ESTIMATORS), broadcast to the [B, T] generated tokens."""
     if name not in GROUP_ESTIMATORS:
         raise ValueError(f"advantage: unknown group estimator '{name}' (choose one of {', '.join(GROUP_ESTIMATORS)})")
     adv = GROUP_ESTIMATORS[name](rewards, groups)

@@ -28,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from learner.algorithms import NEEDS_GROUPS
 from learner.config import LearnerConfig
 from learner.trainer import checkpoint as ckpt
 from learner.trainer.batching import Batcher, by_length, collate, group_key
@@ -63,7 +64,8 @@ class Trainer(Checkpointing):
         # over several ranks, a backend that splits the model publishes by shard into the leader's store
         self.by_shard = self.publishes and self.group is not None and bool(self.group.share_int(
             int(hasattr(publisher, "store"))))
-        grouped = not cfg.uses_value_model
+        # a group estimator's batches take whole groups; gae and reinforce_pp take trajectories, from groups or not
+        self.grouped = grouped = cfg.advantage.estimator in NEEDS_GROUPS
         b = cfg.batch
         hf = self.backend.hf_config
         vocab, positions = getattr(hf, "vocab_size", None), getattr(hf, "max_position_embeddings", None)
@@ -170,16 +172,14 @@ class Trainer(Checkpointing):
 
     def _without_poison(self, trajs: list[Trajectory]) -> list[Trajectory]:
         """`trajs` less the poison ones (and their groups), which go to the dead letters."""
-        grouped = not self.cfg.uses_value_model
-        keep, poison = self.quarantine.split(trajs, group_key if grouped else None)
+        keep, poison = self.quarantine.split(trajs, group_key if self.grouped else None)
         if poison:
             self.quarantine.dead_letter(poison, self.source)
             self.counters["poison"] += len(poison)
         return keep
 
     def train_on(self, trajs: list[Trajectory]) -> LearnerEvent | None:
-        grouped = not self.cfg.uses_value_model
-        fresh, _ = self.admission.split_stale(trajs, self.vindex, group_key if grouped else None)
+        fresh, _ = self.admission.split_stale(trajs, self.vindex, group_key if self.grouped else None)
         if not fresh:
             return None
         t0 = time.monotonic()
@@ -231,7 +231,7 @@ class Trainer(Checkpointing):
     def _isolate(self, trajs: list[Trajectory]) -> LearnerEvent | None:
         """A poison batch's halves train as batches of their own (a half that fails is halved again), so only a
         unit (trajectory or group) that fails alone is dead-lettered; returns the last half's event."""
-        units = self.quarantine.units(trajs, group_key if not self.cfg.uses_value_model else None)
+        units = self.quarantine.units(trajs, group_key if self.grouped else None)
         if len(units) == 1:
             return self.train_on(self._without_poison(trajs))
         self._emit(self.train_on([t for u in units[:len(units) // 2] for t in u]))
