@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from learner.algorithms import AGGS, KL_TYPES, NEEDS_GROUPS, POLICY_LOSSES
+from learner.algorithms.shaping import OverlongConfig
 from learner.models.config import ModelConfig
 from learner.profiles import ProfileName
 from streamer.wire.config import ConfigError
@@ -81,6 +82,7 @@ class AdvantageConfig:
     batch_norm: bool = False  # whiten advantages over the batch (masked mean/std)
     group_size: int = 8  # algorithms.NEEDS_GROUPS: members per group (a batch waits for complete groups)
     dynamic_sampling: bool = False  # GRPO family: drop groups whose rewards are all equal (DAPO)
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)  # DAPO's soft overlong punishment
 
 
 @dataclass
