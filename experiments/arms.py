@@ -46,8 +46,8 @@ A group arm sees ceil(k/n) tasks of a phase for k single rollouts (suite_runs.ph
 tasks. rloo_n2 and rloo_n4 (estimator rloo, loss ppo, at the suite's eta) place a leave-one-out group baseline at
 small n beside the factorial's GRPO cells.
 
-The factorial's arms live in FACTORIAL_ARMS, not ARMS: ARMS is the drift suite's own list (drift_v1.yaml names every
-arm in it, tests/test_harness.py), and `arm`/`arms`, what a suite YAML's names go through, look up both.
+The factorial's arms live in SUITE2_ARMS, not ARMS: ARMS is drift_v1's own list (drift_v1.yaml names every arm in it,
+tests/test_harness.py), and `arm`/`arms`, what a suite YAML's names go through, look up both.
 """
 
 from __future__ import annotations
@@ -108,12 +108,30 @@ def factorial_arms(etas: tuple[int, ...] = (0, 4), n: int = FACTORIAL_N) -> list
     return out
 
 
-FACTORIAL_ARMS: dict[str, Arm] = {a.name: a for a in (
+# DAPO's overlong shaping: the suite's answers are at most 32 tokens a turn (AgentSettings.max_new_tokens); a buffer
+# of 8 (the paper's L_cache / L_max is 0.2) penalises 25-32 tokens linearly, down to -1
+_OVERLONG = ("advantage.overlong.max_tokens=32", "advantage.overlong.buffer=8")
+
+# The arms drift_v2 adds (issue 49): the factorial, small-n RLOO, REINFORCE++, DAPO as in its paper and its parts
+# alone on GRPO, and the stability grid's dual clip and decoupled PPO. Kept apart from ARMS, drift_v1's own list.
+SUITE2_ARMS: dict[str, Arm] = {a.name: a for a in (
     *factorial_arms(),
     Arm("rloo_n2", ("loss.name=ppo", "advantage.estimator=rloo"), 2, note="groups of 2, leave-one-out mean, PPO clip"),
     Arm("rloo_n4", ("loss.name=ppo", "advantage.estimator=rloo"), 4, note="groups of 4, leave-one-out mean, PPO clip"),
+    Arm("reinforce_pp", ("loss.name=ppo", "advantage.estimator=reinforce_pp"),
+        note="single rollout, (R - batch mean) / batch std, PPO clip"),
+    Arm("dapo_paper", ("loss.name=dapo", *_GRPO, "loss.kl_coef=0", "loss.agg=token_mean",
+                       "advantage.dynamic_sampling=true", *_OVERLONG), GROUP,
+        note="DAPO as in its paper: no KL, clip-higher 0.2/0.28, dynamic sampling, overlong shaping 32/8"),
+    Arm("grpo_no_kl", ("loss.name=ppo", *_GRPO, "loss.kl_coef=0"), GROUP, note="GRPO without the KL penalty"),
+    Arm("grpo_clip_higher", ("loss.name=ppo", *_GRPO, "loss.eps_high=0.28"), GROUP, note="GRPO with eps_high 0.28"),
+    Arm("grpo_dynamic_sampling", ("loss.name=ppo", *_GRPO, "advantage.dynamic_sampling=true"), GROUP,
+        note="GRPO dropping groups of equal rewards"),
+    Arm("grpo_overlong", ("loss.name=ppo", *_GRPO, *_OVERLONG), GROUP, note="GRPO with overlong shaping 32/8"),
+    Arm("dual_clip", ("loss.name=dual_clip", *_GAE), note="SAO with PPO's dual clip (c = 3)"),
+    Arm("decoupled_ppo", ("loss.name=decoupled_ppo", *_GAE), note="SAO with decoupled PPO's proximal policy"),
 )}
-_KNOWN: dict[str, Arm] = {**ARMS, **FACTORIAL_ARMS}
+_KNOWN: dict[str, Arm] = {**ARMS, **SUITE2_ARMS}
 
 
 def arm(name: str) -> Arm:

@@ -13,7 +13,7 @@ import difflib
 import sys
 from pathlib import Path
 
-from experiments.arms import ARMS
+from experiments.arms import arm
 from experiments.results_chaos import chaos_table, chaos_what
 from experiments.results_format import (
     EXAMPLES,
@@ -50,7 +50,7 @@ def suite_table(res: dict) -> str:
     ref, rows = res["reference_arm"], []
     for e in res["pooled"]:
         t = e.get(f"auc_equal_rollouts_minus_{ref}_t")
-        rows.append([e["arm"], ARMS[e["arm"]].note, lr(res["lr"][e["arm"]]) if e["arm"] in res["lr"] else "—",
+        rows.append([e["arm"], arm(e["arm"]).note, lr(res["lr"][e["arm"]]) if e["arm"] in res["lr"] else "—",
                      f3(e["auc_equal_rollouts"]), interval(e.get(f"auc_equal_rollouts_minus_{ref}")),
                      f"[{t['low']:+.3f}, {t['high']:+.3f}] ({t['sd']:.3f})" if t else "", f3(e["final_reward"])])
     return table(["arm", "what it is", "lr", "post-drift AUC", f"minus {ref}, bootstrap 95%", "t 95% (SD)",

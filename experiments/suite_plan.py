@@ -34,7 +34,7 @@ from typing import Any
 import pandas as pd
 
 from experiments import stats
-from experiments.arms import ARMS
+from experiments.arms import arm as arm_named
 from experiments.suite_analysis import choose_lr, combine, post_rollouts_rule, seed_differences
 from experiments.suite_config import Plan, has_own_lr, load_plan, lr_of, post_of, split_threads
 from experiments.suite_runs import finished_run, run_path
@@ -117,7 +117,7 @@ def pilot_runs(plan: Plan, directory: Path, lr: float, init: str, jobs: int) -> 
     """The run files in `directory` written with the pilot's settings at `lr` (`suite.finished_run`): stale files
     from an earlier version of the suite are left out."""
     p = split_threads(dataclasses.replace(plan, seeds=plan.pilot_seeds, post=plan.pilot_post, lr=lr), jobs)
-    found = (finished_run(p, ARMS[name], d, s, init, directory) for name in trained_arms(plan)
+    found = (finished_run(p, arm_named(name), d, s, init, directory) for name in trained_arms(plan)
              for d in p.drifts for s in p.seeds)
     return [r for r in found if r is not None]
 
@@ -133,7 +133,7 @@ def complete(runs: list[dict], n_cells: int) -> list[dict]:
 def suite_choices(plan: Plan) -> tuple[dict[str, dict], dict[str, dict]]:
     """The suite's own lr per trained arm and post-drift rollouts per drift, in main_plan.json's shape (what
     `--budget-only` keeps)."""
-    lr = {name: {"lr": lr_of(plan, ARMS[name]), "from_suite": True} for name in trained_arms(plan)}
+    lr = {name: {"lr": lr_of(plan, arm_named(name)), "from_suite": True} for name in trained_arms(plan)}
     post = {d["name"]: {"post_rollouts": post_of(plan, d), "from_suite": True} for d in plan.drifts}
     return lr, post
 
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         lr, directory = item.split("=", 1)
         runs = complete(pilot_runs(plan, Path(directory), float(lr), a.init, a.jobs), cells)
         pilots.append({**combine(plan, runs), "lr": float(lr)})
-        files += [run_path(Path(directory), ARMS[r["arm"]], {"name": r["drift"]}, r["seed"]) for r in runs]
+        files += [run_path(Path(directory), arm_named(r["arm"]), {"name": r["drift"]}, r["seed"]) for r in runs]
     files += sorted(Path(a.frozen).glob("runs/*-frozen-*.json")) if a.frozen else []
     lr, post = suite_choices(plan) if a.budget_only else pilot_choices(plan, pilots)
     chosen = pd.DataFrame([r for pl in pilots for r in pl["runs"] if lr[r["arm"]]["lr"] == pl["lr"]])

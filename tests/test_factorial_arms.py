@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from experiments.arms import ARMS, FACTORIAL_ARMS, arm, arms, factorial_arms
+from experiments.arms import ARMS, SUITE2_ARMS, arm, arms, factorial_arms
 from experiments.harness import Harness, SimConfig, scenario_stream
 from learner.algorithms import GROUP_ESTIMATORS, NEEDS_GROUPS, group_advantages, reinforce_pp
 from learner.config import LearnerConfig
@@ -128,7 +128,7 @@ def test_harness_trains_gae_over_groups(tiny_policy_dir):
 def test_factorial_arms():
     cells = factorial_arms()
     assert len(cells) == 16 and len({a.name for a in cells}) == 16
-    assert all(FACTORIAL_ARMS[a.name] == a for a in cells) and arms([a.name for a in cells]) == cells
+    assert all(SUITE2_ARMS[a.name] == a for a in cells) and arms([a.name for a in cells]) == cells
     assert {a.sim["eta"] for a in cells} == {0, 4}
     # the corners are the existing sao and GRPO (at n = 4) arms
     sao, grpo = arm("f_single_value_strict_eta4"), arm("f_group4_base_oneside_eta4")
@@ -140,7 +140,7 @@ def test_factorial_arms():
     assert arm("rloo_n2").group_size == 2 and arm("rloo_n4").group_size == 4
     assert "advantage.estimator=rloo" in arm("rloo_n2").learner and "loss.name=ppo" in arm("rloo_n4").learner
     # the drift suite's arms are unchanged, and every arm's overrides make a valid LearnerConfig
-    assert len(ARMS) == 12 and not set(ARMS) & set(FACTORIAL_ARMS)
-    for a in FACTORIAL_ARMS.values():
+    assert len(ARMS) == 12 and not set(ARMS) & set(SUITE2_ARMS)
+    for a in SUITE2_ARMS.values():
         sets = [*a.learner, *([f"advantage.group_size={a.group_size}"] if a.group_size > 1 else [])]
         learner_cfg(*sets)
