@@ -52,7 +52,7 @@ tests/test_harness.py), and `arm`/`arms`, what a suite YAML's names go through, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 GROUP = 8
 _GAE = ("advantage.estimator=gae",)
@@ -132,6 +132,22 @@ SUITE2_ARMS: dict[str, Arm] = {a.name: a for a in (
     Arm("decoupled_ppo", ("loss.name=decoupled_ppo", *_GAE), note="SAO with decoupled PPO's proximal policy"),
 )}
 _KNOWN: dict[str, Arm] = {**ARMS, **SUITE2_ARMS}
+
+
+def setting_of(a: Arm, key: str, default: str) -> str:
+    """The value the arm's overrides give `key` (the last one wins), else `default`."""
+    return next((x.split("=", 1)[1] for x in reversed(a.learner) if x.startswith(f"{key}=")), default)
+
+
+def with_setting(a: Arm, point: dict, name: str | None = None, structure: bool = True) -> Arm:
+    """The arm at a tuned setting (experiments.suite_tune): its KL coefficient, clip band and, where it has them, its
+    critic's depth and (with `structure`) its group size; `point["lr"]` is the suite's to apply (`lr_of`)."""
+    lo, hi = point["clip"]
+    sets = [*a.learner, f"loss.kl_coef={point['kl']}", f"loss.eps_low={lo}", f"loss.eps_high={hi}"]
+    if setting_of(a, "advantage.estimator", "gae") == "gae":
+        sets.append(f"value.layers={point['value.layers']}")
+    size = point["group_size"] if structure and a.group_size > 1 else a.group_size
+    return replace(a, name=name or a.name, learner=tuple(sets), group_size=size)
 
 
 def arm(name: str) -> Arm:

@@ -16,7 +16,7 @@ from experiments.suite_config import Plan
 
 
 def run_outcomes(post: pd.DataFrame, window: int, n_rollouts: int, n_tokens: int,
-                 n_steps: int | None = None) -> dict[str, Any]:
+                 n_steps: int | None = None, sim_s: float | None = None) -> dict[str, Any]:
     """One run's outcomes at the (drift, seed)'s common budgets: `n_rollouts` trajectories, `n_tokens` tokens, and
     (where `n_steps` is given and `post` has each trajectory's `learner_step`, the post-drift learner steps taken
     before it started) the trajectories started within `n_steps` post-drift learner steps: auc_equal_steps."""
@@ -34,7 +34,22 @@ def run_outcomes(post: pd.DataFrame, window: int, n_rollouts: int, n_tokens: int
     for thr in (0.7, 0.8):
         n, hit = stats.samples_to(success, thr, window)
         out[f"samples_to_{thr}"], out[f"reached_{thr}"] = n, hit
+    if sim_s is not None and "finished_s" in post:
+        out.update(sim_time_outcomes(post, window, sim_s))
     return out
+
+
+def sim_time_outcomes(post: pd.DataFrame, window: int, sim_s: float) -> dict[str, Any]:
+    """Adaptation in simulated time (the straggler regime): the mean reward of the rollouts finished within `sim_s`
+    simulated s of the drift (the (drift, seed)'s shortest post-drift span), and the simulated s until the
+    `window`-mean success, in finishing order, first reaches 0.7 (censored: the run's last finish)."""
+    done = post.sort_values("finished_s", kind="stable")
+    finished, reward = done["finished_s"].to_numpy(float), done["reward"].to_numpy(float)
+    within = finished <= sim_s + 1e-9
+    n, hit = stats.samples_to(done["success"].to_numpy(float), 0.7, window)
+    return {"auc_equal_sim_time": float(reward[within].mean()) if within.any() else math.nan,
+            "equal_sim_s": sim_s, "sim_s_to_0.7": float(finished[n - 1]) if n else math.nan,
+            "reached_0.7_sim": hit}
 
 
 def combine(plan: Plan, runs: list[dict]) -> dict[str, Any]:
@@ -49,10 +64,12 @@ def combine(plan: Plan, runs: list[dict]) -> dict[str, Any]:
         n_roll = min(len(r["post_drift"]["reward"]) for r in group)
         n_tok = min(sum(r["post_drift"]["n_gen"]) for r in group)
         n_steps = equal_steps(group)
+        spans = [max(r["post_drift"]["finished_s"]) for r in group if r["post_drift"].get("finished_s")]
+        sim_s = min(spans) if len(spans) == len(group) else None
         for r in group:
             post = pd.DataFrame(r["post_drift"])
             rows.append({"drift": drift, "seed": seed, "arm": r["arm"],
-                         **run_outcomes(post, plan.window, n_roll, n_tok, n_steps),
+                         **run_outcomes(post, plan.window, n_roll, n_tok, n_steps, sim_s),
                          "learner_steps": r["summary"]["learner_steps"],
                          "trained_frac": r["summary"]["trained"] / max(r["summary"]["trajectories"], 1),
                          **{k: r[k] for k in ("post_drift_learner_steps", "post_drift_dropped_uniform") if k in r}})
@@ -127,7 +144,9 @@ def pool_results(results: list[dict], names: list[str]) -> dict[str, Any]:
 
 
 OUTCOMES = ("auc_equal_rollouts", "auc_equal_tokens", "final_reward")
-STEP_OUTCOMES = ("auc_equal_steps",)  # at equal post-drift learner steps: an arm whose groups are dropped takes fewer
+# where every run has them (newer run files): at equal post-drift learner steps (an arm whose groups are dropped takes
+# fewer) and at equal simulated time after the drift (the straggler regime)
+STEP_OUTCOMES = ("auc_equal_steps", "auc_equal_sim_time")
 
 
 def seed_differences(table: pd.DataFrame, outcome: str, arm: str, ref: str) -> pd.Series:

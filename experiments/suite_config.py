@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from experiments.arms import Arm, arms
+from experiments.arms import Arm, arms, with_setting
 from experiments.common import init_sha256
 from experiments.harness import SimConfig
 from learner.pretrain import PretrainConfig, pretrain
@@ -52,7 +52,7 @@ def resolve(value: Any, name: str, used: list[str]) -> Any:
     """A plain value, a `pilot:` placeholder's `filled` value (its rule applied to the pilot), or else its
     provisional value (recorded in `used`)."""
     if isinstance(value, dict) and "pilot" in value:
-        if "filled" in value:
+        if value.get("filled") is not None:  # null: a later version's placeholder over an earlier one's filled value
             return value["filled"]
         used.append(name)
         return value["pilot"]["provisional"]
@@ -92,13 +92,49 @@ def load_plan(path: str | Path, quick: bool = False) -> Plan:
         used.append("quick")
     ws = dict(raw["scenario"]["warm_start"])
     pretrain_sets = [str(x) for x in ws.pop("pretrain", [])]
-    return Plan(raw["name"], arms(names), pick_drifts(raw["drifts"], keep), list(seeds), int(pre), read_post(post),
-                read_lr(resolve(raw["lr"], "lr", used)), int(window), harness, raw["scenario"], used,
+    tuned = resolve(raw["tuned"], "tuned", used) if "tuned" in raw else None
+    chosen, lr = apply_tuned(arms(names), read_lr(resolve(raw["lr"], "lr", used)), tuned or {},
+                             raw.get("tuned", {}).get("from", {}))
+    if "grid" in raw:
+        chosen, lr = grid_arms(chosen, lr, raw["grid"])
+    return Plan(raw["name"], chosen, pick_drifts(raw["drifts"], keep), list(seeds), int(pre), read_post(post),
+                lr, int(window), harness, raw["scenario"], used,
                 warm_start_scenario(raw["name"], raw["scenario"], ws, raw["drifts"]), pretrain_sets,
                 list(raw["seeds"]["pilot"]), int(raw["post_rollouts"]["pilot"]["pilot_runs"]),
                 tuple(raw["admissible_start"]), raw.get("warm_start_sha256"), str(raw.get("version", "")),
                 learner=tuple(str(x) for x in raw.get("learner", [])), shared_pre=bool(raw.get("shared_pre_drift")),
                 common_start=raw.get("common_start"))
+
+
+def apply_tuned(chosen: list[Arm], lr: float | dict[str, float], tuned: dict[str, dict],
+                takes: dict[str, str]) -> tuple[list[Arm], float | dict[str, float]]:
+    """Each arm at its tuned setting (experiments.suite_tune), or at the one of the arm it `takes` (keeping its own
+    group size); their lrs laid over the suite's."""
+    if not tuned:
+        return chosen, lr
+    out, lrs = [], dict(lr) if isinstance(lr, dict) else {name: lr for name in ["sao", *(a.name for a in chosen)]}
+    for a in chosen:
+        source = takes.get(a.name, a.name)
+        if source in tuned:
+            a, lrs[a.name] = with_setting(a, tuned[source], structure=source == a.name), float(tuned[source]["lr"])
+        out.append(a)
+    return out, lrs
+
+
+def grid_arms(chosen: list[Arm], lr: float | dict[str, float], grid: dict[str, list]) -> tuple[list[Arm], dict]:
+    """Every arm at every cell of `grid` (eta x updates per batch x a factor on its lr: the stability grid), named
+    <arm>@eta<e>-u<u>-lrx<f>."""
+    out, lrs = [], dict(lr) if isinstance(lr, dict) else {}
+    for a in chosen:
+        base = lrs.get(a.name, lr if not isinstance(lr, dict) else lrs.get("sao"))
+        for eta in grid["eta"]:
+            for u in grid["updates_per_batch"]:
+                for f in grid["lr_factor"]:
+                    name = f"{a.name}@eta{eta}-u{u}-lrx{f:g}"
+                    out.append(dataclasses.replace(a, name=name, learner=(*a.learner, f"optim.updates_per_batch={u}"),
+                                       sim={**a.sim, "eta": eta}))
+                    lrs[name] = float(base) * f
+    return out, lrs
 
 
 def warm_start_note(plan: Plan, init: str) -> str | None:

@@ -101,7 +101,8 @@ def run_branches(plan: Plan, arm: Arm, drifts: list[dict], seed: int, init: str,
 def write_run(plan: Plan, arm: Arm, drift: dict, seed: int, init: str, out_dir: Path, res: Result,
               threads: int) -> dict[str, Any]:
     """The run's file: its settings, summary, by-phase table, recoveries, learner steps and post-drift rewards (with
-    each post-drift rollout's `post_drift_learner_steps` at its start), and the post-drift rollouts DAPO's dynamic
+    each post-drift rollout's `post_drift_learner_steps` at its start and its finish in simulated s after the first
+    post-drift start), and the post-drift rollouts DAPO's dynamic
     sampling dropped (their groups' rewards all equal: no learner step trained on them)."""
     settings = run_settings(plan, arm, drift, seed)
     if plan.common_start:
@@ -117,7 +118,8 @@ def write_run(plan: Plan, arm: Arm, drift: dict, seed: int, init: str, out_dir: 
            "by_phase": by_phase(res.trajectories), "recoveries": res.recoveries.to_dict("records"),
            "steps": steps.to_dict("records"),
            "post_drift": {"reward": post["reward"].tolist(), "success": post["success"].astype(float).tolist(),
-                          "n_gen": post["n_gen"].astype(int).tolist(), "learner_step": at_start.tolist()},
+                          "n_gen": post["n_gen"].astype(int).tolist(), "learner_step": at_start.tolist(),
+                          "finished_s": (post["finished_at"] - post["started_at"].min()).round(4).tolist()},
            "post_drift_learner_steps": post_steps,
            "post_drift_dropped_uniform": int((post["status"] == UNIFORM_DROPPED).sum())}
     path = run_path(out_dir, arm, drift, seed)

@@ -1,0 +1,182 @@
+"""The equal tuning budget (issue 49, item 1): every tuned arm searches the same number of settings on the pilot seeds,
+one coordinate at a time, and its chosen point is inside its grid or says it is not.
+
+A suite's `tuning:` section names the pilot's seeds, drifts and post-drift length, the budget of settings per arm and
+four coordinates, searched in this order from the arm's defaults:
+  lr         the lr grid; extended by a halving or a doubling while the best point is at an end and budget is left
+  structure  group size for an arm with groups; the critic's depth (value.layers) for an arm with a critic and no
+             groups; none for an arm with neither
+  kl         loss.kl_coef: 0 and the learner's default
+  clip       the loss's own clip band (eps_low, eps_high) scaled by each factor; a lower bound of 1.0 (none) stays
+What is left of the budget then refines the lr around the chosen one (factors 2^(+-1/2), 2^(+-1/4), ...), so every
+arm runs exactly `budget` settings. Score of a setting: the mean post-drift reward over the pilot's drifts and seeds
+(its AUC at equal rollouts: every setting has the same rollouts). The best score wins; ties keep the current value.
+Runs are the suite's run files (`run_all`), so an interrupted search resumes where it stopped.
+
+    .venv/bin/python -m experiments.suite_tune --suite experiments/suites/drift_v2.yaml --arms sao,grpo --jobs 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from experiments.arms import Arm, arms, setting_of, with_setting
+from experiments.common_start import uses_critic
+from experiments.suite_config import Plan, build_init, load_plan, pick_drifts, read_suite
+from experiments.suite_runs import json_default, run_all
+from learner.algorithms.losses import loss_params
+
+COORDINATES = ("lr", "structure", "kl", "clip")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    seeds: list[int]
+    drifts: list[str]
+    post: int
+    budget: int  # settings run per arm, extensions included
+    lr: list[float]
+    group_sizes: list[int]
+    value_layers: list[int]
+    kl: list[float]
+    clip_scales: list[float]
+    default_value_layers: int
+
+
+def read_tuning(suite: str | Path) -> Tuning:
+    raw = read_suite(suite)["tuning"]
+    return Tuning(list(raw["seeds"]), list(raw["drifts"]), int(raw["post_rollouts"]), int(raw["budget"]),
+                  [float(x) for x in raw["lr"]], [int(x) for x in raw["group_size"]],
+                  [int(x) for x in raw["value_layers"]], [float(x) for x in raw["kl_coef"]],
+                  [float(x) for x in raw["clip_scale"]], int(raw["default_value_layers"]))
+
+
+def loss_name(arm: Arm) -> str:
+    return setting_of(arm, "loss.name", "sao")
+
+
+def structure(arm: Arm, t: Tuning) -> tuple[str, list] | None:
+    """The arm's second coordinate: group size with groups, else the critic's depth with a critic, else none."""
+    if arm.group_size > 1:
+        return "group_size", list(t.group_sizes)
+    if uses_critic(list(arm.learner)):
+        return "value.layers", list(t.value_layers)
+    return None
+
+
+def clip_values(arm: Arm, t: Tuning) -> list[tuple[float, float]]:
+    p = loss_params(loss_name(arm))
+    low, high = float(p.get("eps_low", 0.2)), float(p.get("eps_high", 0.2))
+    return [(low if low >= 1.0 else low * s, high * s) for s in t.clip_scales]
+
+
+def start_point(arm: Arm, t: Tuning) -> dict[str, Any]:
+    p = loss_params(loss_name(arm))
+    return {"lr": None, "group_size": arm.group_size, "value.layers": t.default_value_layers, "kl": 0.1,
+            "clip": (float(p.get("eps_low", 0.2)), float(p.get("eps_high", 0.2)))}
+
+
+def label(point: dict[str, Any]) -> str:
+    lo, hi = point["clip"]
+    return (f"lr{point['lr']:.3g}-n{point['group_size']}-v{point['value.layers']}-kl{point['kl']:g}-"
+            f"clip{lo:.3g}_{hi:.3g}")
+
+
+def variant(arm: Arm, point: dict[str, Any]) -> Arm:
+    """The arm at one setting, named by it (its run files are its own)."""
+    return with_setting(arm, point, name=f"{arm.name}@{label(point)}")
+
+
+def pilot_plan(plan: Plan, t: Tuning) -> Plan:
+    """The suite's plan on the pilot's seeds, drifts and length, with the suite's own `value.layers` taken out (each
+    setting names its own)."""
+    learner = tuple(s for s in plan.learner if not s.startswith("value.layers="))
+    return dataclasses.replace(plan, seeds=t.seeds, drifts=pick_drifts(plan.drifts, t.drifts), post=t.post,
+                               learner=learner)
+
+
+def score(plan: Plan, arm: Arm, point: dict[str, Any], init: str, out: Path, jobs: int) -> float:
+    """The setting's mean post-drift reward over the pilot's drifts and seeds."""
+    v = variant(arm, point)
+    p = dataclasses.replace(plan, arms=[v], lr={v.name: point["lr"]})
+    runs = run_all(p, [(v, d, s) for s in plan.seeds for d in plan.drifts], init, out, jobs)
+    return float(np.mean([np.mean(r["post_drift"]["reward"]) for r in runs]))
+
+
+def best(scores: dict, current: Any) -> Any:
+    """The value with the highest score; a tie keeps `current` (else the first value listed)."""
+    top = max(scores.values())
+    tied = [v for v, s in scores.items() if s >= top - 1e-12]
+    return current if current in tied else tied[0]
+
+
+REFINE = (2 ** -0.5, 2 ** 0.5, 2 ** -0.25, 2 ** 0.25, 2 ** -0.75, 2 ** 0.75)  # lr factors, nearest first
+
+
+def tune_arm(arm: Arm, t: Tuning, score, log=print) -> dict[str, Any]:
+    """The coordinate search of one arm, exactly `t.budget` settings (see the module's docstring); `score(point)` is
+    a setting's pilot score (`pilot_score`)."""
+    point, tried, at_edge = start_point(arm, t), {}, {}
+
+    def run(key: str, values: list) -> dict:
+        for v in values:
+            if (name := label({**point, key: v})) not in tried:
+                tried[name] = {"setting": name, "coordinate": key, "value": v, "score": score({**point, key: v})}
+                log(f"[tune] {arm.name} {name}: {tried[name]['score']:.4f} ({len(tried)}/{t.budget})")
+        return {v: tried[label({**point, key: v})]["score"] for v in values}
+
+    grid, reserve = list(t.lr), 3 + (3 if structure(arm, t) else 0)  # kl and clip's new settings, structure's
+    point["lr"] = grid[len(grid) // 2]
+    scores = run("lr", grid)
+    while (b := best(scores, point["lr"])) in (grid[0], grid[-1]) and len(tried) < t.budget - reserve:
+        grid = [grid[0] / 2, *grid] if b == grid[0] else [*grid, grid[-1] * 2]
+        scores = run("lr", grid)
+    point["lr"] = best(scores, point["lr"])
+    at_edge["lr"] = point["lr"] in (grid[0], grid[-1])
+    coords = [structure(arm, t)] if structure(arm, t) else []
+    for key, values in [*coords, ("kl", t.kl), ("clip", clip_values(arm, t))]:
+        point[key] = best(run(key, values), point[key])
+        at_edge[key] = key in ("group_size", "value.layers") and point[key] in (values[0], values[-1])
+    for factor in REFINE:  # what is left of the budget refines the lr around the chosen one, at the chosen rest
+        if len(tried) >= t.budget:
+            break
+        point["lr"] = best(run("lr", [point["lr"], point["lr"] * factor]), point["lr"])
+    if len(tried) != t.budget:
+        raise RuntimeError(f"{arm.name}: {len(tried)} settings run, the budget is {t.budget}")
+    return {"arm": arm.name, "chosen": point, "chosen_setting": label(point), "settings_run": len(tried),
+            "budget": t.budget, "at_grid_edge": at_edge, "tried": list(tried.values())}
+
+
+def pilot_score(plan: Plan, arm: Arm, init: str, out: Path, jobs: int):
+    return lambda point: score(plan, arm, point, init, out, jobs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--suite", required=True)
+    p.add_argument("--arms", required=True, help="comma-separated arms to tune (a part of the pilot)")
+    p.add_argument("--init", help="warm-start policy directory (default: the suite's own, built and cached)")
+    p.add_argument("--jobs", type=int, default=1)
+    p.add_argument("--out", default="runs/bench/suite_tune")
+    a = p.parse_args(argv)
+    plan, t = load_plan(a.suite), read_tuning(a.suite)
+    plan, out, t0 = pilot_plan(plan, t), Path(a.out), time.monotonic()
+    init = a.init or str(build_init(plan))
+    for arm in arms(a.arms.split(",")):
+        result = {**tune_arm(arm, t, pilot_score(plan, arm, init, out, a.jobs)), "suite_version": plan.version,
+                  "wall_s": round(time.monotonic() - t0, 1)}
+        (out / f"tuning-{arm.name}.json").write_text(json.dumps(result, indent=1, default=json_default))
+        print(json.dumps({k: result[k] for k in ("arm", "chosen_setting", "settings_run", "at_grid_edge")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

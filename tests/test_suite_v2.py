@@ -1,0 +1,101 @@
+"""Suite 2.0's pieces (issue 49): its files, the equal-budget tuning search, tuned points and the stability grid
+applied to arms, and adaptation in simulated time; every expected value worked out by hand."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from experiments.arms import arm
+from experiments.suite_analysis import sim_time_outcomes
+from experiments.suite_config import apply_tuned, grid_arms, load_plan
+from experiments.suite_tune import Tuning, label, tune_arm
+
+SUITES = Path(__file__).resolve().parent.parent / "experiments" / "suites"
+TUNING = Tuning(seeds=[1001], drifts=["d"], post=64, budget=12, lr=[1e-4, 2e-4, 4e-4, 8e-4], group_sizes=[2, 4, 8, 16],
+                value_layers=[1, 2, 3, 4], kl=[0.0, 0.1], clip_scales=[0.5, 1.0, 1.5], default_value_layers=2)
+
+
+def test_the_suite_files_load_with_their_placeholders_unfilled():
+    main = load_plan(SUITES / "drift_v2.yaml")
+    assert main.version == "2.0" and main.common_start == "sao" and len(main.drifts) == 9
+    assert {"string_rule_swap", "string_rule_rotr"} <= {d["name"] for d in main.drifts}
+    assert set(main.provisional) == {"seeds.main", "tuned"} and main.seeds == [0, 1, 2]  # 1.6's seeds do not carry
+    strag = load_plan(SUITES / "drift_v2_stragglers.yaml")
+    assert strag.harness["learner_step_s"] == 2.0 and strag.harness["latency"]["kind"] == "pareto"
+    assert [d["options"]["tool"]["max_turns"] for d in strag.drifts] == [2, 3]
+    assert len(load_plan(SUITES / "drift_v2_factorial.yaml").arms) == 18
+    assert len(load_plan(SUITES / "drift_v2_stability.yaml").arms) == 6 * 4 * 3 * 2
+
+
+POINT = {"lr": 2e-4, "group_size": 16, "value.layers": 3, "kl": 0.0, "clip": [0.1, 0.15]}
+
+
+def test_a_tuned_point_sets_an_arm_and_those_that_take_it_keep_their_group_size():
+    names = ["sao", "eta0", "grpo", "f_group4_base_strict_eta4"]
+    tuned = {"sao": {**POINT, "group_size": 1}, "grpo": {**POINT, "lr": 1e-4}}
+    chosen, lr = apply_tuned([arm(n) for n in names], 4e-4, tuned, {"eta0": "sao", "f_group4_base_strict_eta4": "grpo"})
+    sao, eta0, grpo, cell = chosen
+    assert sao.learner[-4:] == ("loss.kl_coef=0.0", "loss.eps_low=0.1", "loss.eps_high=0.15", "value.layers=3")
+    assert eta0.learner == sao.learner and eta0.sim == {"eta": 0}
+    assert grpo.group_size == 16 and "value.layers=3" not in grpo.learner  # no critic, no depth
+    assert cell.group_size == 4 and cell.learner[0] == "loss.name=sao"  # grpo's point, its own n and loss
+    assert lr == {"sao": 2e-4, "eta0": 2e-4, "grpo": 1e-4, "f_group4_base_strict_eta4": 1e-4}
+
+
+def test_the_stability_grid_names_each_cell_and_scales_its_lr():
+    chosen, lr = grid_arms([arm("grpo")], {"grpo": 4e-4}, {"eta": [0, 64], "updates_per_batch": [4],
+                                                          "lr_factor": [1, 2]})
+    assert [a.name for a in chosen] == ["grpo@eta0-u4-lrx1", "grpo@eta0-u4-lrx2", "grpo@eta64-u4-lrx1",
+                                        "grpo@eta64-u4-lrx2"]
+    assert [a.sim["eta"] for a in chosen] == [0, 0, 64, 64] and chosen[0].learner[-1] == "optim.updates_per_batch=4"
+    assert [lr[a.name] for a in chosen] == [4e-4, 8e-4, 4e-4, 8e-4]
+
+
+def score_peaked_at(lr_best: float, n_best: int = 4):
+    """A hand-made pilot score: best at lr_best, group size n_best, no KL, the clip scaled by 1.5."""
+    def score(p: dict) -> float:
+        return (-abs(math.log2(p["lr"] / lr_best)) - 0.1 * abs(math.log2(p["group_size"] / n_best))
+                - p["kl"] - abs(p["clip"][1] / 0.2 - 1.5))
+    return score
+
+
+def test_tuning_runs_exactly_its_budget_and_finds_the_best_point_inside_the_grid():
+    out = tune_arm(arm("grpo"), TUNING, score_peaked_at(4e-4), log=lambda *_: None)
+    assert out["settings_run"] == 12 == len({t["setting"] for t in out["tried"]})
+    # lr 4 + group size 3 new + kl 1 new + clip 2 new = 10; the 2 left try 4e-4 x 2^-1/2 and x 2^1/2: both worse
+    assert out["chosen"] == {"lr": 4e-4, "group_size": 4, "value.layers": 2, "kl": 0.0, "clip": (0.30000000000000004,
+                                                                                                 0.30000000000000004)}
+    assert out["at_grid_edge"] == {"lr": False, "group_size": False, "kl": False, "clip": False}
+    assert [t["coordinate"] for t in out["tried"]] == ["lr"] * 4 + ["group_size"] * 3 + ["kl"] + ["clip"] * 2 + \
+        ["lr"] * 2
+
+
+def test_tuning_extends_the_lr_grid_at_its_edge_and_says_so_when_the_budget_ends_there():
+    out = tune_arm(arm("sao"), TUNING, score_peaked_at(6.4e-3), log=lambda *_: None)
+    lrs = [t["value"] for t in out["tried"] if t["coordinate"] == "lr"]
+    # the best point is always the top end: 1.6e-3, then 3.2e-3 are added until 6 settings are left for the rest
+    assert lrs[:6] == [1e-4, 2e-4, 4e-4, 8e-4, 1.6e-3, 3.2e-3] and out["at_grid_edge"]["lr"]
+    assert out["settings_run"] == 12 and out["chosen"]["value.layers"] == 2  # depth: a tie keeps the default
+    assert label(out["chosen"]).startswith("lr0.0032-n1-v2-kl0-")
+
+
+def test_an_arm_with_neither_groups_nor_a_critic_spends_the_same_budget_refining_its_lr():
+    out = tune_arm(arm("reinforce_pp"), TUNING, score_peaked_at(4e-4 * 2 ** 0.25), log=lambda *_: None)
+    assert out["settings_run"] == 12 and "group_size" not in {t["coordinate"] for t in out["tried"]}
+    assert out["chosen"]["lr"] == pytest.approx(4e-4 * 2 ** 0.25)  # found by the refinement
+
+
+def test_adaptation_in_simulated_time_by_hand():
+    post = pd.DataFrame({"finished_s": [3.0, 1.0, 2.0, 9.0], "reward": [1.0, 0.0, 1.0, 1.0],
+                         "success": [1.0, 0.0, 1.0, 1.0]})
+    out = sim_time_outcomes(post, window=2, sim_s=3.0)
+    # finished by 3 s: rewards 0, 1, 1 (finishing order 1 s, 2 s, 3 s); windows of 2 in that order: 0.5, 1.0 -> the
+    # second window (ending at the third rollout to finish, 3 s) first reaches 0.7
+    assert out == {"auc_equal_sim_time": pytest.approx(2 / 3), "equal_sim_s": 3.0, "sim_s_to_0.7": 3.0,
+                   "reached_0.7_sim": True}
+    never = sim_time_outcomes(post.assign(success=0.0), window=2, sim_s=3.0)
+    assert never["sim_s_to_0.7"] == 9.0 and not never["reached_0.7_sim"]  # censored at the last finish
