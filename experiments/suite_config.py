@@ -80,7 +80,8 @@ def load_plan(path: str | Path, quick: bool = False) -> Plan:
     raw = read_suite(path)
     used: list[str] = []
     harness = dict(raw.get("harness", {}))
-    names, keep = raw["arms"], [d["name"] for d in raw["drifts"]]
+    # `run_drifts`: the drifts a file runs, of the suite's `drifts` (all of which make its warm start)
+    names, keep = raw["arms"], raw.get("run_drifts") or [d["name"] for d in raw["drifts"]]
     seeds = resolve(raw["seeds"]["main"], "seeds.main", used)
     pre, post = raw["pre_rollouts"], resolve(raw["post_rollouts"], "post_rollouts", used)
     window = raw["outcomes"]["window"]

@@ -27,8 +27,11 @@ def test_the_suite_files_load_with_their_placeholders_unfilled():
     strag = load_plan(SUITES / "drift_v2_stragglers.yaml")
     assert strag.harness["learner_step_s"] == 2.0 and strag.harness["latency"]["kind"] == "pareto"
     assert [d["options"]["tool"]["max_turns"] for d in strag.drifts] == [2, 3]
-    assert len(load_plan(SUITES / "drift_v2_factorial.yaml").arms) == 18
-    assert len(load_plan(SUITES / "drift_v2_stability.yaml").arms) == 6 * 4 * 3 * 2
+    factorial, stability = load_plan(SUITES / "drift_v2_factorial.yaml"), load_plan(SUITES / "drift_v2_stability.yaml")
+    assert len(factorial.arms) == 18 and len(stability.arms) == 6 * 4 * 3 * 2
+    assert [d["name"] for d in stability.drifts] == ["answer_format"]
+    for plan in (strag, factorial, stability):  # a file that runs fewer drifts still starts from the suite's warm start
+        assert plan.warm_start == main.warm_start and plan.common_start == "sao"
 
 
 POINT = {"lr": 2e-4, "group_size": 16, "value.layers": 3, "kl": 0.0, "clip": [0.1, 0.15]}
