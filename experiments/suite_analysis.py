@@ -16,7 +16,8 @@ from experiments.suite_config import Plan
 
 
 def run_outcomes(post: pd.DataFrame, window: int, n_rollouts: int, n_tokens: int,
-                 n_steps: int | None = None, sim_s: float | None = None) -> dict[str, Any]:
+                 n_steps: int | None = None, sim_s: float | None = None,
+                 compute: float | None = None) -> dict[str, Any]:
     """One run's outcomes at the (drift, seed)'s common budgets: `n_rollouts` trajectories, `n_tokens` tokens, and
     (where `n_steps` is given and `post` has each trajectory's `learner_step`, the post-drift learner steps taken
     before it started) the trajectories started within `n_steps` post-drift learner steps: auc_equal_steps."""
@@ -36,6 +37,10 @@ def run_outcomes(post: pd.DataFrame, window: int, n_rollouts: int, n_tokens: int
         out[f"samples_to_{thr}"], out[f"reached_{thr}"] = n, hit
     if sim_s is not None and "finished_s" in post:
         out.update(sim_time_outcomes(post, window, sim_s))
+    if compute is not None and "compute" in post:
+        within = post["compute"].to_numpy(float) <= compute * (1 + 1e-9)
+        out.update(auc_equal_compute=float(reward[within].mean()) if within.any() else math.nan,
+                   equal_compute=compute, equal_compute_rollouts=int(within.sum()))
     return out
 
 
@@ -66,10 +71,13 @@ def combine(plan: Plan, runs: list[dict]) -> dict[str, Any]:
         n_steps = equal_steps(group)
         spans = [max(r["post_drift"]["finished_s"]) for r in group if r["post_drift"].get("finished_s")]
         sim_s = min(spans) if len(spans) == len(group) else None
+        totals = [r["post_drift"]["compute"][-1] for r in group if r["post_drift"].get("compute")
+                  and r.get("sim", {}).get("train", True)]  # the frozen control, which trains nothing, aside
+        compute = min(totals) if totals and all("compute" in r["post_drift"] for r in group) else None
         for r in group:
             post = pd.DataFrame(r["post_drift"])
             rows.append({"drift": drift, "seed": seed, "arm": r["arm"],
-                         **run_outcomes(post, plan.window, n_roll, n_tok, n_steps, sim_s),
+                         **run_outcomes(post, plan.window, n_roll, n_tok, n_steps, sim_s, compute),
                          "learner_steps": r["summary"]["learner_steps"],
                          "trained_frac": r["summary"]["trained"] / max(r["summary"]["trajectories"], 1),
                          **{k: r[k] for k in ("post_drift_learner_steps", "post_drift_dropped_uniform") if k in r}})
@@ -145,8 +153,8 @@ def pool_results(results: list[dict], names: list[str]) -> dict[str, Any]:
 
 OUTCOMES = ("auc_equal_rollouts", "auc_equal_tokens", "final_reward")
 # where every run has them (newer run files): at equal post-drift learner steps (an arm whose groups are dropped takes
-# fewer) and at equal simulated time after the drift (the straggler regime)
-STEP_OUTCOMES = ("auc_equal_steps", "auc_equal_sim_time")
+# fewer), at equal simulated time after the drift (the straggler regime) and at equal compute (experiments.compute)
+STEP_OUTCOMES = ("auc_equal_steps", "auc_equal_sim_time", "auc_equal_compute")
 
 
 def seed_differences(table: pd.DataFrame, outcome: str, arm: str, ref: str) -> pd.Series:

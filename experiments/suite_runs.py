@@ -23,6 +23,7 @@ from experiments.common_start import (
     start_settings,
     train_common_start,
 )
+from experiments.compute import critic_share, prefix_compute, step_costs
 from experiments.harness import (
     Result,
     SimConfig,
@@ -36,13 +37,16 @@ from experiments.harness import (
 from experiments.harness.admission import UNIFORM_DROPPED
 from experiments.parallel import run_parallel
 from experiments.suite_config import Plan, drift_scenario, lr_of, post_of, sim_config, split_threads
+from learner.config import LearnerConfig
 from simulator.scenario import Scenario
+from streamer.wire.config import load_config
 from streamer.wire.schema import DriftEvent, Task
 
-STEP_KEYS = ("step", "version", "skipped", "n", "sim_time", "staleness_mean", "staleness_max", "learner/ess_frac",
-             "learner/policy_loss", "learner/value_loss", "learner/clip_frac", "learner/clip_frac_low",
-             "learner/clip_frac_high", "learner/kl_k1", "learner/kl_k3", "learner/kl_ref", "learner/ratio_max",
-             "learner/entropy", "learner/grad_norm", "learner/value_warmup", "learner/explained_variance")
+STEP_KEYS = ("step", "version", "skipped", "n", "n_tokens", "sim_time", "staleness_mean", "staleness_max",
+             "learner/ess_frac", "learner/policy_loss", "learner/value_loss", "learner/clip_frac",
+             "learner/clip_frac_low", "learner/clip_frac_high", "learner/kl_k1", "learner/kl_k3", "learner/kl_ref",
+             "learner/ratio_max", "learner/entropy", "learner/grad_norm", "learner/value_warmup",
+             "learner/explained_variance")
 
 
 def post_drift(traj: pd.DataFrame) -> pd.DataFrame:
@@ -111,6 +115,10 @@ def write_run(plan: Plan, arm: Arm, drift: dict, seed: int, init: str, out_dir: 
     steps = res.steps[[k for k in STEP_KEYS if k in res.steps]] if len(res.steps) else res.steps
     post = post_drift(res.trajectories)
     at_start, post_steps = post_drift_learner_steps(post, res.steps, settings["sim"]["learner_step_s"])
+    updates = load_config(LearnerConfig, None, settings["learner_sets"]).optim.updates_per_batch
+    costs = step_costs(res.steps.sort_values("sim_time") if len(res.steps) else res.steps,
+                       critic_share(settings["learner_sets"], init), updates)
+    compute = prefix_compute(post["n_gen"].to_numpy(), at_start, costs[len(costs) - post_steps:])
     run = {"suite": plan.name, "arm": arm.name, "drift": drift["name"], "seed": seed, "init": init,
            "init_sha256": init_sha256(init),
            "provisional": bool(plan.provisional), "provisional_values": plan.provisional,
@@ -119,7 +127,8 @@ def write_run(plan: Plan, arm: Arm, drift: dict, seed: int, init: str, out_dir: 
            "steps": steps.to_dict("records"),
            "post_drift": {"reward": post["reward"].tolist(), "success": post["success"].astype(float).tolist(),
                           "n_gen": post["n_gen"].astype(int).tolist(), "learner_step": at_start.tolist(),
-                          "finished_s": (post["finished_at"] - post["started_at"].min()).round(4).tolist()},
+                          "finished_s": (post["finished_at"] - post["started_at"].min()).round(4).tolist(),
+                          "compute": compute.round(1).tolist()},
            "post_drift_learner_steps": post_steps,
            "post_drift_dropped_uniform": int((post["status"] == UNIFORM_DROPPED).sum())}
     path = run_path(out_dir, arm, drift, seed)

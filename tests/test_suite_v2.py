@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 
 from experiments.arms import arm
+from experiments.compute import critic_share, prefix_compute, step_costs
 from experiments.suite_analysis import sim_time_outcomes
 from experiments.suite_config import apply_tuned, grid_arms, load_plan
 from experiments.suite_tune import Tuning, label, tune_arm
@@ -26,7 +27,7 @@ def test_the_suite_files_load_with_their_placeholders_unfilled():
     assert set(main.provisional) == {"seeds.main", "tuned"} and main.seeds == [0, 1, 2]  # 1.6's seeds do not carry
     strag = load_plan(SUITES / "drift_v2_stragglers.yaml")
     assert strag.harness["learner_step_s"] == 2.0 and strag.harness["latency"]["kind"] == "pareto"
-    assert [d["options"]["tool"]["max_turns"] for d in strag.drifts] == [2, 3]
+    assert [(d["name"], d["options"]["tool"]["max_turns"]) for d in strag.drifts] == [("tool_args", 3)]
     factorial, stability = load_plan(SUITES / "drift_v2_factorial.yaml"), load_plan(SUITES / "drift_v2_stability.yaml")
     assert len(factorial.arms) == 18 and len(stability.arms) == 6 * 4 * 3 * 2
     assert [d["name"] for d in stability.drifts] == ["answer_format"]
@@ -102,3 +103,16 @@ def test_adaptation_in_simulated_time_by_hand():
                    "reached_0.7_sim": True}
     never = sim_time_outcomes(post.assign(success=0.0), window=2, sim_s=3.0)
     assert never["sim_s_to_0.7"] == 9.0 and not never["reached_0.7_sim"]  # censored at the last finish
+
+
+def test_compute_charges_generation_the_policys_steps_and_the_critics_share(tmp_path):
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 4}')
+    sao = ["loss.name=sao", "advantage.estimator=gae", "value.layers=2"]
+    assert critic_share(sao, str(tmp_path)) == 0.5 and critic_share(sao[:2], str(tmp_path)) == 1.0
+    assert critic_share(["loss.name=ppo", "advantage.estimator=grpo"], str(tmp_path)) == 0.0
+    steps = pd.DataFrame({"n_tokens": [100, 200], "learner/value_warmup": [1.0, 0.0]})
+    # a warm-up step trains the critic alone: 3 x 100 x 0.5 = 150; then 3 x 200 x (1 + 0.5) = 900; twice with 2 updates
+    assert step_costs(steps, 0.5, 1).tolist() == [150.0, 900.0] and step_costs(steps, 0.5, 2).tolist() == [300.0,
+                                                                                                             1800.0]
+    # rollouts of 10, 20, 30 generated tokens, started after 0, 1 and 2 post-drift steps
+    assert prefix_compute([10, 20, 30], [0, 1, 2], [150.0, 900.0]).tolist() == [10.0, 180.0, 1110.0]
