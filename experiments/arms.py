@@ -140,12 +140,10 @@ def setting_of(a: Arm, key: str, default: str) -> str:
 
 
 def with_setting(a: Arm, point: dict, name: str | None = None, structure: bool = True) -> Arm:
-    """The arm at a tuned setting (experiments.suite_tune): its KL coefficient, clip band and, where it has them, its
-    critic's depth and (with `structure`) its group size; `point["lr"]` is the suite's to apply (`lr_of`)."""
+    """The arm at a tuned setting (experiments.suite_tune): its KL coefficient, clip band and, with `structure`, its
+    group size when it has groups; `point["lr"]` is the suite's to apply (`lr_of`)."""
     lo, hi = point["clip"]
     sets = [*a.learner, f"loss.kl_coef={point['kl']}", f"loss.eps_low={lo}", f"loss.eps_high={hi}"]
-    if setting_of(a, "advantage.estimator", "gae") == "gae":
-        sets.append(f"value.layers={point['value.layers']}")
     size = point["group_size"] if structure and a.group_size > 1 else a.group_size
     return replace(a, name=name or a.name, learner=tuple(sets), group_size=size)
 

@@ -4,8 +4,10 @@ The reference arm (SAO) trains once on a drift's pre-drift phase for each (pre-d
 critic are saved (`save_start`). Every arm, the controls included, then runs the post-drift phase alone from that
 checkpoint with fresh optimizers, the warm start staying its KL reference: η = 0 and the group methods start from a
 policy that pre-drift RL has trained, as SAO does, and differences after the drift are differences in adapting.
-An arm with a critic takes the checkpoint's, which has seen the pre-drift phase: its first steps skip the warm-up
-meant for a fresh head (value.warmup_steps=0); the re-warm-up after a value-loss spike stays.
+An arm with a critic takes the checkpoint's, which has seen the pre-drift phase (so the critic's depth is the suite's,
+not an arm's): its first steps skip the warm-up meant for a fresh head (the harness's `load_start`); the re-warm-up
+after a value-loss spike stays. The reference arm runs at its tuned setting (`Plan.reference`), in every file of the
+suite alike.
 """
 
 from __future__ import annotations
@@ -18,8 +20,6 @@ from experiments.arms import Arm, arm
 from experiments.common import init_sha256
 from experiments.harness import Harness
 from experiments.harness.loop import save_start
-from learner.config import LearnerConfig
-from streamer.wire.config import load_config
 from streamer.wire.schema import DriftEvent, Task
 
 
@@ -31,16 +31,6 @@ def pre_drift_tasks(stream: list[Task | DriftEvent]) -> list[Task]:
 def post_drift_stream(stream: list[Task | DriftEvent]) -> list[Task | DriftEvent]:
     """The stream from its drift on: the drift events and every task of a later phase, in order."""
     return [m for m in stream if isinstance(m, DriftEvent) or m.phase > 0]
-
-
-def uses_critic(learner_sets: list[str]) -> bool:
-    return load_config(LearnerConfig, None, list(learner_sets)).uses_value_model
-
-
-def post_drift_sets(learner_sets: list[str]) -> list[str]:
-    """An arm's learner settings when it starts from a common checkpoint: no cold-start warm-up of the critic it
-    takes from the checkpoint."""
-    return [*learner_sets, "value.warmup_steps=0"] if uses_critic(learner_sets) else list(learner_sets)
 
 
 def start_dir(out_dir: Path, key: str, seed: int) -> Path:

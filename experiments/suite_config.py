@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from experiments.arms import Arm, arms, with_setting
+from experiments.arms import Arm, arm, arms, with_setting
 from experiments.common import init_sha256
 from experiments.harness import SimConfig
 from learner.pretrain import PretrainConfig, pretrain
@@ -46,6 +46,7 @@ class Plan:
     learner: tuple[str, ...] = ()  # the suite's own learner overrides for every arm (`learner:`, from 1.5)
     shared_pre: bool = False  # drifts with the same pre-drift tasks simulate them once (`shared_pre_drift:`, 1.5)
     common_start: str | None = None  # every arm starts each drift from this arm's pre-drift checkpoint
+    reference: Arm | None = None  # that arm at its tuned setting (the checkpoint is the same in every file of a suite)
 
 
 def resolve(value: Any, name: str, used: list[str]) -> Any:
@@ -96,6 +97,10 @@ def load_plan(path: str | Path, quick: bool = False) -> Plan:
     tuned = resolve(raw["tuned"], "tuned", used) if "tuned" in raw else None
     chosen, lr = apply_tuned(arms(names), read_lr(resolve(raw["lr"], "lr", used)), tuned or {},
                              raw.get("tuned", {}).get("from", {}))
+    reference = None
+    if common := raw.get("common_start"):  # at its tuned setting and lr whichever arms the file runs
+        (reference,), ref_lr = apply_tuned([arm(common)], lr, tuned or {}, {})
+        lr = {**lr, common: ref_lr[common]} if isinstance(lr, dict) and isinstance(ref_lr, dict) else lr
     if "grid" in raw:
         chosen, lr = grid_arms(chosen, lr, raw["grid"])
     return Plan(raw["name"], chosen, pick_drifts(raw["drifts"], keep), list(seeds), int(pre), read_post(post),
@@ -104,7 +109,7 @@ def load_plan(path: str | Path, quick: bool = False) -> Plan:
                 list(raw["seeds"]["pilot"]), int(raw["post_rollouts"]["pilot"]["pilot_runs"]),
                 tuple(raw["admissible_start"]), raw.get("warm_start_sha256"), str(raw.get("version", "")),
                 learner=tuple(str(x) for x in raw.get("learner", [])), shared_pre=bool(raw.get("shared_pre_drift")),
-                common_start=raw.get("common_start"))
+                common_start=raw.get("common_start"), reference=reference)
 
 
 def apply_tuned(chosen: list[Arm], lr: float | dict[str, float], tuned: dict[str, dict],

@@ -16,7 +16,6 @@ import pandas as pd
 from experiments.arms import Arm, arms
 from experiments.common import init_sha256, reusable_run
 from experiments.common_start import (
-    post_drift_sets,
     post_drift_stream,
     reference_arm,
     start_dir,
@@ -74,7 +73,7 @@ def drift_stream(plan: Plan, drift: dict, seed: int, group_size: int) -> tuple[l
 def common_start(plan: Plan, drift: dict, seed: int, init: str, out_dir: Path, log=print) -> dict[str, Any]:
     """The checkpoint every arm starts `drift` from (`experiments.common_start`): trained once per pre-drift concept
     and seed, reused after."""
-    ref = reference_arm(plan.common_start)
+    ref = plan.reference or reference_arm(plan.common_start)
     stream, scn = drift_stream(plan, drift, seed, 1)
     sim = sim_config(plan, ref, seed)
     settings = start_settings(ref, plan.pre, pre_key(drift), seed, json.loads(json.dumps(
@@ -159,7 +158,7 @@ def run_settings(plan: Plan, arm: Arm, drift: dict, seed: int) -> dict[str, Any]
     sim = dataclasses.asdict(sim_config(plan, arm, seed))
     sets = learner_sets(plan, arm)
     return {"drift_def": drift, "pre": plan.pre, "post": post_of(plan, drift),
-            "learner_sets": post_drift_sets(sets) if plan.common_start else sets,
+            "learner_sets": sets,
             "sim": json.loads(json.dumps(sim, default=json_default)),
             **({"shared_pre_drift": True} if plan.shared_pre else {}),
             **({"common_start_arm": plan.common_start} if plan.common_start else {})}

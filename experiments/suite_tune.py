@@ -4,8 +4,8 @@ one coordinate at a time, and its chosen point is inside its grid or says it is 
 A suite's `tuning:` section names the pilot's seeds, drifts and post-drift length, the budget of settings per arm and
 four coordinates, searched in this order from the arm's defaults:
   lr         the lr grid; extended by a halving or a doubling while the best point is at an end and budget is left
-  structure  group size for an arm with groups; the critic's depth (value.layers) for an arm with a critic and no
-             groups; none for an arm with neither
+  structure  group size for an arm with groups; none otherwise (the critic comes with the common start, its depth
+             the suite's)
   kl         loss.kl_coef: 0 and the learner's default
   clip       the loss's own clip band (eps_low, eps_high) scaled by each factor; a lower bound of 1.0 (none) stays
 What is left of the budget then refines the lr around the chosen one (factors 2^(+-1/2), 2^(+-1/4), ...), so every
@@ -29,7 +29,6 @@ from typing import Any
 import numpy as np
 
 from experiments.arms import Arm, arms, setting_of, with_setting
-from experiments.common_start import uses_critic
 from experiments.suite_config import Plan, build_init, load_plan, pick_drifts, read_suite
 from experiments.suite_runs import json_default, run_all
 from learner.algorithms.losses import loss_params
@@ -45,18 +44,15 @@ class Tuning:
     budget: int  # settings run per arm, extensions included
     lr: list[float]
     group_sizes: list[int]
-    value_layers: list[int]
     kl: list[float]
     clip_scales: list[float]
-    default_value_layers: int
 
 
 def read_tuning(suite: str | Path) -> Tuning:
     raw = read_suite(suite)["tuning"]
     return Tuning(list(raw["seeds"]), list(raw["drifts"]), int(raw["post_rollouts"]), int(raw["budget"]),
                   [float(x) for x in raw["lr"]], [int(x) for x in raw["group_size"]],
-                  [int(x) for x in raw["value_layers"]], [float(x) for x in raw["kl_coef"]],
-                  [float(x) for x in raw["clip_scale"]], int(raw["default_value_layers"]))
+                  [float(x) for x in raw["kl_coef"]], [float(x) for x in raw["clip_scale"]])
 
 
 def loss_name(arm: Arm) -> str:
@@ -64,12 +60,9 @@ def loss_name(arm: Arm) -> str:
 
 
 def structure(arm: Arm, t: Tuning) -> tuple[str, list] | None:
-    """The arm's second coordinate: group size with groups, else the critic's depth with a critic, else none."""
-    if arm.group_size > 1:
-        return "group_size", list(t.group_sizes)
-    if uses_critic(list(arm.learner)):
-        return "value.layers", list(t.value_layers)
-    return None
+    """The arm's second coordinate: its group size when it has groups, else none (a critic's depth is the common
+    start's, not an arm's: experiments.common_start)."""
+    return ("group_size", list(t.group_sizes)) if arm.group_size > 1 else None
 
 
 def clip_values(arm: Arm, t: Tuning) -> list[tuple[float, float]]:
@@ -80,14 +73,13 @@ def clip_values(arm: Arm, t: Tuning) -> list[tuple[float, float]]:
 
 def start_point(arm: Arm, t: Tuning) -> dict[str, Any]:
     p = loss_params(loss_name(arm))
-    return {"lr": None, "group_size": arm.group_size, "value.layers": t.default_value_layers, "kl": 0.1,
+    return {"lr": None, "group_size": arm.group_size, "kl": 0.1,
             "clip": (float(p.get("eps_low", 0.2)), float(p.get("eps_high", 0.2)))}
 
 
 def label(point: dict[str, Any]) -> str:
     lo, hi = point["clip"]
-    return (f"lr{point['lr']:.3g}-n{point['group_size']}-v{point['value.layers']}-kl{point['kl']:g}-"
-            f"clip{lo:.3g}_{hi:.3g}")
+    return f"lr{point['lr']:.3g}-n{point['group_size']}-kl{point['kl']:g}-clip{lo:.3g}_{hi:.3g}"
 
 
 def variant(arm: Arm, point: dict[str, Any]) -> Arm:
@@ -96,17 +88,15 @@ def variant(arm: Arm, point: dict[str, Any]) -> Arm:
 
 
 def pilot_plan(plan: Plan, t: Tuning) -> Plan:
-    """The suite's plan on the pilot's seeds, drifts and length, with the suite's own `value.layers` taken out (each
-    setting names its own)."""
-    learner = tuple(s for s in plan.learner if not s.startswith("value.layers="))
-    return dataclasses.replace(plan, seeds=t.seeds, drifts=pick_drifts(plan.drifts, t.drifts), post=t.post,
-                               learner=learner)
+    """The suite's plan on the pilot's seeds, drifts and length."""
+    return dataclasses.replace(plan, seeds=t.seeds, drifts=pick_drifts(plan.drifts, t.drifts), post=t.post)
 
 
 def score(plan: Plan, arm: Arm, point: dict[str, Any], init: str, out: Path, jobs: int) -> float:
     """The setting's mean post-drift reward over the pilot's drifts and seeds."""
     v = variant(arm, point)
-    p = dataclasses.replace(plan, arms=[v], lr={v.name: point["lr"]})
+    base = plan.lr if isinstance(plan.lr, dict) else {"sao": plan.lr}  # the common start's arm keeps the suite's lr
+    p = dataclasses.replace(plan, arms=[v], lr={**base, v.name: point["lr"]})
     runs = run_all(p, [(v, d, s) for s in plan.seeds for d in plan.drifts], init, out, jobs)
     return float(np.mean([np.mean(r["post_drift"]["reward"]) for r in runs]))
 
@@ -144,7 +134,7 @@ def tune_arm(arm: Arm, t: Tuning, score, log=print) -> dict[str, Any]:
     coords = [structure(arm, t)] if structure(arm, t) else []
     for key, values in [*coords, ("kl", t.kl), ("clip", clip_values(arm, t))]:
         point[key] = best(run(key, values), point[key])
-        at_edge[key] = key in ("group_size", "value.layers") and point[key] in (values[0], values[-1])
+        at_edge[key] = key == "group_size" and point[key] in (values[0], values[-1])
     for factor in REFINE:  # what is left of the budget refines the lr around the chosen one, at the chosen rest
         if len(tried) >= t.budget:
             break

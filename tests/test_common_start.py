@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file
 
-from experiments.common_start import post_drift_sets, post_drift_stream, pre_drift_tasks
+from experiments.common_start import post_drift_stream, pre_drift_tasks
+from experiments.harness import Harness, SimConfig, save_start
 from experiments.suite import main as suite_main
 from experiments.suite_config import load_plan
 from experiments.suite_runs import drift_stream
@@ -27,10 +29,20 @@ def test_a_drift_stream_splits_into_its_pre_drift_tasks_and_the_rest_from_the_dr
     assert [m.seq for m in pre + post[1:]] == [m.seq for m in stream if isinstance(m, Task)]
 
 
-def test_an_arm_with_a_critic_skips_the_cold_start_warm_up_of_the_critic_it_takes():
-    sao, grpo = ["loss.name=sao", "advantage.estimator=gae"], ["loss.name=ppo", "advantage.estimator=grpo"]
-    assert post_drift_sets(sao) == [*sao, "value.warmup_steps=0"]
-    assert post_drift_sets(grpo) == grpo  # no critic, nothing to skip
+def test_a_start_gives_its_critic_to_a_critic_of_its_shape_and_its_policy_blocks_to_another(tiny_policy_dir, tmp_path):
+    sim = SimConfig(batch=8, threads=1)
+    saved = Harness(sim, str(tiny_policy_dir), ["value.layers=1"])
+    for p in (*saved.models.policy.parameters(), *saved.models.value.parameters()):
+        p.data.add_(0.01)  # the start differs from the warm start everywhere
+    save_start(saved.models, tmp_path)
+    same = Harness(sim, str(tiny_policy_dir), ["value.layers=1"], start_from=str(tmp_path))
+    assert same.trainer.warm_left == 0  # the start's critic has trained: no cold-start warm-up
+    assert all(torch.equal(a, b) for a, b in zip(same.models.value.state_dict().values(),
+                                                  saved.models.value.state_dict().values()))
+    head = Harness(sim, str(tiny_policy_dir), ["value.kind=head"], start_from=str(tmp_path))
+    assert head.trainer.warm_left == head.cfg.value.warmup_steps > 0  # another critic: a fresh head warms up
+    policy = same.models.policy.state_dict()
+    assert all(torch.equal(policy[k], v) for k, v in saved.models.policy.state_dict().items())
 
 
 def test_every_arm_starts_the_drift_from_the_reference_arms_pre_drift_checkpoint(tiny_policy_dir, tmp_path):
@@ -51,8 +63,7 @@ def test_every_arm_starts_the_drift_from_the_reference_arms_pre_drift_checkpoint
         assert run["common_start"] == {k: v for k, v in meta.items() if k != "settings"}
         assert [p["phase"] for p in run["by_phase"]] == [1]  # the post-drift phase alone
         assert len(run["post_drift"]["reward"]) == 256
-    assert "value.warmup_steps=0" in runs["sao"]["learner_sets"] and "value.warmup_steps=0" not in \
-        runs["grpo"]["learner_sets"]
+    assert runs["sao"]["steps"][0]["learner/value_warmup"] == 0  # SAO's first step already moves the policy
     # one policy, one task sequence, the same rollout seeds: before the first step the single-rollout arms generate
     # the same answers, whatever they do after
     first = {arm: runs[arm]["post_drift"]["n_gen"][:32] for arm in ("sao", "eta0", "frozen")}

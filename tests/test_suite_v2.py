@@ -17,7 +17,7 @@ from experiments.suite_tune import Tuning, label, tune_arm
 
 SUITES = Path(__file__).resolve().parent.parent / "experiments" / "suites"
 TUNING = Tuning(seeds=[1001], drifts=["d"], post=64, budget=12, lr=[1e-4, 2e-4, 4e-4, 8e-4], group_sizes=[2, 4, 8, 16],
-                value_layers=[1, 2, 3, 4], kl=[0.0, 0.1], clip_scales=[0.5, 1.0, 1.5], default_value_layers=2)
+                kl=[0.0, 0.1], clip_scales=[0.5, 1.0, 1.5])
 
 
 def test_the_suite_files_load_with_their_placeholders_unfilled():
@@ -35,7 +35,7 @@ def test_the_suite_files_load_with_their_placeholders_unfilled():
         assert plan.warm_start == main.warm_start and plan.common_start == "sao"
 
 
-POINT = {"lr": 2e-4, "group_size": 16, "value.layers": 3, "kl": 0.0, "clip": [0.1, 0.15]}
+POINT = {"lr": 2e-4, "group_size": 16, "kl": 0.0, "clip": [0.1, 0.15]}
 
 
 def test_a_tuned_point_sets_an_arm_and_those_that_take_it_keep_their_group_size():
@@ -43,9 +43,9 @@ def test_a_tuned_point_sets_an_arm_and_those_that_take_it_keep_their_group_size(
     tuned = {"sao": {**POINT, "group_size": 1}, "grpo": {**POINT, "lr": 1e-4}}
     chosen, lr = apply_tuned([arm(n) for n in names], 4e-4, tuned, {"eta0": "sao", "f_group4_base_strict_eta4": "grpo"})
     sao, eta0, grpo, cell = chosen
-    assert sao.learner[-4:] == ("loss.kl_coef=0.0", "loss.eps_low=0.1", "loss.eps_high=0.15", "value.layers=3")
+    assert sao.learner[-3:] == ("loss.kl_coef=0.0", "loss.eps_low=0.1", "loss.eps_high=0.15")
     assert eta0.learner == sao.learner and eta0.sim == {"eta": 0}
-    assert grpo.group_size == 16 and "value.layers=3" not in grpo.learner  # no critic, no depth
+    assert grpo.group_size == 16 and grpo.learner[-1] == "loss.eps_high=0.15"
     assert cell.group_size == 4 and cell.learner[0] == "loss.name=sao"  # grpo's point, its own n and loss
     assert lr == {"sao": 2e-4, "eta0": 2e-4, "grpo": 1e-4, "f_group4_base_strict_eta4": 1e-4}
 
@@ -71,20 +71,21 @@ def test_tuning_runs_exactly_its_budget_and_finds_the_best_point_inside_the_grid
     out = tune_arm(arm("grpo"), TUNING, score_peaked_at(4e-4), log=lambda *_: None)
     assert out["settings_run"] == 12 == len({t["setting"] for t in out["tried"]})
     # lr 4 + group size 3 new + kl 1 new + clip 2 new = 10; the 2 left try 4e-4 x 2^-1/2 and x 2^1/2: both worse
-    assert out["chosen"] == {"lr": 4e-4, "group_size": 4, "value.layers": 2, "kl": 0.0, "clip": (0.30000000000000004,
-                                                                                                 0.30000000000000004)}
+    assert out["chosen"] == {"lr": 4e-4, "group_size": 4, "kl": 0.0, "clip": (0.30000000000000004,
+                                                                               0.30000000000000004)}
     assert out["at_grid_edge"] == {"lr": False, "group_size": False, "kl": False, "clip": False}
     assert [t["coordinate"] for t in out["tried"]] == ["lr"] * 4 + ["group_size"] * 3 + ["kl"] + ["clip"] * 2 + \
         ["lr"] * 2
 
 
 def test_tuning_extends_the_lr_grid_at_its_edge_and_says_so_when_the_budget_ends_there():
-    out = tune_arm(arm("sao"), TUNING, score_peaked_at(6.4e-3), log=lambda *_: None)
+    out = tune_arm(arm("sao"), TUNING, score_peaked_at(0.1), log=lambda *_: None)
     lrs = [t["value"] for t in out["tried"] if t["coordinate"] == "lr"]
-    # the best point is always the top end: 1.6e-3, then 3.2e-3 are added until 6 settings are left for the rest
-    assert lrs[:6] == [1e-4, 2e-4, 4e-4, 8e-4, 1.6e-3, 3.2e-3] and out["at_grid_edge"]["lr"]
-    assert out["settings_run"] == 12 and out["chosen"]["value.layers"] == 2  # depth: a tie keeps the default
-    assert label(out["chosen"]).startswith("lr0.0032-n1-v2-kl0-")
+    # the best point is always the top end: doublings are added while more than 3 settings (kl, clip) are left
+    assert lrs == pytest.approx([1e-4, 2e-4, 4e-4, 8e-4, 1.6e-3, 3.2e-3, 6.4e-3, 1.28e-2, 2.56e-2])
+    assert out["at_grid_edge"]["lr"] and out["settings_run"] == 12  # the budget ended at the edge, and says so
+    assert "group_size" not in {t["coordinate"] for t in out["tried"]}
+    assert label(out["chosen"]).startswith("lr0.0256-n1-kl0-")
 
 
 def test_an_arm_with_neither_groups_nor_a_critic_spends_the_same_budget_refining_its_lr():

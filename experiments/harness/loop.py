@@ -18,6 +18,7 @@ import msgspec
 import numpy as np
 import pandas as pd
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_model, save_model
 
 from experiments.harness.admission import RolloutAdmission, SnapshotRing
@@ -63,8 +64,8 @@ class Harness(RolloutAdmission):
 
     def __init__(self, sim: SimConfig, init: str, learner_sets: list[str] = (), agent_sets: list[str] = (),
                  start_from: str | None = None) -> None:
-        """`start_from`: a directory of `save_start`'s, whose policy (and critic, when this arm has one) replace the
-        models built from `init` before the first version; `init` stays the KL reference."""
+        """`start_from`: a directory of `save_start`'s, whose policy (and critic, when this arm has one of its shape)
+        replace the models built from `init` before the first version; `init` stays the KL reference."""
         sim.validate()
         self.sim = sim
         torch.set_num_threads(sim.threads)
@@ -79,10 +80,11 @@ class Harness(RolloutAdmission):
         self.agent = load_config(AgentSettings, None, [f"seed={sim.seed}", f"group_size={sim.group_size}",
                                                        *agent_sets])
         self.models = build_models(self.cfg)
-        if start_from:
-            load_start(self.models, start_from)
+        critic_trained = load_start(self.models, start_from) if start_from else False
         self.ring = SnapshotRing(sim.ring)
         self.trainer = Trainer(self.cfg, self.models, source=None, publisher=self.ring)
+        if critic_trained:
+            self.trainer.warm_left = 0  # the start's critic has trained: no warm-up meant for a fresh head
         self.trainer.start()  # publishes version 0 into the ring
         self.tok = CharTokenizer()
         self.engine = make_engine("torch", copy.deepcopy(self.models.policy), self.tok)
@@ -242,12 +244,24 @@ def save_start(models, path: str | Path) -> None:
         save_model(models.value, str(Path(path) / "value.safetensors"))
 
 
-def load_start(models, path: str | Path) -> None:
-    """`save_start`'s weights into `models` (every tensor, or a clear error); a critic the start has none for keeps
-    its fresh weights (an arm with a critic started from a run without one)."""
+def load_start(models, path: str | Path) -> bool:
+    """`save_start`'s policy into `models`; its critic too when the shapes match (True: the critic has trained).
+    A critic of another depth gets the started policy's first blocks and keeps its fresh head (False), as one built
+    from that policy would."""
     load_model(models.policy, str(Path(path) / "policy.safetensors"))
-    if models.value is not None and (Path(path) / "value.safetensors").is_file():
-        load_model(models.value, str(Path(path) / "value.safetensors"))
+    saved = Path(path) / "value.safetensors"
+    if models.value is None:
+        return False
+    if saved.is_file():
+        with safe_open(str(saved), "pt") as f:
+            shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        if shapes == {k: tuple(v.shape) for k, v in models.value.state_dict().items()}:
+            load_model(models.value, str(saved))
+            return True
+    backbone = models.value.backbone.state_dict()
+    models.value.backbone.load_state_dict({k: v for k, v in models.policy.base_model.state_dict().items()
+                                           if k in backbone})
+    return False
 
 
 def simulate_branches(sim: SimConfig, init: str, streams: list[list[Task | DriftEvent]], learner_sets: list[str] = (),
