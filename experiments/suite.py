@@ -29,9 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import git_commit, machine
-from experiments.arms import arms
 from experiments.suite_analysis import choose_lr, combine, pool_results, post_rollouts_rule
-from experiments.suite_config import build_init, load_plan, main_seeds, pick_drifts, warm_start_note
+from experiments.suite_config import build_init, load_plan, main_seeds, pick_arms, pick_drifts, warm_start_note
 from experiments.suite_runs import admissibility, json_default, run_all
 from learner.pretrain import kernels
 
@@ -84,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.pilot:
         plan = dataclasses.replace(plan, seeds=plan.pilot_seeds, post=plan.pilot_post)
     if a.arms:
-        plan = dataclasses.replace(plan, arms=arms(a.arms.split(",")))
+        plan = dataclasses.replace(plan, arms=pick_arms(plan.arms, a.arms.split(",")))
     if a.drifts:
         plan = dataclasses.replace(plan, drifts=pick_drifts(plan.drifts, a.drifts.split(",")))
     if a.seeds:

@@ -128,10 +128,13 @@ def apply_tuned(chosen: list[Arm], lr: float | dict[str, float], tuned: dict[str
 
 
 def grid_arms(chosen: list[Arm], lr: float | dict[str, float], grid: dict[str, list]) -> tuple[list[Arm], dict]:
-    """Every arm at every cell of `grid` (eta x updates per batch x a factor on its lr: the stability grid), named
-    <arm>@eta<e>-u<u>-lrx<f>."""
+    """Every trained arm at every cell of `grid` (eta x updates per batch x a factor on its lr: the stability grid),
+    named <arm>@eta<e>-u<u>-lrx<f>; the frozen control once."""
     out, lrs = [], dict(lr) if isinstance(lr, dict) else {}
     for a in chosen:
+        if not a.sim.get("train", True):  # the frozen control: one run, no cell of its own
+            out.append(a)
+            continue
         base = lrs.get(a.name, lr if not isinstance(lr, dict) else lrs.get("sao"))
         for eta in grid["eta"]:
             for u in grid["updates_per_batch"]:
@@ -234,6 +237,14 @@ def drift_scenario(plan: Plan, drift: dict) -> Scenario:
 def sim_config(plan: Plan, arm: Arm, seed: int) -> SimConfig:
     base = {**plan.harness, **arm.sim, "group_size": arm.group_size, "seed": seed}
     return load_config(SimConfig, None, [], base=base)
+
+
+def pick_arms(chosen: list[Arm], names: list[str]) -> list[Arm]:
+    """The named arms, in the plan's order: the plan's own (at their tuned settings; a name picks every grid cell
+    <name>@... too), then any other arm by its name (`arms`, which refuses an unknown one)."""
+    def mine(n: str) -> list[Arm]:
+        return [a for a in chosen if n in (a.name, a.name.split("@")[0])]
+    return [a for a in chosen if any(a in mine(n) for n in names)] + arms([n for n in names if not mine(n)])
 
 
 def pick_drifts(drifts: list[dict], names: list[str]) -> list[dict]:

@@ -29,7 +29,7 @@ def test_the_suite_files_load_with_their_placeholders_unfilled():
     assert strag.harness["learner_step_s"] == 2.0 and strag.harness["latency"]["kind"] == "pareto"
     assert [(d["name"], d["options"]["tool"]["max_turns"]) for d in strag.drifts] == [("tool_args", 3)]
     factorial, stability = load_plan(SUITES / "drift_v2_factorial.yaml"), load_plan(SUITES / "drift_v2_stability.yaml")
-    assert len(factorial.arms) == 18 and len(stability.arms) == 6 * 4 * 3 * 2
+    assert len(factorial.arms) == 18 and len(stability.arms) == 6 * 4 * 3 * 2 + 1  # and the frozen control once
     assert [d["name"] for d in stability.drifts] == ["answer_format"]
     for plan in (strag, factorial, stability):  # a file that runs fewer drifts still starts from the suite's warm start
         assert plan.warm_start == main.warm_start and plan.common_start == "sao"
