@@ -103,10 +103,10 @@ def run_branches(plan: Plan, arm: Arm, drifts: list[dict], seed: int, init: str,
 
 def write_run(plan: Plan, arm: Arm, drift: dict, seed: int, init: str, out_dir: Path, res: Result,
               threads: int) -> dict[str, Any]:
-    """The run's file: its settings, summary, by-phase table, recoveries, learner steps and post-drift rewards (with
-    each post-drift rollout's `post_drift_learner_steps` at its start and its finish in simulated s after the first
-    post-drift start), and the post-drift rollouts DAPO's dynamic
-    sampling dropped (their groups' rewards all equal: no learner step trained on them)."""
+    """The run's file: its settings, summary, by-phase table, recoveries, learner steps and post-drift rewards, with
+    each post-drift rollout's learner steps before its start (`post_drift_learner_steps`), its finish in simulated s
+    after the first post-drift start and its prefix's compute (experiments.compute); and the post-drift rollouts that
+    DAPO's dynamic sampling dropped (their groups' rewards all equal: no learner step trained on them)."""
     settings = run_settings(plan, arm, drift, seed)
     if plan.common_start:
         meta = json.loads((start_dir(out_dir, pre_key(drift), seed) / "start.json").read_text())
