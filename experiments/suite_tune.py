@@ -14,6 +14,7 @@ arm runs exactly `budget` settings. Score of a setting: the mean post-drift rewa
 Runs are the suite's run files (`run_all`), so an interrupted search resumes where it stopped.
 
     .venv/bin/python -m experiments.suite_tune --suite experiments/suites/drift_v2.yaml --arms sao,grpo --jobs 2
+    .venv/bin/python -m experiments.suite_tune --suite experiments/suites/drift_v2.yaml --fill   # tuned.filled, seeds
 """
 
 from __future__ import annotations
@@ -27,10 +28,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 
 from experiments.arms import Arm, arms, setting_of, with_setting
+from experiments.arms import arm as arm_named
 from experiments.suite_config import Plan, build_init, load_plan, pick_drifts, read_suite
-from experiments.suite_runs import json_default, run_all
+from experiments.suite_plan import seeds_rule
+from experiments.suite_runs import json_default, run_all, run_path
 from learner.algorithms.losses import loss_params
 
 COORDINATES = ("lr", "structure", "kl", "clip")
@@ -149,16 +153,50 @@ def pilot_score(plan: Plan, arm: Arm, init: str, out: Path, jobs: int):
     return lambda point: score(plan, arm, point, init, out, jobs)
 
 
+def chosen_runs(plan: Plan, searches: list[dict], out: Path) -> pd.DataFrame:
+    """Each searched arm's runs at its chosen setting (run files under `out`): arm, seed, drift, mean post-drift
+    reward."""
+    rows = []
+    for t in searches:
+        point = {**t["chosen"], "clip": tuple(t["chosen"]["clip"])}
+        v = variant(arm_named(t["arm"]), point)
+        for s in plan.seeds:
+            for d in plan.drifts:
+                run = json.loads(run_path(out, v, d, s).read_text())
+                rows.append({"arm": t["arm"], "seed": s, "drift": d["name"],
+                             "auc_equal_rollouts": float(np.mean(run["post_drift"]["reward"]))})
+    return pd.DataFrame(rows)
+
+
+def fill(plan: Plan, out: Path, ref: str = "sao") -> dict[str, Any]:
+    """The pilot's rules applied to the finished searches in `out`: `tuned.filled` (each arm's chosen point) and the
+    main seeds by 1.1's power rule on the chosen points' paired pilot differences (suite_plan.seeds_rule)."""
+    searches = [json.loads(f.read_text()) for f in sorted(out.glob("tuning-*.json"))]
+    if ref not in {t["arm"] for t in searches}:
+        raise ValueError(f"{out}: no finished search of {ref}, the power rule's reference")
+    tuned = {t["arm"]: {**t["chosen"], "clip": list(t["chosen"]["clip"])} for t in searches}
+    rule = seeds_rule(chosen_runs(plan, searches, out), ref) if len(searches) > 1 else None
+    return {"tuned": tuned, "seeds_rule": rule, "arms_searched": sorted(tuned)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--suite", required=True)
-    p.add_argument("--arms", required=True, help="comma-separated arms to tune (a part of the pilot)")
+    p.add_argument("--arms", default="", help="comma-separated arms to tune (a part of the pilot)")
+    p.add_argument("--fill", action="store_true", help="apply the pilot's rules to the searches finished in --out")
     p.add_argument("--init", help="warm-start policy directory (default: the suite's own, built and cached)")
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--out", default="runs/bench/suite_tune")
     a = p.parse_args(argv)
+    if not (a.arms or a.fill):
+        p.error("name the arms to tune (--arms), or --fill")
     plan, t = load_plan(a.suite), read_tuning(a.suite)
     plan, out, t0 = pilot_plan(plan, t), Path(a.out), time.monotonic()
+    if a.fill:
+        result = fill(plan, out)
+        (out / "filled.json").write_text(json.dumps(result, indent=1, default=json_default))
+        print(json.dumps(result, indent=1, default=json_default))
+        return 0
     init = a.init or str(build_init(plan))
     for arm in arms(a.arms.split(",")):
         result = {**tune_arm(arm, t, pilot_score(plan, arm, init, out, a.jobs)), "suite_version": plan.version,

@@ -85,3 +85,20 @@ def test_the_verdicts_section_renders_hand_written_json_exactly(tmp_path):
     assert lines[0] == "## 14. The suite's verdicts over every committed draw"
     assert lines[2].endswith("these verdicts of single draws no longer separate: v1: ppo.")
     assert lines[6] == "| ppo | -0.012 | — | -0.012 [-0.050, +0.020] | < 0.0001 | not separable at this power |"
+
+
+def test_the_suite2_section_renders_hand_written_json_exactly(tmp_path):
+    from experiments.results_suite2 import PILOT, suite2_section
+
+    prior = {"per_drift": [{"drift": "swap", "start_success": 0.03125, "start_by_seed": [0.0, 0.0625],
+                            "admissible": False}]}
+    search = {"arm": "grpo", "chosen_setting": "lr0.0004-n4-kl0-clip0.2_0.2", "settings_run": 12, "budget": 12,
+              "at_grid_edge": {"lr": False, "group_size": True}, "tried": [{"score": 0.25}, {"score": 0.3125}]}
+    (tmp_path / PILOT).mkdir(parents=True)
+    for name, d in (("admissibility.json", prior), ("stragglers_admissibility.json", prior),
+                    ("tuning-grpo.json", search)):
+        (tmp_path / PILOT / name).write_text(json.dumps(d))
+    lines = suite2_section(tmp_path).splitlines()
+    assert lines[0] == "## 15. Suite 2.0: its pilot so far"
+    assert lines[6] == "| swap | 0.031 | 0.000, 0.062 | no |"
+    assert lines[-5] == "| grpo | lr0.0004-n4-kl0-clip0.2_0.2 | 0.312 | 12 of 12 | group_size |"

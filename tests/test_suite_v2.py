@@ -3,6 +3,8 @@ applied to arms, and adaptation in simulated time; every expected value worked o
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from pathlib import Path
 
@@ -13,7 +15,8 @@ from experiments.arms import arm
 from experiments.compute import critic_share, prefix_compute, step_costs
 from experiments.suite_analysis import sim_time_outcomes
 from experiments.suite_config import apply_tuned, grid_arms, load_plan
-from experiments.suite_tune import Tuning, label, tune_arm
+from experiments.suite_runs import run_path
+from experiments.suite_tune import Tuning, fill, label, tune_arm, variant
 
 SUITES = Path(__file__).resolve().parent.parent / "experiments" / "suites"
 TUNING = Tuning(seeds=[1001], drifts=["d"], post=64, budget=12, lr=[1e-4, 2e-4, 4e-4, 8e-4], group_sizes=[2, 4, 8, 16],
@@ -117,3 +120,22 @@ def test_compute_charges_generation_the_policys_steps_and_the_critics_share(tmp_
                                                                                                              1800.0]
     # rollouts of 10, 20, 30 generated tokens, started after 0, 1 and 2 post-drift steps
     assert prefix_compute([10, 20, 30], [0, 1, 2], [150.0, 900.0]).tolist() == [10.0, 180.0, 1110.0]
+
+
+def test_filling_the_pilot_takes_each_chosen_point_and_the_seeds_its_paired_differences_ask(tmp_path):
+    plan = dataclasses.replace(load_plan(SUITES / "drift_v2.yaml"), seeds=[1001, 1002, 1003])
+    plan = dataclasses.replace(plan, drifts=plan.drifts[:1])
+    per_seed = {"sao": [0.5, 0.5, 0.5], "grpo": [0.4, 0.45, 0.35]}
+    for name, means in per_seed.items():
+        point = {"lr": 4e-4, "group_size": 8 if name == "grpo" else 1, "kl": 0.0, "clip": [0.2, 0.2]}
+        (tmp_path / f"tuning-{name}.json").write_text(json.dumps({"arm": name, "chosen": point}))
+        for seed, m in zip(plan.seeds, means):
+            path = run_path(tmp_path, variant(arm(name), point), plan.drifts[0], seed)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"post_drift": {"reward": [m - 0.1, m + 0.1]}}))
+    out = fill(plan, tmp_path)
+    assert out["tuned"]["grpo"]["group_size"] == 8 and out["arms_searched"] == ["grpo", "sao"]
+    # differences -0.1, -0.05, -0.15: sample SD 0.05; delta = 0.1 x 0.5; n = ceil((3 x 0.05 / 0.05)^2) = 9
+    rule = out["seeds_rule"]
+    assert rule["per_arm"]["grpo"]["sd"] == pytest.approx(0.05) and rule["delta"] == pytest.approx(0.05)
+    assert rule["n"] == 9
