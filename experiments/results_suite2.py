@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from experiments.results_format import RESULTS, Reader, f3, section, table
+from experiments.suite_tune import grid_edges
 
 PILOT = RESULTS / "suite_pilot/v2.0"
 
@@ -19,7 +20,7 @@ def tuning_rows(tuned: dict[str, dict]) -> list[list]:
     rows = []
     for t in tuned.values():
         best = max(x["score"] for x in t["tried"])
-        edges = ", ".join(k for k, v in t["at_grid_edge"].items() if v) or "none"
+        edges = ", ".join(grid_edges(t)) or "none"
         rows.append([t["arm"], t["chosen_setting"], f3(best), f"{t['settings_run']} of {t['budget']}", edges])
     return rows
 
@@ -35,7 +36,8 @@ def suite2_section(root: Path) -> str:
             "drifts with the highest prior below 0.05 (string swap and rotr) and keeps the straggler regime's tool "
             "drifts whose start lies in [0.05, 0.40]. Then the tuning search (`experiments/suite_tune.py`): each "
             "arm's chosen setting (lr, group size, KL coefficient, clip band) and its mean post-drift reward over "
-            "3 pilot seeds x 3 drifts, for the arms whose search has finished.")
+            "3 pilot seeds x 3 drifts, for the arms whose search has finished; 'at a grid edge': a coordinate whose "
+            "chosen value is the smallest or largest tried (only the lr's grid is extended at an edge).")
     parts = [table(["drift", "frozen prior", "by seed", "in [0.05, 0.40]"], prior_rows(priors)),
              table(["straggler drift", "frozen start", "by seed", "kept"], prior_rows(strag))]
     if tuned:

@@ -149,6 +149,18 @@ def tune_arm(arm: Arm, t: Tuning, score, log=print) -> dict[str, Any]:
             "budget": t.budget, "at_grid_edge": at_edge, "tried": list(tried.values())}
 
 
+def grid_edges(search: dict) -> list[str]:
+    """The coordinates (lr, group size, clip) whose chosen value is the smallest or largest the search tried: a best
+    point at the grid's edge (only the lr's grid is extended; the KL's two values are its whole grid)."""
+    out = []
+    for key in ("lr", "group_size", "clip"):
+        tried = [t["value"][1] if key == "clip" else t["value"] for t in search["tried"] if t["coordinate"] == key]
+        chosen = search["chosen"][key][1] if key == "clip" else search["chosen"][key]
+        if len(set(tried)) > 1 and chosen in (min(tried), max(tried)):
+            out.append(key)
+    return out
+
+
 def pilot_score(plan: Plan, arm: Arm, init: str, out: Path, jobs: int):
     return lambda point: score(plan, arm, point, init, out, jobs)
 

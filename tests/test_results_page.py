@@ -92,8 +92,11 @@ def test_the_suite2_section_renders_hand_written_json_exactly(tmp_path):
 
     prior = {"per_drift": [{"drift": "swap", "start_success": 0.03125, "start_by_seed": [0.0, 0.0625],
                             "admissible": False}]}
+    tried = [{"coordinate": "lr", "value": v, "score": 0.25} for v in (2e-4, 4e-4, 8e-4)] + [
+        {"coordinate": "group_size", "value": n, "score": 0.3125} for n in (2, 4)] + [
+        {"coordinate": "clip", "value": [0.2, c], "score": 0.3} for c in (0.1, 0.2, 0.3)]
     search = {"arm": "grpo", "chosen_setting": "lr0.0004-n4-kl0-clip0.2_0.2", "settings_run": 12, "budget": 12,
-              "at_grid_edge": {"lr": False, "group_size": True}, "tried": [{"score": 0.25}, {"score": 0.3125}]}
+              "chosen": {"lr": 4e-4, "group_size": 4, "clip": [0.2, 0.2]}, "tried": tried}
     (tmp_path / PILOT).mkdir(parents=True)
     for name, d in (("admissibility.json", prior), ("stragglers_admissibility.json", prior),
                     ("tuning-grpo.json", search)):
