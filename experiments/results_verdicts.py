@@ -6,16 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from experiments.results_format import RESULTS, Reader, section, table
+from experiments.suite_stats import p_cell
 
 POOLED = RESULTS / "suite_main/pooled_draws.json"
 
 
 def signed(x: float) -> str:
     return f"{x:+.3f}"
-
-
-def p_value(p: float, n_boot: int) -> str:
-    return f"< {1 / n_boot:.4f}" if p == 0 else f"{p:.4f}"
 
 
 def verdicts_section(root: Path) -> str:
@@ -27,7 +24,7 @@ def verdicts_section(root: Path) -> str:
     for arm, r in d["pooled"].items():
         draws = [signed(per_draw[n][arm]["hierarchical"]["mean"]) if arm in per_draw[n] else "—" for n in names]
         rows.append([arm, *draws, f"{signed(r['mean'])} [{signed(r['low'])}, {signed(r['high'])}]",
-                     p_value(r["holm_p"], d["n_boot"]), r["verdict"]])
+                     p_cell(r["holm_p"], d["n_boot"]), r["verdict"]])
     narrowed = {n: ", ".join(sorted(a for a, r in per_draw[n].items() if r["seeds_only"]["separates"]
                                     and r["verdict"] == "not separable at this power")) for n in names}
     what = (f"Every committed main-seed draw of suites 1.4-1.6 (`experiments/suites/draws.yaml`: versions, machine "
