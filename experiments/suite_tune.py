@@ -8,10 +8,11 @@ four coordinates, searched in this order from the arm's defaults:
              the suite's)
   kl         loss.kl_coef: 0 and the learner's default
   clip       the loss's own clip band (eps_low, eps_high) scaled by each factor; a lower bound of 1.0 (none) stays
-What is left of the budget then refines the lr around the chosen one (factors 2^(+-1/2), 2^(+-1/4), ...), so every
-arm runs exactly `budget` settings. Score of a setting: the mean post-drift reward over the pilot's drifts and seeds
-(its AUC at equal rollouts: every setting has the same rollouts). The best score wins; ties keep the current value.
-Runs are the suite's run files (`run_all`), so an interrupted search resumes where it stopped.
+What is left of the budget then refines the lr around the chosen one (factors 2^(+-1/2), 2^(+-1/4), 2^(+-3/4), ...,
+each not tried yet), so every arm runs exactly `budget` settings. Score of a setting: the mean post-drift reward over
+the pilot's drifts and seeds (its AUC at equal rollouts: every setting has the same rollouts). The best score wins;
+ties keep the current value. Runs are the suite's run files (`run_all`): an interrupted search resumes where
+it stopped.
 
     .venv/bin/python -m experiments.suite_tune --suite experiments/suites/drift_v2.yaml --arms sao,grpo --jobs 2
     .venv/bin/python -m experiments.suite_tune --suite experiments/suites/drift_v2.yaml --fill   # tuned.filled, seeds
@@ -112,7 +113,12 @@ def best(scores: dict, current: Any) -> Any:
     return current if current in tied else tied[0]
 
 
-REFINE = (2 ** -0.5, 2 ** 0.5, 2 ** -0.25, 2 ** 0.25, 2 ** -0.75, 2 ** 0.75)  # lr factors, nearest first
+def refine_factors(depth: int = 6):
+    """lr factors for the refinement, coarse first: 2^(-+1/2), then 2^(-+1/4), 2^(-+3/4), then eighths, ..."""
+    for k in range(1, depth + 1):
+        for j in range(1, 2 ** k, 2):
+            yield 2 ** (-j / 2 ** k)
+            yield 2 ** (j / 2 ** k)
 
 
 def tune_arm(arm: Arm, t: Tuning, score, log=print) -> dict[str, Any]:
@@ -139,10 +145,11 @@ def tune_arm(arm: Arm, t: Tuning, score, log=print) -> dict[str, Any]:
     for key, values in [*coords, ("kl", t.kl), ("clip", clip_values(arm, t))]:
         point[key] = best(run(key, values), point[key])
         at_edge[key] = key == "group_size" and point[key] in (values[0], values[-1])
-    for factor in REFINE:  # what is left of the budget refines the lr around the chosen one, at the chosen rest
+    for factor in refine_factors():  # the rest of the budget refines the lr around the chosen one
         if len(tried) >= t.budget:
             break
-        point["lr"] = best(run("lr", [point["lr"], point["lr"] * factor]), point["lr"])
+        if label({**point, "lr": point["lr"] * factor}) not in tried:  # a value already tried lost to this one
+            point["lr"] = best(run("lr", [point["lr"], point["lr"] * factor]), point["lr"])
     if len(tried) != t.budget:
         raise RuntimeError(f"{arm.name}: {len(tried)} settings run, the budget is {t.budget}")
     return {"arm": arm.name, "chosen": point, "chosen_setting": label(point), "settings_run": len(tried),
@@ -211,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     init = a.init or str(build_init(plan))
     for arm in arms(a.arms.split(",")):
+        if (done := out / f"tuning-{arm.name}.json").is_file() and json.loads(done.read_text()).get(
+                "suite_version") == plan.version:
+            print(f"[tune] {arm.name}: finished earlier ({done})")
+            continue
         result = {**tune_arm(arm, t, pilot_score(plan, arm, init, out, a.jobs)), "suite_version": plan.version,
                   "wall_s": round(time.monotonic() - t0, 1)}
         (out / f"tuning-{arm.name}.json").write_text(json.dumps(result, indent=1, default=json_default))

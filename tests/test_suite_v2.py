@@ -139,3 +139,9 @@ def test_filling_the_pilot_takes_each_chosen_point_and_the_seeds_its_paired_diff
     rule = out["seeds_rule"]
     assert rule["per_arm"]["grpo"]["sd"] == pytest.approx(0.05) and rule["delta"] == pytest.approx(0.05)
     assert rule["n"] == 9
+
+
+def test_the_refinement_skips_lrs_already_tried_and_still_fills_the_budget():
+    # best at 8e-4 x 2^(3/4): the refinement moves up to 8e-4 x 2^(1/2), where 2^(-1/2) lands on 8e-4 (tried)
+    out = tune_arm(arm("reinforce_pp"), TUNING, score_peaked_at(8e-4 * 2 ** 0.75), log=lambda *_: None)
+    assert out["settings_run"] == 12 and len({t["setting"] for t in out["tried"]}) == 12
