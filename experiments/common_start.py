@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.arms import Arm, arm
-from experiments.common import init_sha256
+from experiments.common import init_sha256, reusable_run
 from experiments.harness import Harness
 from experiments.harness.loop import save_start
 from streamer.wire.schema import DriftEvent, Task
@@ -43,19 +43,18 @@ def start_settings(reference: Arm, pre: int, key: str, seed: int, sim: dict, lea
             "learner_sets": list(learner_sets), "init": init, "init_sha256": init_sha256(init)}
 
 
-def ready_start(path: Path, settings: dict[str, Any]) -> bool:
-    """True when `path` holds a checkpoint trained with exactly these settings."""
-    meta = path / "start.json"
-    if not meta.is_file() or not (path / "policy.safetensors").is_file():
-        return False
-    return json.loads(meta.read_text()).get("settings") == json.loads(json.dumps(settings))
+def finished_start(path: Path, settings: dict[str, Any]) -> dict | None:
+    """`path`'s start.json when it holds a checkpoint trained with exactly these settings, else None."""
+    if not (path / "policy.safetensors").is_file():
+        return None
+    return reusable_run(path / "start.json", {"settings": json.loads(json.dumps(settings))})
 
 
 def train_common_start(path: Path, settings: dict[str, Any], sim, stream: list[Task | DriftEvent],
                        scenario_rate: float, log=print) -> dict[str, Any]:
     """The reference arm's run on the stream's pre-drift tasks, its models saved to `path` with what it did."""
-    if ready_start(path, settings):
-        return json.loads((path / "start.json").read_text())
+    if (done := finished_start(path, settings)) is not None:
+        return done
     tasks = pre_drift_tasks(stream)
     log(f"[common start] {settings['pre_key']} seed {settings['seed']}: {settings['arm']} on {len(tasks)} "
         "pre-drift tasks")
