@@ -16,14 +16,12 @@ import numpy as np
 import pandas as pd
 
 from learner.config import LearnerConfig
-from streamer.wire.config import load_config
 
 FORWARD_BACKWARD = 3.0
 
 
-def critic_share(learner_sets: list[str], init: str) -> float:
+def critic_share(cfg: LearnerConfig, init: str) -> float:
     """L_v / L_p of the run's critic (0 without one): value.layers of the policy's blocks, or all of them."""
-    cfg = load_config(LearnerConfig, None, list(learner_sets))
     if not cfg.uses_value_model:
         return 0.0
     blocks = json.loads((Path(init) / "config.json").read_text())["num_hidden_layers"]

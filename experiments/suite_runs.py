@@ -114,9 +114,9 @@ def write_run(plan: Plan, arm: Arm, drift: dict, seed: int, init: str, out_dir: 
     steps = res.steps[[k for k in STEP_KEYS if k in res.steps]] if len(res.steps) else res.steps
     post = post_drift(res.trajectories)
     at_start, post_steps = post_drift_learner_steps(post, res.steps, settings["sim"]["learner_step_s"])
-    updates = load_config(LearnerConfig, None, settings["learner_sets"]).optim.updates_per_batch
-    costs = step_costs(res.steps.sort_values("sim_time") if len(res.steps) else res.steps,
-                       critic_share(settings["learner_sets"], init), updates)
+    cfg = load_config(LearnerConfig, None, settings["learner_sets"])
+    costs = step_costs(res.steps.sort_values("sim_time") if len(res.steps) else res.steps, critic_share(cfg, init),
+                       cfg.optim.updates_per_batch)
     compute = prefix_compute(post["n_gen"].to_numpy(), at_start, costs[len(costs) - post_steps:])
     run = {"suite": plan.name, "arm": arm.name, "drift": drift["name"], "seed": seed, "init": init,
            "init_sha256": init_sha256(init),

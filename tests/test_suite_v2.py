@@ -17,6 +17,8 @@ from experiments.suite_analysis import sim_time_outcomes
 from experiments.suite_config import apply_tuned, grid_arms, load_plan
 from experiments.suite_runs import run_path
 from experiments.suite_tune import Tuning, fill, label, tune_arm, variant
+from learner.config import LearnerConfig
+from streamer.wire.config import load_config
 
 SUITES = Path(__file__).resolve().parent.parent / "experiments" / "suites"
 TUNING = Tuning(seeds=[1001], drifts=["d"], post=64, budget=12, lr=[1e-4, 2e-4, 4e-4, 8e-4], group_sizes=[2, 4, 8, 16],
@@ -111,9 +113,11 @@ def test_adaptation_in_simulated_time_by_hand():
 
 def test_compute_charges_generation_the_policys_steps_and_the_critics_share(tmp_path):
     (tmp_path / "config.json").write_text('{"num_hidden_layers": 4}')
+    def share(*sets):
+        return critic_share(load_config(LearnerConfig, None, list(sets)), str(tmp_path))
     sao = ["loss.name=sao", "advantage.estimator=gae", "value.layers=2"]
-    assert critic_share(sao, str(tmp_path)) == 0.5 and critic_share(sao[:2], str(tmp_path)) == 1.0
-    assert critic_share(["loss.name=ppo", "advantage.estimator=grpo"], str(tmp_path)) == 0.0
+    assert share(*sao) == 0.5 and share(*sao[:2]) == 1.0
+    assert share("loss.name=ppo", "advantage.estimator=grpo") == 0.0
     steps = pd.DataFrame({"n_tokens": [100, 200], "learner/value_warmup": [1.0, 0.0]})
     # a warm-up step trains the critic alone: 3 x 100 x 0.5 = 150; then 3 x 200 x (1 + 0.5) = 900; twice with 2 updates
     assert step_costs(steps, 0.5, 1).tolist() == [150.0, 900.0] and step_costs(steps, 0.5, 2).tolist() == [300.0,
