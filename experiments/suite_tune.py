@@ -3,11 +3,15 @@ one coordinate at a time, and its chosen point is inside its grid or says it is 
 
 A suite's `tuning:` section names the pilot's seeds, drifts and post-drift length, the budget of settings per arm and
 four coordinates, searched in this order from the arm's defaults:
-  lr         the lr grid; extended by a halving or a doubling while the best point is at an end and budget is left
+  lr         the lr grid
   structure  group size for an arm with groups; none otherwise (the critic comes with the common start, its depth
              the suite's)
-  kl         loss.kl_coef: 0 and the learner's default
+  kl         loss.kl_coef: 0 and the learner's default (the whole grid: never extended)
   clip       the loss's own clip band (eps_low, eps_high) scaled by each factor; a lower bound of 1.0 (none) stays
+While a coordinate's best value is at an end of its grid and budget is left beyond the new settings the coordinates
+still to come need, the grid is extended there (2.1's amendment; 2.0 extended the lr alone): the lr halved or doubled,
+the group size doubled (a group of 2 is the least a group baseline takes: that end is the domain's, not the grid's),
+the clip's scale halved below or one step of the grid above. `at_grid_edge` says where the budget ended at an end.
 What is left of the budget then refines the lr around the chosen one (factors 2^(+-1/2), 2^(+-1/4), 2^(+-3/4), ...,
 each not tried yet), so every arm runs exactly `budget` settings. Score of a setting: the mean post-drift reward over
 the pilot's drifts and seeds (its AUC at equal rollouts: every setting has the same rollouts). The best score wins;
@@ -70,10 +74,11 @@ def structure(arm: Arm, t: Tuning) -> tuple[str, list] | None:
     return ("group_size", list(t.group_sizes)) if arm.group_size > 1 else None
 
 
-def clip_values(arm: Arm, t: Tuning) -> list[tuple[float, float]]:
+def clip_band(arm: Arm, scale: float) -> tuple[float, float]:
+    """The loss's own clip band (eps_low, eps_high) times `scale`; a lower bound of 1.0 (none) stays."""
     p = loss_params(loss_name(arm))
     low, high = float(p.get("eps_low", 0.2)), float(p.get("eps_high", 0.2))
-    return [(low if low >= 1.0 else low * s, high * s) for s in t.clip_scales]
+    return (low if low >= 1.0 else low * scale, high * scale)
 
 
 def start_point(arm: Arm, t: Tuning) -> dict[str, Any]:
@@ -121,6 +126,15 @@ def refine_factors(depth: int = 6):
             yield 2 ** (j / 2 ** k)
 
 
+# One value beyond a grid's end (`low`: below it), or None where the coordinate cannot go further. A group of 2 is the
+# least a group baseline takes; the clip grid holds scales of the loss's own band.
+EXTEND = {
+    "lr": lambda grid, low: grid[0] / 2 if low else grid[-1] * 2,
+    "group_size": lambda grid, low: None if low else grid[-1] * 2,
+    "clip": lambda grid, low: grid[0] / 2 if low else grid[-1] + (grid[-1] - grid[-2]),
+}
+
+
 def tune_arm(arm: Arm, t: Tuning, score, log=print) -> dict[str, Any]:
     """The coordinate search of one arm, exactly `t.budget` settings (see the module's docstring); `score(point)` is
     a setting's pilot score (`pilot_score`)."""
@@ -133,18 +147,25 @@ def tune_arm(arm: Arm, t: Tuning, score, log=print) -> dict[str, Any]:
                 log(f"[tune] {arm.name} {name}: {tried[name]['score']:.4f} ({len(tried)}/{t.budget})")
         return {v: tried[label({**point, key: v})]["score"] for v in values}
 
-    grid, reserve = list(t.lr), 3 + (3 if structure(arm, t) else 0)  # kl and clip's new settings, structure's
-    point["lr"] = grid[len(grid) // 2]
-    scores = run("lr", grid)
-    while (b := best(scores, point["lr"])) in (grid[0], grid[-1]) and len(tried) < t.budget - reserve:
-        grid = [grid[0] / 2, *grid] if b == grid[0] else [*grid, grid[-1] * 2]
-        scores = run("lr", grid)
-    point["lr"] = best(scores, point["lr"])
-    at_edge["lr"] = point["lr"] in (grid[0], grid[-1])
-    coords = [structure(arm, t)] if structure(arm, t) else []
-    for key, values in [*coords, ("kl", t.kl), ("clip", clip_values(arm, t))]:
-        point[key] = best(run(key, values), point[key])
-        at_edge[key] = key == "group_size" and point[key] in (values[0], values[-1])
+    def search(key: str, grid: list, reserve: int, value=lambda g: g) -> None:
+        """Scores `grid`, extended at the best end while more than `reserve` settings are left; `value` maps a grid
+        entry to the point's value (the clip's scale to its band)."""
+        while True:
+            b = best(run(key, [value(g) for g in grid]), point[key])
+            ends = {value(grid[0]): True, value(grid[-1]): False}  # value -> is it the low end
+            beyond = EXTEND[key](grid, ends[b]) if b in ends and key in EXTEND else None
+            if beyond is None or len(tried) >= t.budget - reserve:
+                break
+            grid = [beyond, *grid] if ends[b] else [*grid, beyond]
+        point[key], at_edge[key] = b, beyond is not None
+
+    coords = [("lr", list(t.lr), lambda g: g)]
+    if structure(arm, t):
+        coords.append(structure(arm, t) + (lambda g: g,))
+    coords += [("kl", list(t.kl), lambda g: g), ("clip", list(t.clip_scales), lambda s: clip_band(arm, s))]
+    point["lr"] = t.lr[len(t.lr) // 2]
+    for i, (key, grid, value) in enumerate(coords):  # reserve: the new settings of the coordinates still to come
+        search(key, grid, sum(len(g) - 1 for _, g, _ in coords[i + 1:]), value)
     for factor in refine_factors():  # the rest of the budget refines the lr around the chosen one
         if len(tried) >= t.budget:
             break
@@ -157,13 +178,14 @@ def tune_arm(arm: Arm, t: Tuning, score, log=print) -> dict[str, Any]:
 
 
 def grid_edges(search: dict) -> list[str]:
-    """The coordinates (lr, group size, clip) whose chosen value is the smallest or largest the search tried: a best
-    point at the grid's edge (only the lr's grid is extended; the KL's two values are its whole grid)."""
+    """The coordinates (lr, group size, clip) whose chosen value is the smallest or largest the search tried (a group
+    of 2 is the domain's end, not an edge): the search's best point at the edge of its grid."""
     out = []
     for key in ("lr", "group_size", "clip"):
         tried = [t["value"][1] if key == "clip" else t["value"] for t in search["tried"] if t["coordinate"] == key]
         chosen = search["chosen"][key][1] if key == "clip" else search["chosen"][key]
-        if len(set(tried)) > 1 and chosen in (min(tried), max(tried)):
+        low = None if key == "group_size" and min(tried, default=0) == 2 else min(tried, default=None)
+        if len(set(tried)) > 1 and chosen in (low, max(tried)):
             out.append(key)
     return out
 

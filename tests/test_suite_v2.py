@@ -16,7 +16,7 @@ from experiments.compute import critic_share, prefix_compute, step_costs
 from experiments.suite_analysis import sim_time_outcomes
 from experiments.suite_config import apply_tuned, grid_arms, load_plan
 from experiments.suite_runs import run_path
-from experiments.suite_tune import Tuning, fill, label, tune_arm, variant
+from experiments.suite_tune import Tuning, fill, grid_edges, label, tune_arm, variant
 from learner.config import LearnerConfig
 from streamer.wire.config import load_config
 
@@ -27,7 +27,7 @@ TUNING = Tuning(seeds=[1001], drifts=["d"], post=64, budget=12, lr=[1e-4, 2e-4, 
 
 def test_the_suite_files_load_with_their_placeholders_unfilled():
     main = load_plan(SUITES / "drift_v2.yaml")
-    assert main.version == "2.0" and main.common_start == "sao" and len(main.drifts) == 9
+    assert main.version == "2.1" and main.common_start == "sao" and len(main.drifts) == 9
     assert {"string_rule_swap", "string_rule_rotr"} <= {d["name"] for d in main.drifts}
     assert set(main.provisional) == {"seeds.main", "tuned"} and main.seeds == [0, 1, 2]  # 1.6's seeds do not carry
     strag = load_plan(SUITES / "drift_v2_stragglers.yaml")
@@ -64,23 +64,26 @@ def test_the_stability_grid_names_each_cell_and_scales_its_lr():
     assert [lr[a.name] for a in chosen] == [4e-4, 8e-4, 4e-4, 8e-4]
 
 
-def score_peaked_at(lr_best: float, n_best: int = 4):
-    """A hand-made pilot score: best at lr_best, group size n_best, no KL, the clip scaled by 1.5."""
+def score_peaked_at(lr_best: float, n_best: int = 4, clip_best: float = 1.5):
+    """A hand-made pilot score: best at lr_best, group size n_best, no KL, the clip (0.2 by default) scaled by
+    clip_best."""
     def score(p: dict) -> float:
         return (-abs(math.log2(p["lr"] / lr_best)) - 0.1 * abs(math.log2(p["group_size"] / n_best))
-                - p["kl"] - abs(p["clip"][1] / 0.2 - 1.5))
+                - p["kl"] - abs(p["clip"][1] / 0.2 - clip_best))
     return score
 
 
 def test_tuning_runs_exactly_its_budget_and_finds_the_best_point_inside_the_grid():
     out = tune_arm(arm("grpo"), TUNING, score_peaked_at(4e-4), log=lambda *_: None)
     assert out["settings_run"] == 12 == len({t["setting"] for t in out["tried"]})
-    # lr 4 + group size 3 new + kl 1 new + clip 2 new = 10; the 2 left try 4e-4 x 2^-1/2 and x 2^1/2: both worse
+    # lr 4 + group size 3 new + kl 1 new + clip 2 new = 10; the clip's best (x1.5) is its grid's top: x2.0 is tried
+    # (11, worse); the 1 left tries 4e-4 x 2^-1/2: worse
     assert out["chosen"] == {"lr": 4e-4, "group_size": 4, "kl": 0.0, "clip": (0.30000000000000004,
                                                                                0.30000000000000004)}
     assert out["at_grid_edge"] == {"lr": False, "group_size": False, "kl": False, "clip": False}
-    assert [t["coordinate"] for t in out["tried"]] == ["lr"] * 4 + ["group_size"] * 3 + ["kl"] + ["clip"] * 2 + \
-        ["lr"] * 2
+    assert [t["coordinate"] for t in out["tried"]] == ["lr"] * 4 + ["group_size"] * 3 + ["kl"] + ["clip"] * 3 + \
+        ["lr"]
+    assert [t["value"][1] for t in out["tried"] if t["coordinate"] == "clip"] == pytest.approx([0.1, 0.3, 0.4])
 
 
 def test_tuning_extends_the_lr_grid_at_its_edge_and_says_so_when_the_budget_ends_there():
@@ -89,8 +92,26 @@ def test_tuning_extends_the_lr_grid_at_its_edge_and_says_so_when_the_budget_ends
     # the best point is always the top end: doublings are added while more than 3 settings (kl, clip) are left
     assert lrs == pytest.approx([1e-4, 2e-4, 4e-4, 8e-4, 1.6e-3, 3.2e-3, 6.4e-3, 1.28e-2, 2.56e-2])
     assert out["at_grid_edge"]["lr"] and out["settings_run"] == 12  # the budget ended at the edge, and says so
+    assert out["at_grid_edge"]["clip"]  # x1.5, the top, with no setting left to try x2.0
     assert "group_size" not in {t["coordinate"] for t in out["tried"]}
     assert label(out["chosen"]).startswith("lr0.0256-n1-kl0-")
+
+
+def test_tuning_extends_the_group_size_and_the_clip_at_their_edges_but_not_below_a_group_of_two():
+    # best n 32: 16 wins the grid, 32 is added (8 settings), wins, 64 is added (9, loses): 9 = 12 - 3 (kl, clip)
+    out = tune_arm(arm("grpo"), TUNING, score_peaked_at(4e-4, n_best=32), log=lambda *_: None)
+    sizes = [t["value"] for t in out["tried"] if t["coordinate"] == "group_size"]
+    assert sizes == [2, 4, 16, 32, 64] and out["chosen"]["group_size"] == 32  # 8 ran in the lr's row
+    assert not out["at_grid_edge"]["group_size"] and out["at_grid_edge"]["clip"] and out["settings_run"] == 12
+    # best n 1: a group of 2 is the least there is, so the grid is not extended below it, nor is that an edge
+    out = tune_arm(arm("rloo_n4"), TUNING, score_peaked_at(4e-4, n_best=1), log=lambda *_: None)
+    assert out["chosen"]["group_size"] == 2 and not out["at_grid_edge"]["group_size"]
+    assert grid_edges(out) == []
+    # best clip x0.25: x0.5 wins the grid, x0.25 is added below it (and wins), x0.125 is added (and loses)
+    out = tune_arm(arm("sao"), TUNING, score_peaked_at(4e-4, clip_best=0.25), log=lambda *_: None)
+    assert [t["value"][1] for t in out["tried"] if t["coordinate"] == "clip"] == pytest.approx(
+        [0.1, 0.3, 0.05, 0.025])
+    assert out["chosen"]["clip"] == pytest.approx((0.05, 0.05)) and not out["at_grid_edge"]["clip"]
 
 
 def test_an_arm_with_neither_groups_nor_a_critic_spends_the_same_budget_refining_its_lr():
