@@ -1,7 +1,11 @@
 """bench/real_model.py's bookkeeping by hand: the state estimate that decides what runs, the parameter count read from
-the safetensors headers, and the shape of its learner batch."""
+the safetensors headers, the shape of its learner batch; the README quotes its committed figures."""
 
 from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -37,3 +41,16 @@ def test_the_learner_batch_is_half_prompt_half_answer():
     assert [len(t.tokens) for t in trajs] == [len(t.loss_mask) for t in trajs]
     assert all(125 <= len(t.tokens) <= 128 and t.prompt_len == len(t.tokens) // 2 for t in trajs)
     assert all(sum(t.loss_mask) == len(t.tokens) - t.prompt_len for t in trajs)
+
+
+def test_the_readme_quotes_the_committed_figures():
+    """README's memory line: SmolLM2-135M's baseline update against all options on (docs/results/real_model.json)."""
+    root = Path(__file__).resolve().parents[1]
+    configs = json.loads((root / "docs/results/real_model.json").read_text())["models"]["smollm2-135m"]["configs"]
+    text = " ".join((root / "README.md").read_text().split())
+    m = re.search(r"took SmolLM2-135M's update from ([\d.]+) GiB, ([\d.]+) tokens/s to ([\d.]+) GiB, ([\d.]+) tokens/s",
+                  text)
+    assert m, "README no longer quotes bench/real_model.py's figures"
+    base, best = configs["baseline"], configs["lora+head+ckpt+micro+bf16"]
+    assert m.groups() == (f"{base['peak_rss_gib']:.1f}", f"{base['learner_tokens_per_s']:.0f}",
+                          f"{best['peak_rss_gib']:.1f}", f"{best['learner_tokens_per_s']:.0f}")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from learner.models.importer import CHECK_CHAT, ImportFailed, import_model, main
+from learner.models.importer import CHECK_CHAT, ImportFailed, import_model, main, report
 from learner.models.tokenizer import load_tokenizer
 from learner.models.toy import CHATML, IM_END, IM_START, PAD, build_toy_model, train_tokenizer
 
@@ -83,6 +83,9 @@ def test_an_end_token_broken_as_a_gguf_leaves_it_is_fixed_and_the_answer_ends(ta
     saved = json.loads((tmp_path / "out" / "generation_config.json").read_text())
     assert saved["eos_token_id"] == end_id
     assert r.answer == "5" + IM_END and r.answer_tokens == 2  # what it was taught, then the end
+    said = report(r).splitlines()  # what `sao import` prints: what it fixed and what it checked
+    assert f"  fixed: eos_token '{IM_START}' -> '{IM_END}'" in "\n".join(said)
+    assert said[-1] == f"  checked: a greedy chat answer ended after 2 of at most 64 tokens: '5{IM_END}'"
 
 
 def test_a_right_end_token_is_left_as_it_is(taught, tmp_path):

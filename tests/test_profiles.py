@@ -47,6 +47,11 @@ def test_the_toy_profile_is_the_learner_defaults_and_the_embedded_run_keeps_them
     cfg = load_run_config()
     assert asdict(cfg.learner.optim) == asdict(d.optim) and cfg.learner.loss.kl_coef == 0.1
     assert explain(cfg.learner, "")[0].startswith("profile toy: no --model: the embedded tiny policy; lr 0.0002,")
+    # `make up`'s learner otherwise as before issue 47: every memory option off, the learner's own versions kept
+    lc = cfg.learner
+    assert (lc.policy.lora.r, lc.value.kind, lc.precision, lc.gradient_checkpointing, lc.batch.micro_tokens) == (
+        0, "copy", "float32", False, 0)
+    assert lc.io.keep_versions == d.io.keep_versions
 
 
 def test_parameters_counted_from_safetensors_headers_equal_the_loaded_model(tmp_path):
@@ -104,3 +109,14 @@ def test_sao_up_prints_the_profile_and_writes_it_into_the_run_config(large, tmp_
     assert f"profile pretrained: --model {large} given (60.0M parameters); lr 1e-06" in out
     written = load_config(LearnerConfig, tmp_path / "p" / "config.yaml", section="learner")
     assert optim_of(written) == (PRETRAINED.optim_lr, PRETRAINED.optim_value_lr, 0.01, 1.0, 0.001, 5)
+
+
+def test_sao_up_prints_the_warning_and_applies_your_unusual_lr(large, tmp_path, capsys):
+    assert up.main(["--prepare", "--model", str(large), "--agents", "1", "--runs-dir", str(tmp_path), "--run", "w",
+                    "--set", "learner.optim.lr=3e-4"]) == 0
+    out = capsys.readouterr().out
+    assert f"profile pretrained: --model {large} given (60.0M parameters)" in out
+    assert "      optim.lr=0.0003: yours, kept (the profile's: 1e-06)" in out
+    assert "      warning: optim.lr=0.0003 is unusual for a model of 60.0M parameters (> 0.0001;" in out
+    written = load_config(LearnerConfig, tmp_path / "w" / "config.yaml", section="learner")
+    assert written.optim.lr == 3e-4 and written.optim.value_lr == PRETRAINED.optim_value_lr  # warned, not changed
