@@ -28,6 +28,9 @@ ProfileName = Literal["auto", "toy", "pretrained"]
 PRETRAINED_MIN_PARAMS = 10_000_000  # the embedded policy has 3.4M, `sao toy-model`'s ~0.1M, SmolLM2 135M
 LARGE_PARAMS = 50_000_000  # from this size up, a toy-sized learning rate is warned about
 MAX_LR_LARGE, MAX_VALUE_LR_LARGE = 1e-4, 1e-3
+# LoRA adapters train at about 10x a full-weight rate (PEFT's and TRL's LoRA examples use 1e-4 to 2e-4; verl's LoRA
+# recipe raises the actor's lr from 1e-6 to 3e-5): warned above this
+MAX_LR_LORA = 5e-4
 
 
 @dataclass(frozen=True)
@@ -111,12 +114,13 @@ def warnings_for(learner, params: int | None) -> list[str]:
     """Settings unusual for a model of `params` parameters (they are applied: the user may mean them)."""
     if params is None or params < LARGE_PARAMS:
         return []
-    out = []
-    for key, value, limit in (("optim.lr", learner.optim.lr, MAX_LR_LARGE),
+    out, lora = [], learner.policy.lora.r > 0
+    for key, value, limit in (("optim.lr", learner.optim.lr, MAX_LR_LORA if lora else MAX_LR_LARGE),
                               ("optim.value_lr", learner.optim.value_lr, MAX_VALUE_LR_LARGE)):
         if value > limit:
+            usual = "LoRA adapters at 1e-4 to 2e-4" if lora and key == "optim.lr" else "such models at 1e-6 to 1e-5"
             out.append(f"warning: {key}={value:g} is unusual for a model of {_size(params)} (> {limit:g}; verl and "
-                       f"TRL train such models at 1e-6 to 1e-5): a pretrained model's reward can fall instead of rise")
+                       f"TRL train {usual}): a pretrained model's reward can fall instead of rise")
     return out
 
 

@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from learner.config import LearnerConfig
 from learner.models.toy import build_toy_model
-from learner.profiles import PRETRAINED, TOY, count_parameters, explain
+from learner.profiles import PRETRAINED, TOY, count_parameters, explain, warnings_for
 from streamer.launch import up
 from streamer.launch.run_config import load_run_config
 from streamer.wire.config import load_config
@@ -91,6 +91,15 @@ def test_your_keys_win_over_the_profile_and_an_unusual_lr_is_warned_about(large,
     assert "      loss.kl_coef=0.05: yours, kept (the profile's: 0.001)" in lines
     warnings = [line for line in lines if "warning" in line]
     assert len(warnings) == 1 and "optim.lr=0.0003 is unusual for a model of 60.0M parameters (> 0.0001" in warnings[0]
+
+
+def test_lora_adapters_are_warned_about_above_their_own_usual_rate(large):
+    def warned(lr: float) -> list[str]:
+        sets = [f"learner.optim.lr={lr}", "learner.policy.lora.r=16"]
+        return warnings_for(load_run_config(None, sets, {"model": str(large)}).learner, 60_000_000)
+    assert warned(2e-4) == []  # LoRA's usual rate, which is above a full-weight model's limit (1e-4)
+    assert len(warned(1e-3)) == 1 and "optim.lr=0.001 is unusual" in warned(1e-3)[0] and "(> 0.0005;" in warned(1e-3)[0]
+    assert "LoRA adapters at 1e-4 to 2e-4" in warned(1e-3)[0]
 
 
 def test_the_profile_can_be_named(large):
