@@ -123,12 +123,13 @@ def torch_run(traj_file, tmp_path_factory) -> dict:
     events = []
     trainer = Trainer(cfg, build_models(cfg), FileSource(traj_file), DirectoryPublisher(root / "w"), [events.append])
     trainer.start()  # publishes v0
-    values = {}
+    values, states = {}, []
     for step in (1, 2, 3):
         assert trainer.step_once()
         save_model(trainer.models.value, str(root / f"value{step}.safetensors"))  # as checkpoints store it
         values[step] = load_file(str(root / f"value{step}.safetensors"))
-    return {"store": WeightStore(root / "w"), "value": values, "events": events}
+        states.append(exactly_once(trainer))
+    return {"store": WeightStore(root / "w"), "value": values, "events": events, "exactly_once": states}
 
 
 def _policy(store: WeightStore, version: int) -> dict[str, torch.Tensor]:
@@ -137,14 +138,26 @@ def _policy(store: WeightStore, version: int) -> dict[str, torch.Tensor]:
 
 
 def torch_reference(traj: Path, root: Path, overrides: list[str], steps: int) -> dict:
-    """The torch backend on `traj` for `steps` steps ({"store": its published versions, "events": its steps})."""
+    """The torch backend on `traj` for `steps` steps ({"store": its published versions, "events": its steps,
+    "exactly_once": its exactly-once state after each step})."""
     cfg = load_config(LearnerConfig, None, overrides + [f"checkpoint.dir={root / 'ck'}"])
-    events = []
+    events, states = [], []
     trainer = Trainer(cfg, build_models(cfg), FileSource(traj), DirectoryPublisher(root / "w"), [events.append])
     trainer.start()
     for _ in range(steps):
         assert trainer.step_once()
-    return {"store": WeightStore(root / "w"), "events": events}
+        states.append(exactly_once(trainer))
+    return {"store": WeightStore(root / "w"), "events": events, "exactly_once": states}
+
+
+def exactly_once(trainer: Trainer) -> dict:
+    """What a checkpoint of `trainer` would hold of its exactly-once state (persistence.py's state.json and
+    pending.jsonl): source positions, dedupe window and lineage, admission counts, the buffered trajectories' ids and
+    their offsets; as JSON reads it back."""
+    pending = trainer.batcher.pending()
+    return json.loads(json.dumps({
+        "positions": trainer.positions, "admission": trainer.admission.state(), "counters": dict(trainer.counters),
+        "offsets": trainer.quarantine.state(pending), "pending": [t.traj_id for t in pending]}))
 
 
 def _value(ck: Path) -> dict[str, torch.Tensor]:
