@@ -27,6 +27,10 @@ SEQ=${SEQ:-1024}
 PEAK=${PEAK_TFLOPS:+--peak-tflops $PEAK_TFLOPS}
 "$PY" -c "import torch; print('gpus:', [torch.cuda.get_device_name(i) for i in range($NGPU)], 'torch', torch.__version__)"
 if [ "${SKIP_MEGATRON:-0}" != 1 ]; then
+# Expected (not measured yet): the line's label ends in "(cuda)" (NCCL: the backend picks it whenever CUDA is
+# present) and MFU is a percentage, not "n/a" (H100/H200/A100 are in bench/megatron_step.py's peak table; others
+# need PEAK_TFLOPS). The model: 423.9M parameters (402.7M in experts), 5.30e8 FLOPs a token at SEQ 1024. As a
+# guide, this small model on the local spec (one GEMM per expert, no fusion) should land at a few % to ~20% MFU.
 "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NGPU" bench/megatron_step.py --worker \
   --ep "$EP" --size gpu --dtype bfloat16 --batch "$BATCH" --seq "$SEQ" --steps 10 --warmup 3 \
   $PEAK --out runs/bench/gpu_check.json
@@ -39,8 +43,25 @@ echo "saved runs/bench/gpu_check_learner.json"
 # the policy step at every layout of bench/megatron_step.py's LAYOUTS that fits the GPUs present (TP, PP, EP,
 # ZeRO-1; one GPU: the 1-rank row only): tokens/s, MFU, peak memory per rank (torch.cuda.max_memory_allocated),
 # beside the CPU figures of docs/results/megatron_step.json
+# Expected: every row that fits runs; weights and AdamW state per rank fall as in the CPU rows (EP 2 halves the
+# experts', ZeRO-1 halves the state at DP 2, TP 2 and PP 2 halve the dense or the layers').
 "$PY" bench/megatron_step.py --layouts --size gpu --dtype bfloat16 --batch "$BATCH" --seq "$SEQ" --steps 10 \
   --warmup 3 $PEAK --out docs/results/megatron_step_gpu.json
+# What the backend leaves to a GPU (bench/megatron_gpu_paths.py, tests/test_megatron_gpu_paths.py): the same model
+# through megatron-core's DDP and optimizer, with the local spec, then the TransformerEngine spec with grouped GEMM
+# (where transformer_engine imports; else the local spec again, named so in the line), then the TE spec with
+# megatron-core's DistributedOptimizer. Each prints step time, tok/s, MFU, peak and optimizer MiB per rank, and a
+# "megatron_gpu_paths: PASS" line: the step ran with a finite gradient norm, on NCCL, with the TE spec where it is
+# installed, and Adam's memory per rank within 10% + 64 MiB of its arithmetic (12 bytes a parameter, bf16 params
+# with fp32 main params and moments, over the ranks that share it with the DistributedOptimizer). Expected MiB per
+# rank at EP = GPUs: 4,851 on 1 GPU (all three runs: DP 1 shards nothing); 2,547 replicated / 2,425 distributed on
+# 2 GPUs; 819 / 606 on 8 (the experts are not replicated at EP = GPUs; the dense part shards over DP). Expected
+# speed: the TE spec's tok/s above the local spec's (grouped GEMM). A FAIL or a crash is reported and the rest runs.
+for GP in "--local-spec" "" "--dist-opt"; do
+  "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NGPU" bench/megatron_gpu_paths.py --ep "$EP" \
+    --size gpu --dtype bfloat16 --batch "$BATCH" --seq "$SEQ" --steps 10 --warmup 3 $PEAK $GP \
+    --out "runs/bench/gpu_paths${GP:+_${GP#--}}.json" || echo "gpu_check: bench/megatron_gpu_paths.py $GP failed" >&2
+done
 fi
 
 # vLLM engine (learner/engines/vllm.py). vLLM pins its own torch/transformers, so it usually lives in its own
