@@ -56,11 +56,13 @@ echo "saved runs/bench/gpu_check_learner.json"
 # with fp32 main params and moments, over the ranks that share it with the DistributedOptimizer). Expected MiB per
 # rank at EP = GPUs: 4,851 on 1 GPU (all three runs: DP 1 shards nothing); 2,547 replicated / 2,425 distributed on
 # 2 GPUs; 819 / 606 on 8 (the experts are not replicated at EP = GPUs; the dense part shards over DP). Expected
-# speed: the TE spec's tok/s above the local spec's (grouped GEMM). A FAIL or a crash is reported and the rest runs.
+# speed: the TE spec's tok/s above the local spec's (grouped GEMM). Into docs/results/megatron_gpu_paths*.json beside
+# megatron_step_gpu.json; a FAIL or a crash is reported and the rest runs.
 for GP in "--local-spec" "" "--dist-opt"; do
   "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NGPU" bench/megatron_gpu_paths.py --ep "$EP" \
     --size gpu --dtype bfloat16 --batch "$BATCH" --seq "$SEQ" --steps 10 --warmup 3 $PEAK $GP \
-    --out "runs/bench/gpu_paths${GP:+_${GP#--}}.json" || echo "gpu_check: bench/megatron_gpu_paths.py $GP failed" >&2
+    --out "docs/results/megatron_gpu_paths${GP:+_${GP#--}}.json" \
+    || echo "gpu_check: bench/megatron_gpu_paths.py $GP failed" >&2
 done
 fi
 
