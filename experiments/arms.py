@@ -139,13 +139,23 @@ def setting_of(a: Arm, key: str, default: str) -> str:
     return next((x.split("=", 1)[1] for x in reversed(a.learner) if x.startswith(f"{key}=")), default)
 
 
-def with_setting(a: Arm, point: dict, name: str | None = None, structure: bool = True) -> Arm:
-    """The arm at a tuned setting (experiments.suite_tune): its KL coefficient, clip band and, with `structure`, its
-    group size when it has groups; `point["lr"]` is the suite's to apply (`lr_of`)."""
+def with_setting(a: Arm, point: dict, name: str | None = None) -> Arm:
+    """The arm at a tuned setting (experiments.suite_tune): its KL coefficient, clip band and its group size when it
+    has groups; `point["lr"]` is the suite's to apply (`lr_of`)."""
     lo, hi = point["clip"]
     sets = [*a.learner, f"loss.kl_coef={point['kl']}", f"loss.eps_low={lo}", f"loss.eps_high={hi}"]
-    size = point["group_size"] if structure and a.group_size > 1 else a.group_size
-    return replace(a, name=name or a.name, learner=tuple(sets), group_size=size)
+    return replace(a, name=name or a.name, learner=tuple(sets),
+                   group_size=point["group_size"] if a.group_size > 1 else a.group_size)
+
+
+def laid_over(a: Arm, source: Arm, point: dict) -> Arm:
+    """`a` at `source`'s tuned point with its own difference from `source` laid over it: the learner settings `a`
+    has and `source` lacks come last (they win: sao_no_strict_clip keeps its open band, grpo_clip_higher its 0.28),
+    and its group size where it differs from `source`'s (a factorial cell's 4), else the tuned one."""
+    base = with_setting(source, point)
+    own = [s for s in a.learner if s not in source.learner]
+    size = a.group_size if a.group_size != source.group_size else base.group_size
+    return replace(a, learner=(*base.learner, *own), group_size=size)
 
 
 def arm(name: str) -> Arm:

@@ -1,5 +1,6 @@
-"""Suite 2.0's section of docs/results.md (issue 49): the drifts' priors its pilot measured and each tuned arm's search
-so far, from docs/results/suite_pilot/v2.0/."""
+"""Suite 2's section of docs/results.md (issue 49): the drifts' priors 2.0's pilot measured
+(docs/results/suite_pilot/v2.0/) and each tuned arm's search under 2.1's rule with the main seeds it asks
+(docs/results/suite_pilot/v2.1/)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from experiments.results_format import RESULTS, Reader, f3, section, table
 from experiments.suite_tune import grid_edges
 
 PILOT = RESULTS / "suite_pilot/v2.0"
+TUNING = RESULTS / "suite_pilot/v2.1"
 
 
 def prior_rows(d: dict) -> list[list]:
@@ -28,21 +30,27 @@ def tuning_rows(tuned: dict[str, dict]) -> list[list]:
 def suite2_section(root: Path) -> str:
     get = Reader(root)
     priors, strag = get(PILOT / "admissibility.json"), get(PILOT / "stragglers_admissibility.json")
-    tuned = get.glob(PILOT, "tuning-*.json")
-    what = ("Suite 2.0 (`experiments/suites/drift_v2*.yaml`, pre-registered before its pilot) restarts every arm from "
-            "one pre-drift checkpoint per drift, tunes every arm on the same budget of settings, and adds a "
+    tuned = get.glob(TUNING, "tuning-*.json")
+    what = ("Suite 2 (`experiments/suites/drift_v2*.yaml`, 2.0 pre-registered before its pilot) restarts every arm "
+            "from one pre-drift checkpoint per drift, tunes every arm on the same budget of settings, and adds a "
             "factorial, a straggler regime and a stability grid. Its main seeds have not run. First, the frozen warm "
             "start's success on the first 64 rollouts after each candidate drift (pilot seeds): 2.0 adds the two "
             "drifts with the highest prior below 0.05 (string swap and rotr) and keeps the straggler regime's tool "
             "drifts whose start lies in [0.05, 0.40]. Then the tuning search (`experiments/suite_tune.py`): each "
             "arm's chosen setting (lr, group size, KL coefficient, clip band) and its mean post-drift reward over "
-            "3 pilot seeds x 3 drifts, for the arms whose search has finished; 'at a grid edge': a coordinate whose "
-            "chosen value is the smallest or largest tried (only the lr's grid is extended at an edge).")
+            "3 pilot seeds x 3 drifts, under 2.1's rule (the lr, the group size and the clip extended at an edge while "
+            "the budget of 12 lasts; 2.0 extended the lr alone); 'at a grid edge': a coordinate whose chosen value "
+            "is the smallest or largest tried (a group of 2 is the least there is, not an edge).")
     parts = [table(["drift", "frozen prior", "by seed", "in [0.05, 0.40]"], prior_rows(priors)),
              table(["straggler drift", "frozen start", "by seed", "kept"], prior_rows(strag))]
     if tuned:
         parts.append(table(["arm", "chosen setting", "pilot score", "settings", "at a grid edge"],
                            tuning_rows(tuned)))
+        if (root / TUNING / "filled.json").is_file():
+            rule = get(TUNING / "filled.json")["seeds_rule"]
+            parts.append(f"Main seeds by 1.1's power rule on the chosen points' paired pilot differences: "
+                         f"**{rule['n']}** (largest SD: {rule['largest_sd_arm']}, "
+                         f"{rule['per_arm'][rule['largest_sd_arm']]['sd']:.3f}; delta {rule['delta']:.3f}).")
     else:
         parts.append("No arm has finished its tuning search yet.")
-    return section("15. Suite 2.0: its pilot so far", what, parts, get.read, [])
+    return section("15. Suite 2: its pilot", what, parts, get.read, [])

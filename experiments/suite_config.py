@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from experiments.arms import Arm, arm, arms, with_setting
+from experiments.arms import Arm, arm, arms, laid_over, with_setting
 from experiments.common import init_sha256
 from experiments.harness import SimConfig
 from learner.pretrain import PretrainConfig, pretrain
@@ -96,7 +96,7 @@ def load_plan(path: str | Path, quick: bool = False) -> Plan:
     pretrain_sets = [str(x) for x in ws.pop("pretrain", [])]
     tuned = resolve(raw["tuned"], "tuned", used) if "tuned" in raw else None
     chosen, lr = apply_tuned(arms(names), read_lr(resolve(raw["lr"], "lr", used)), tuned or {},
-                             raw.get("tuned", {}).get("from", {}))
+                             raw.get("tuned", {}).get("from", {}), raw.get("tuned", {}).get("own_group_size", []))
     reference = None
     if common := raw.get("common_start"):  # at its tuned setting and lr whichever arms the file runs
         (reference,), ref_lr = apply_tuned([arm(common)], lr, tuned or {}, {})
@@ -113,17 +113,20 @@ def load_plan(path: str | Path, quick: bool = False) -> Plan:
 
 
 def apply_tuned(chosen: list[Arm], lr: float | dict[str, float], tuned: dict[str, dict],
-                takes: dict[str, str]) -> tuple[list[Arm], float | dict[str, float]]:
-    """Each arm at its tuned setting (experiments.suite_tune), or at the one of the arm it `takes` (keeping its own
-    group size); their lrs laid over the suite's."""
+                takes: dict[str, str], own_size: list[str] = ()) -> tuple[list[Arm], float | dict[str, float]]:
+    """Each arm at its tuned setting (experiments.suite_tune), or at the one of the arm it `takes` with its own
+    difference laid over it (`laid_over`); the arms in `own_size` keep the group size they are defined with (the
+    factorial's rloo_n4 is RLOO with groups of 4, whatever n the main suite's search chose); their lrs laid over the
+    suite's."""
     if not tuned:
         return chosen, lr
     out, lrs = [], dict(lr) if isinstance(lr, dict) else {name: lr for name in ["sao", *(a.name for a in chosen)]}
     for a in chosen:
         source = takes.get(a.name, a.name)
         if source in tuned:
-            a, lrs[a.name] = with_setting(a, tuned[source], structure=source == a.name), float(tuned[source]["lr"])
-        out.append(a)
+            point, lrs[a.name] = tuned[source], float(tuned[source]["lr"])
+            a = with_setting(a, point) if source == a.name else laid_over(a, arm(source), point)
+        out.append(dataclasses.replace(a, group_size=arm(a.name).group_size) if a.name in own_size else a)
     return out, lrs
 
 

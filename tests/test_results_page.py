@@ -88,7 +88,7 @@ def test_the_verdicts_section_renders_hand_written_json_exactly(tmp_path):
 
 
 def test_the_suite2_section_renders_hand_written_json_exactly(tmp_path):
-    from experiments.results_suite2 import PILOT, suite2_section
+    from experiments.results_suite2 import PILOT, TUNING, suite2_section
 
     prior = {"per_drift": [{"drift": "swap", "start_success": 0.03125, "start_by_seed": [0.0, 0.0625],
                             "admissible": False}]}
@@ -97,11 +97,16 @@ def test_the_suite2_section_renders_hand_written_json_exactly(tmp_path):
         {"coordinate": "clip", "value": [0.2, c], "score": 0.3} for c in (0.1, 0.2, 0.3)]
     search = {"arm": "grpo", "chosen_setting": "lr0.0004-n4-kl0-clip0.2_0.2", "settings_run": 12, "budget": 12,
               "chosen": {"lr": 4e-4, "group_size": 4, "clip": [0.2, 0.2]}, "tried": tried}
+    filled = {"seeds_rule": {"n": 9, "largest_sd_arm": "grpo", "delta": 0.05, "per_arm": {"grpo": {"sd": 0.05}}}}
     (tmp_path / PILOT).mkdir(parents=True)
-    for name, d in (("admissibility.json", prior), ("stragglers_admissibility.json", prior),
-                    ("tuning-grpo.json", search)):
-        (tmp_path / PILOT / name).write_text(json.dumps(d))
+    (tmp_path / TUNING).mkdir(parents=True)
+    for folder, name, d in ((PILOT, "admissibility.json", prior), (PILOT, "stragglers_admissibility.json", prior),
+                            (TUNING, "tuning-grpo.json", search), (TUNING, "filled.json", filled)):
+        (tmp_path / folder / name).write_text(json.dumps(d))
     lines = suite2_section(tmp_path).splitlines()
-    assert lines[0] == "## 15. Suite 2.0: its pilot so far"
+    assert lines[0] == "## 15. Suite 2: its pilot"
     assert lines[6] == "| swap | 0.031 | 0.000, 0.062 | no |"
-    assert lines[-5] == "| grpo | lr0.0004-n4-kl0-clip0.2_0.2 | 0.312 | 12 of 12 | group_size |"
+    # group sizes 2 and 4 tried, 4 chosen: the top of what was tried (2, the least a group takes, is no edge)
+    assert lines[-7] == "| grpo | lr0.0004-n4-kl0-clip0.2_0.2 | 0.312 | 12 of 12 | group_size |"
+    assert lines[-5] == ("Main seeds by 1.1's power rule on the chosen points' paired pilot differences: **9** "
+                         "(largest SD: grpo, 0.050; delta 0.050).")

@@ -25,11 +25,14 @@ TUNING = Tuning(seeds=[1001], drifts=["d"], post=64, budget=12, lr=[1e-4, 2e-4, 
                 kl=[0.0, 0.1], clip_scales=[0.5, 1.0, 1.5])
 
 
-def test_the_suite_files_load_with_their_placeholders_unfilled():
+def test_the_suite_files_load_with_their_tuned_points_and_seeds_filled():
     main = load_plan(SUITES / "drift_v2.yaml")
     assert main.version == "2.1" and main.common_start == "sao" and len(main.drifts) == 9
     assert {"string_rule_swap", "string_rule_rotr"} <= {d["name"] for d in main.drifts}
-    assert set(main.provisional) == {"seeds.main", "tuned"} and main.seeds == [0, 1, 2]  # 1.6's seeds do not carry
+    assert main.provisional == [] and main.seeds == list(range(20))  # docs/results/suite_pilot/v2.1/filled.json
+    filled = json.loads((SUITES.parent.parent / "docs/results/suite_pilot/v2.1/filled.json").read_text())
+    assert main.lr == {**main.lr, **{a: p["lr"] for a, p in filled["tuned"].items()}}
+    assert main.reference.learner[-2:] == ("loss.eps_low=0.4", "loss.eps_high=0.4")  # SAO's chosen clip
     strag = load_plan(SUITES / "drift_v2_stragglers.yaml")
     assert strag.harness["learner_step_s"] == 2.0 and strag.harness["latency"]["kind"] == "pareto"
     assert [(d["name"], d["options"]["tool"]["max_turns"]) for d in strag.drifts] == [("tool_args", 3)]
@@ -43,16 +46,35 @@ def test_the_suite_files_load_with_their_placeholders_unfilled():
 POINT = {"lr": 2e-4, "group_size": 16, "kl": 0.0, "clip": [0.1, 0.15]}
 
 
-def test_a_tuned_point_sets_an_arm_and_those_that_take_it_keep_their_group_size():
-    names = ["sao", "eta0", "grpo", "f_group4_base_strict_eta4"]
+def effective(a) -> dict[str, str]:
+    """An arm's learner settings as the learner reads them: the last value of each key wins."""
+    return dict(s.split("=", 1) for s in a.learner)
+
+
+def test_a_tuned_point_sets_an_arm_and_those_that_take_it_keep_their_own_difference():
+    names = ["sao", "eta0", "grpo", "f_group4_base_strict_eta4", "sao_no_strict_clip", "grpo_clip_higher"]
     tuned = {"sao": {**POINT, "group_size": 1}, "grpo": {**POINT, "lr": 1e-4}}
-    chosen, lr = apply_tuned([arm(n) for n in names], 4e-4, tuned, {"eta0": "sao", "f_group4_base_strict_eta4": "grpo"})
-    sao, eta0, grpo, cell = chosen
+    takes = {"eta0": "sao", "f_group4_base_strict_eta4": "grpo", "sao_no_strict_clip": "sao",
+             "grpo_clip_higher": "grpo"}
+    chosen, lr = apply_tuned([arm(n) for n in names], 4e-4, tuned, takes)
+    sao, eta0, grpo, cell, open_clip, higher = chosen
     assert sao.learner[-3:] == ("loss.kl_coef=0.0", "loss.eps_low=0.1", "loss.eps_high=0.15")
     assert eta0.learner == sao.learner and eta0.sim == {"eta": 0}
     assert grpo.group_size == 16 and grpo.learner[-1] == "loss.eps_high=0.15"
-    assert cell.group_size == 4 and cell.learner[0] == "loss.name=sao"  # grpo's point, its own n and loss
-    assert lr == {"sao": 2e-4, "eta0": 2e-4, "grpo": 1e-4, "f_group4_base_strict_eta4": 1e-4}
+    # a factorial cell: grpo's point, its own n (4) and loss (sao's strict clip)
+    assert cell.group_size == 4 and effective(cell)["loss.name"] == "sao" and effective(cell)["loss.eps_low"] == "0.1"
+    # the ablations keep what they ablate: SAO's point with the clip open; GRPO's point (n 16) with eps_high 0.28
+    assert (effective(open_clip)["loss.eps_low"], effective(open_clip)["loss.eps_high"]) == ("1.0", "10.0")
+    assert effective(open_clip)["loss.kl_coef"] == "0.0" and open_clip.group_size == 1
+    assert effective(higher)["loss.eps_high"] == "0.28" and effective(higher)["loss.eps_low"] == "0.1"
+    assert higher.group_size == 16
+    assert lr == {"sao": 2e-4, "eta0": 2e-4, "grpo": 1e-4, "f_group4_base_strict_eta4": 1e-4,
+                  "sao_no_strict_clip": 2e-4, "grpo_clip_higher": 1e-4}
+
+
+def test_the_factorial_keeps_rloo_n4_at_groups_of_four():
+    plan = load_plan(SUITES / "drift_v2_factorial.yaml")
+    assert {a.name: a.group_size for a in plan.arms if a.name.startswith("rloo")} == {"rloo_n2": 2, "rloo_n4": 4}
 
 
 def test_the_stability_grid_names_each_cell_and_scales_its_lr():
