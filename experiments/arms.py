@@ -5,7 +5,7 @@ Interpretations written down here, since the issue names them in words:
 - "without critic warm-up": no critic-only steps at the start (value.warmup_steps=0) nor after a value-loss spike
   (value.rewarm_steps=0): both are the warm-up mechanism.
 - "with coupled lambda": lam_actor = lam_critic = 0.95 (the usual PPO setting; the critic then learns biased GAE
-  targets instead of Monte-Carlo returns), as experiments/drift_algorithms.py's ablation.
+  targets instead of Monte-Carlo returns), as the earlier drift_algorithms experiment's ablation.
 - "without the strict clip binding": the SAO loss with a band so wide it never binds (eps_low 1.0: r >= 0 always;
   eps_high 10: r <= 11), i.e. the importance-weighted policy gradient without a trust region.
 - "frozen (lr 0)": LearnerConfig refuses optim.lr=0 (it must be > 0), so the frozen control runs no learner step at

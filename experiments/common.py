@@ -1,4 +1,4 @@
-"""Shared pieces of the headline experiments (drift_algorithms, async_vs_sync, stability, lr_probe) and the suite.
+"""Shared pieces of the headline experiments (stability, lr_probe) and the suite.
 
 Every run is the real pipeline: `streamer.launch.up.run(RunConfig)` (embedded broker, cached warm
 start, metrics app, learner, agents, simulator as child processes, artifacts under <out>/runs/<run>/).
