@@ -23,7 +23,6 @@ from typing import Any, Callable
 import numpy as np
 import pandas as pd
 
-from bench.common import pyplot, save_figure
 from experiments import stats
 from learner.trainer.checkpoint import file_sha256
 from streamer.runs import adaptation as ad
@@ -175,13 +174,6 @@ def read_run(run_dir: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, list[dict
     return traj, read_learner(run_dir), [msgspec.to_builtins(e) for e in read_drift(run_dir)]
 
 
-def token_prefix(traj: pd.DataFrame, budget: int) -> pd.DataFrame:
-    """The trajectories, in finish order, whose cumulative generated tokens stay within `budget`."""
-    if not len(traj) or budget <= 0:
-        return traj
-    return traj[traj["n_gen_tokens"].cumsum() <= budget]
-
-
 # ------------------------------------------------------------------ curves
 
 def curve(traj: pd.DataFrame, grid: np.ndarray, window: int) -> np.ndarray:
@@ -240,26 +232,6 @@ def reusable_run(path: Path, want: dict[str, Any], fill: Callable[[dict], dict] 
 def fmt(v: Any, spec: str = "{:.3g}") -> str:
     """A Markdown table cell: `v` formatted with `spec`, '-' when it is missing."""
     return "-" if v is None else spec.format(v)
-
-
-def plot_bands(series: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]], path: Path,
-               title: str, xlabel: str, ylabel: str, events: list[tuple[float, str]] = ()) -> Path:
-    """One line per name: (x, mean, lo, hi) with the band shaded; vertical lines at `events`."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(10, 5.5))
-    for name, (x, m, lo, hi) in series.items():
-        line, = ax.plot(x, m, label=name, lw=1.4)
-        ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.15, lw=0)
-    xmax = max((float(np.nanmax(x)) for x, *_ in series.values() if len(x)), default=0.0)
-    for x, label in events:
-        if x > xmax:  # past the budget: no run got there
-            continue
-        ax.axvline(x, color="grey", ls="--", lw=0.8)
-        ax.text(x, 1.0, f" {label}", rotation=90, va="top", ha="left", fontsize=7, color="dimgrey",
-                transform=ax.get_xaxis_transform())
-    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
-    ax.legend(fontsize=8, ncol=2, loc="lower right")
-    return save_figure(fig, path)
 
 
 def band(curves: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
