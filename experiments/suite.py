@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=1, help="runs at once, in separate processes; each gets "
                    "max(1, harness.threads // jobs) threads (the results of a run do not depend on its process)")
     p.add_argument("--out", default="runs/bench/suite")
+    p.add_argument("--reuse", nargs="+", default=[], metavar="DIR", help="--out directories of other invocations "
+                   "whose runs with the same settings stand for this one's (e.g. the main file's for the factorial)")
     a = p.parse_args(argv)
     plan = load_plan(a.suite, a.quick)
     out, t0 = Path(a.out), time.monotonic()
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                                    provisional=plan.provisional + [f"--set {x}" for x in a.learner_sets])
     # seed by seed: an interrupted suite leaves whole seeds (every drift and arm, the pairing unit) in <out>/runs
     todo = [(arm, drift, seed) for seed in plan.seeds for drift in plan.drifts for arm in plan.arms]
-    runs = run_all(plan, todo, a.init, out, a.jobs)
+    runs = run_all(plan, todo, a.init, out, a.jobs, [Path(d) for d in a.reuse])
     combined = {**combine(plan, runs), "wall_s": round(time.monotonic() - t0, 1), "init": a.init,
                 "suite_file": str(a.suite), "pilot": a.pilot, "lr": plan.lr, "git_commit": git_commit(),
                 "warm_start_note": note, "machine": {**machine(), **kernels()}}  # what the walls were measured on

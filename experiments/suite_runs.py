@@ -170,22 +170,51 @@ def learner_sets(plan: Plan, arm: Arm) -> list[str]:
 
 def finished_run(plan: Plan, arm: Arm, drift: dict, seed: int, init: str, out_dir: Path) -> dict | None:
     """The run's file in `out_dir` when it was written with these very settings, else None."""
-    # a SimConfig field added after the file was written had its default then
+    return reusable_run(run_path(out_dir, arm, drift, seed), *_wanted(plan, arm, drift, seed, init))
+
+
+def _wanted(plan: Plan, arm: Arm, drift: dict, seed: int, init: str):
+    """What a run file must hold to be this run, and how an older file is completed first: a SimConfig field added
+    after the file was written had its default then."""
     defaults = json.loads(json.dumps(dataclasses.asdict(SimConfig()), default=json_default))
     want = {"init": init, "init_sha256": init_sha256(init), **run_settings(plan, arm, drift, seed)}
-    return reusable_run(run_path(out_dir, arm, drift, seed), want,
-                        lambda run: {**run, "sim": {**defaults, **run.get("sim", {})}})
+    return want, lambda run: {**run, "sim": {**defaults, **run.get("sim", {})}}
 
 
-def run_all(plan: Plan, todo: list[tuple[Arm, dict, int]], init: str, out_dir: Path, jobs: int = 1) -> list[dict]:
+def borrowed_run(plan: Plan, arm: Arm, drift: dict, seed: int, init: str, out_dir: Path,
+                 reuse: list[Path]) -> dict | None:
+    """A run another arm of another invocation made with these very settings (`reuse`: its --out directories; the
+    factorial's f_single_value_strict_eta4 is the main file's sao), written as this arm's run file; else None. The
+    settings are all a run depends on, so it is the run this invocation would make."""
+    want, fill = _wanted(plan, arm, drift, seed, init)
+    for folder in reuse:
+        for path in sorted((Path(folder) / "runs").glob(f"{drift['name']}-*-s{seed}.json")):
+            if (run := reusable_run(path, want, fill)) is not None:
+                run = {**run, "arm": arm.name, "borrowed_from": str(path)}
+                out = run_path(out_dir, arm, drift, seed)
+                out.parent.mkdir(parents=True, exist_ok=True)
+                out.write_text(json.dumps(run, default=json_default))
+                return run
+    return None
+
+
+def run_all(plan: Plan, todo: list[tuple[Arm, dict, int]], init: str, out_dir: Path, jobs: int = 1,
+            reuse: list[Path] = ()) -> list[dict]:
     """A run for every (arm, drift, seed), returned in order, `jobs` at a time in worker processes (spawned: no torch
     state is shared), the harness threads split between them; with `plan.shared_pre`, an arm's runs on drifts from
-    one concept (`pre_key`) are one job (`run_branches`)."""
+    one concept (`pre_key`) are one job (`run_branches`). A run with the same settings in `out_dir` or, under
+    another arm's name, in a `reuse` directory is taken, not rerun."""
     plan = split_threads(plan, jobs)  # threads is a setting of the run (its file records it): split first
     done = {i: run for i, (arm, drift, seed) in enumerate(todo)
             if (run := finished_run(plan, arm, drift, seed, init, out_dir)) is not None}
     if done:
         print(f"[suite] {len(done)} of {len(todo)} runs already in {out_dir / 'runs'} with these settings: reused")
+    borrowed = {i: run for i, (arm, drift, seed) in enumerate(todo) if i not in done and reuse
+                and (run := borrowed_run(plan, arm, drift, seed, init, out_dir, reuse)) is not None}
+    if borrowed:
+        print(f"[suite] {len(borrowed)} of {len(todo)} runs made with these settings by other arms in {list(reuse)}: "
+              "taken")
+        done.update(borrowed)
     if plan.common_start:
         starts = {(pre_key(drift), seed): (plan, drift, seed, init, out_dir)
                   for i, (_, drift, seed) in enumerate(todo) if i not in done}

@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 
 from experiments.arms import arm
+from experiments.common import init_sha256
 from experiments.compute import critic_share, prefix_compute, step_costs
 from experiments.suite_analysis import sim_time_outcomes
 from experiments.suite_config import apply_tuned, grid_arms, load_plan
@@ -192,3 +193,29 @@ def test_the_refinement_skips_lrs_already_tried_and_still_fills_the_budget():
     # best at 8e-4 x 2^(3/4): the refinement moves up to 8e-4 x 2^(1/2), where 2^(-1/2) lands on 8e-4 (tried)
     out = tune_arm(arm("reinforce_pp"), TUNING, score_peaked_at(8e-4 * 2 ** 0.75), log=lambda *_: None)
     assert out["settings_run"] == 12 and len({t["setting"] for t in out["tried"]}) == 12
+
+
+def test_a_run_another_arm_made_with_the_same_settings_is_borrowed_renamed_and_no_other(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from experiments.suite_runs import borrowed_run, run_settings
+
+    init = tmp_path / "init"
+    init.mkdir()
+    save_file({"w": torch.zeros(2)}, str(init / "model.safetensors"))
+    main, factorial = load_plan(SUITES / "drift_v2.yaml"), load_plan(SUITES / "drift_v2_factorial.yaml")
+    drift = main.drifts[0]
+    sao = next(a for a in main.arms if a.name == "sao")
+    made = {"arm": "sao", "init": str(init), "init_sha256": init_sha256(str(init)),
+            **json.loads(json.dumps(run_settings(main, sao, drift, 0), default=str)), "post_drift": {"reward": [1]}}
+    path = run_path(tmp_path / "main", sao, drift, 0)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(made))
+    twin, other = (next(a for a in factorial.arms if a.name == n)
+                   for n in ("f_single_value_strict_eta4", "f_group4_value_strict_eta4"))
+    got = borrowed_run(factorial, twin, drift, 0, str(init), tmp_path / "fact", [tmp_path / "main"])
+    assert got["arm"] == "f_single_value_strict_eta4" and got["post_drift"] == {"reward": [1]}
+    assert json.loads(run_path(tmp_path / "fact", twin, drift, 0).read_text()) == got  # written as its own file
+    assert borrowed_run(factorial, other, drift, 0, str(init), tmp_path / "fact", [tmp_path / "main"]) is None
+    assert borrowed_run(factorial, twin, drift, 1, str(init), tmp_path / "fact", [tmp_path / "main"]) is None
