@@ -11,6 +11,7 @@ from experiments.suite_tune import grid_edges
 
 PILOT = RESULTS / "suite_pilot/v2.0"
 TUNING = RESULTS / "suite_pilot/v2.1"
+MAIN = RESULTS / "suite_main/v2.1"
 
 
 def prior_rows(d: dict) -> list[list]:
@@ -25,6 +26,14 @@ def tuning_rows(tuned: dict[str, dict]) -> list[list]:
         edges = ", ".join(grid_edges(t)) or "none"
         rows.append([t["arm"], t["chosen_setting"], f3(best), f"{t['settings_run']} of {t['budget']}", edges])
     return rows
+
+
+def main_progress(root: Path) -> str:
+    """Which main seeds have run (one part's JSON a seed, pooled when all have): their names, not their outcomes,
+    which are read once, pooled."""
+    done = sorted(int(p.stem.split("-")[1]) for p in (root / MAIN).glob("seed-*.json"))
+    return (f"Main seeds run so far ({MAIN}/seed-<n>.json, pooled and analysed once all have run): "
+            f"{', '.join(map(str, done)) or 'none'} ({len(done)}).")
 
 
 def suite2_section(root: Path) -> str:
@@ -53,4 +62,5 @@ def suite2_section(root: Path) -> str:
                          f"{rule['per_arm'][rule['largest_sd_arm']]['sd']:.3f}; delta {rule['delta']:.3f}).")
     else:
         parts.append("No arm has finished its tuning search yet.")
+    parts.append(main_progress(root))
     return section("15. Suite 2: its pilot", what, parts, get.read, [])

@@ -107,6 +107,8 @@ def test_the_suite2_section_renders_hand_written_json_exactly(tmp_path):
     assert lines[0] == "## 15. Suite 2: its pilot"
     assert lines[6] == "| swap | 0.031 | 0.000, 0.062 | no |"
     # group sizes 2 and 4 tried, 4 chosen: the top of what was tried (2, the least a group takes, is no edge)
-    assert lines[-7] == "| grpo | lr0.0004-n4-kl0-clip0.2_0.2 | 0.312 | 12 of 12 | group_size |"
-    assert lines[-5] == ("Main seeds by 1.1's power rule on the chosen points' paired pilot differences: **9** "
+    assert lines[-9] == "| grpo | lr0.0004-n4-kl0-clip0.2_0.2 | 0.312 | 12 of 12 | group_size |"
+    assert lines[-7] == ("Main seeds by 1.1's power rule on the chosen points' paired pilot differences: **9** "
                          "(largest SD: grpo, 0.050; delta 0.050).")
+    assert lines[-5] == ("Main seeds run so far (docs/results/suite_main/v2.1/seed-<n>.json, pooled and analysed once "
+                         "all have run): none (0).")
