@@ -212,8 +212,8 @@ def run_all(plan: Plan, todo: list[tuple[Arm, dict, int]], init: str, out_dir: P
     borrowed = {i: run for i, (arm, drift, seed) in enumerate(todo) if i not in done and reuse
                 and (run := borrowed_run(plan, arm, drift, seed, init, out_dir, reuse)) is not None}
     if borrowed:
-        print(f"[suite] {len(borrowed)} of {len(todo)} runs made with these settings by other arms in {list(reuse)}: "
-              "taken")
+        where = ", ".join(map(str, reuse))
+        print(f"[suite] {len(borrowed)} of {len(todo)} runs made with these settings by other arms in {where}: taken")
         done.update(borrowed)
     if plan.common_start:
         starts = {(pre_key(drift), seed): (plan, drift, seed, init, out_dir)
