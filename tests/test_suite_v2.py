@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from experiments.arms import arm
+from experiments.arms import arm, setting_of
 from experiments.common import init_sha256
 from experiments.compute import critic_share, prefix_compute, step_costs
 from experiments.suite_analysis import sim_time_outcomes
@@ -47,11 +47,6 @@ def test_the_suite_files_load_with_their_tuned_points_and_seeds_filled():
 POINT = {"lr": 2e-4, "group_size": 16, "kl": 0.0, "clip": [0.1, 0.15]}
 
 
-def effective(a) -> dict[str, str]:
-    """An arm's learner settings as the learner reads them: the last value of each key wins."""
-    return dict(s.split("=", 1) for s in a.learner)
-
-
 def test_a_tuned_point_sets_an_arm_and_those_that_take_it_keep_their_own_difference():
     names = ["sao", "eta0", "grpo", "f_group4_base_strict_eta4", "sao_no_strict_clip", "grpo_clip_higher"]
     tuned = {"sao": {**POINT, "group_size": 1}, "grpo": {**POINT, "lr": 1e-4}}
@@ -63,11 +58,13 @@ def test_a_tuned_point_sets_an_arm_and_those_that_take_it_keep_their_own_differe
     assert eta0.learner == sao.learner and eta0.sim == {"eta": 0}
     assert grpo.group_size == 16 and grpo.learner[-1] == "loss.eps_high=0.15"
     # a factorial cell: grpo's point, its own n (4) and loss (sao's strict clip)
-    assert cell.group_size == 4 and effective(cell)["loss.name"] == "sao" and effective(cell)["loss.eps_low"] == "0.1"
+    assert cell.group_size == 4 and setting_of(cell, "loss.name", None) == "sao"
+    assert setting_of(cell, "loss.eps_low", None) == "0.1"
     # the ablations keep what they ablate: SAO's point with the clip open; GRPO's point (n 16) with eps_high 0.28
-    assert (effective(open_clip)["loss.eps_low"], effective(open_clip)["loss.eps_high"]) == ("1.0", "10.0")
-    assert effective(open_clip)["loss.kl_coef"] == "0.0" and open_clip.group_size == 1
-    assert effective(higher)["loss.eps_high"] == "0.28" and effective(higher)["loss.eps_low"] == "0.1"
+    assert setting_of(open_clip, "loss.eps_low", None) == "1.0"
+    assert setting_of(open_clip, "loss.eps_high", None) == "10.0"
+    assert setting_of(open_clip, "loss.kl_coef", None) == "0.0" and open_clip.group_size == 1
+    assert setting_of(higher, "loss.eps_high", None) == "0.28" and setting_of(higher, "loss.eps_low", None) == "0.1"
     assert higher.group_size == 16
     assert lr == {"sao": 2e-4, "eta0": 2e-4, "grpo": 1e-4, "f_group4_base_strict_eta4": 1e-4,
                   "sao_no_strict_clip": 2e-4, "grpo_clip_higher": 1e-4}
