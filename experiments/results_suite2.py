@@ -42,8 +42,8 @@ def suite2_section(root: Path) -> str:
     tuned = get.glob(TUNING, "tuning-*.json")
     what = ("Suite 2 (`experiments/suites/drift_v2*.yaml`, 2.0 pre-registered before its pilot) restarts every arm "
             "from one pre-drift checkpoint per drift, tunes every arm on the same budget of settings, and adds a "
-            "factorial, a straggler regime and a stability grid. Its main seeds have not run. First, the frozen warm "
-            "start's success on the first 64 rollouts after each candidate drift (pilot seeds): 2.0 adds the two "
+            "factorial, a straggler regime and a stability grid. First, the frozen warm start's success on the first "
+            "64 rollouts after each candidate drift (pilot seeds): 2.0 adds the two "
             "drifts with the highest prior below 0.05 (string swap and rotr) and keeps the straggler regime's tool "
             "drifts whose start lies in [0.05, 0.40]. Then the tuning search (`experiments/suite_tune.py`): each "
             "arm's chosen setting (lr, group size, KL coefficient, clip band) and its mean post-drift reward over "
