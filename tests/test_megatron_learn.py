@@ -118,18 +118,13 @@ def megatron_run(traj_file, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def torch_run(traj_file, tmp_path_factory) -> dict:
     """The torch backend on the same file, 3 steps: published policies and the critic per step."""
-    root = tmp_path_factory.mktemp("torch")
-    cfg = load_config(LearnerConfig, None, TRAIN + [f"checkpoint.dir={root / 'ck'}"])
-    events = []
-    trainer = Trainer(cfg, build_models(cfg), FileSource(traj_file), DirectoryPublisher(root / "w"), [events.append])
-    trainer.start()  # publishes v0
-    values, states = {}, []
-    for step in (1, 2, 3):
-        assert trainer.step_once()
+    root, values = tmp_path_factory.mktemp("torch"), {}
+
+    def keep_value(trainer: Trainer, step: int) -> None:
         save_model(trainer.models.value, str(root / f"value{step}.safetensors"))  # as checkpoints store it
         values[step] = load_file(str(root / f"value{step}.safetensors"))
-        states.append(exactly_once(trainer))
-    return {"store": WeightStore(root / "w"), "value": values, "events": events, "exactly_once": states}
+
+    return {**torch_reference(traj_file, root, TRAIN, 3, keep_value), "value": values}
 
 
 def _policy(store: WeightStore, version: int) -> dict[str, torch.Tensor]:
@@ -137,16 +132,18 @@ def _policy(store: WeightStore, version: int) -> dict[str, torch.Tensor]:
     return store.load(pv)  # raises CheckpointError unless the bytes match the announced sha256
 
 
-def torch_reference(traj: Path, root: Path, overrides: list[str], steps: int) -> dict:
+def torch_reference(traj: Path, root: Path, overrides: list[str], steps: int, each_step=lambda trainer, step: None
+                    ) -> dict:
     """The torch backend on `traj` for `steps` steps ({"store": its published versions, "events": its steps,
-    "exactly_once": its exactly-once state after each step})."""
+    "exactly_once": its exactly-once state after each step}); `each_step(trainer, step)` after each."""
     cfg = load_config(LearnerConfig, None, overrides + [f"checkpoint.dir={root / 'ck'}"])
     events, states = [], []
     trainer = Trainer(cfg, build_models(cfg), FileSource(traj), DirectoryPublisher(root / "w"), [events.append])
-    trainer.start()
-    for _ in range(steps):
+    trainer.start()  # publishes v0
+    for step in range(1, steps + 1):
         assert trainer.step_once()
         states.append(exactly_once(trainer))
+        each_step(trainer, step)
     return {"store": WeightStore(root / "w"), "events": events, "exactly_once": states}
 
 
