@@ -38,6 +38,7 @@ from experiments.results_models import real_model_section
 from experiments.results_real_model import real_model_example_section, value_options_section
 from experiments.results_scale import capacity_section, transport_section
 from experiments.results_suite2 import suite2_section
+from experiments.results_suite2_verdicts import suite2_verdicts_section
 from experiments.results_verdicts import verdicts_section
 from experiments.suite_report import interval
 
@@ -369,7 +370,7 @@ def reliability_section(root: Path) -> str:
 SECTIONS = (suite_section, lr_section, offpolicy_section, sync_section, harness_section, default_section,
             components_section, reliability_section, transport_section, capacity_section, real_model_section,
             real_model_example_section, value_options_section, verdicts_section,
-            suite2_section)
+            suite2_section, suite2_verdicts_section)
 
 
 def render(root: Path = ROOT) -> str:

@@ -112,3 +112,52 @@ def test_the_suite2_section_renders_hand_written_json_exactly(tmp_path):
                          "(largest SD: grpo, 0.050; delta 0.050).")
     assert lines[-5] == ("Main seeds run so far (docs/results/suite_main/v2.1/seed-<n>.json, pooled and analysed once "
                          "all have run): none (0).")
+
+
+def test_the_suite2_verdicts_section_renders_hand_written_json_exactly(tmp_path):
+    from experiments.results_suite2_verdicts import PARTS, SYNC, suite2_verdicts_section
+    from experiments.results_verdicts import POOLED
+    from experiments.suite_claims import CLAIM_PAIRS
+
+    def r(mean, low, high, p, v):
+        return {"mean": mean, "low": low, "high": high, "holm_p": p, "verdict": v}
+
+    arms = {"outcomes": ["auc_equal_rollouts", "auc_equal_steps"],
+            "arms": {"auc_equal_rollouts": {"sao vs grpo": r(-0.1, -0.15, -0.05, 0.0, "holds"),
+                                            "sao vs ppo": r(0.01, -0.02, 0.04, 0.6, "not separable at this power")},
+                     "auc_equal_steps": {"sao vs grpo": r(-0.2, -0.3, -0.1, 0.0, "holds")}}}
+    pairs = {f"{b} vs {w}": r(m, m - 0.1, m + 0.1, p, "x") for (b, w), m, p in
+             zip(CLAIM_PAIRS["single rollout beats groups"], (-0.04, -0.01, -0.03, -0.02), (0.01, 0.2, 0.03, 0.04))}
+    claims = {c: {"verdict": "holds" if c.startswith("single") else "does not", "pairs": pairs} for c in CLAIM_PAIRS}
+    factorial = {"outcomes": ["auc_equal_rollouts"], "claims": {"auc_equal_rollouts": {"eta4": claims, "eta0": claims}}}
+    cell = {"cell_collapsed_vs_start": True, "cell_collapsed_vs_frozen": False}
+    stability = {"cells": [{"arm": "sao", **cell}, {"arm": "sao", **cell, "cell_collapsed_vs_start": False},
+                           {"arm": "ppo", **cell}]}
+    run = {"auc_equal_rollouts": 0.5, "start_success": 0.25, "auc_equal_steps": 0.4, "auc_equal_compute": 0.3,
+           "post_drift_learner_steps": 10}
+    main = {"runs": [{"arm": "sao", **run}, {"arm": "sao", **run, "auc_equal_rollouts": 0.25,
+                                                                   "post_drift_learner_steps": 13}]}
+    sync = {"per_mode": [{"mode": "async", "seeds": 3, "post_auc": 0.163}, {"mode": "sync", "post_auc": 0.005},
+                         {"mode": "sync_one_step", "post_auc": 0.362}]}
+    pooled = {"pooled": {"grpo": {"verdict": "holds"}}}
+    for path, d in ((PARTS["arms"], arms), (PARTS["factorial"], factorial), (PARTS["stability"], stability),
+                    (PARTS["main"], main), (SYNC, sync), (POOLED, pooled)):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(json.dumps(d))
+    lines = suite2_verdicts_section(tmp_path).splitlines()
+    assert lines[0] == "## 16. Suite 2.1: each claim beside its verdict"
+    assert lines[6] == ("| SAO adapts faster than grpo | main: sao vs grpo | -0.100 [-0.150, -0.050] | < 0.0001 "
+                        "| holds | steps: holds; every draw pooled: holds |")
+    assert lines[7] == ("| the strict double-side clip beats PPO's one-side clip | main: sao vs ppo | +0.010 [-0.020, "
+                        "+0.040] | 0.6000 | not separable at this power | steps: — |")
+    # the claim's 4 pairs: differences from -0.04 to -0.01, the largest Holm p 0.2
+    assert lines[8] == ("| single rollout beats groups | factorial, 4 cell pairs at eta 4 | -0.040 to -0.010 | 0.2000 "
+                        "| holds | eta 0: holds |")
+    assert lines[11] == ("| the strict clip keeps SAO from collapsing where the others collapse | stability grid "
+                         "(cells collapsed vs start/vs frozen) | sao 1/0 of 2, ppo 1/0 of 1 | — | counts (no test "
+                         "registered) | — |")
+    assert lines[12] == ("| asynchronous adapts faster than synchronous | §4, 3 seeds | async 0.163, sync_one_step "
+                         "0.362 | — | sync_one_step higher (no test) | — |")
+    # sao's two runs: AUC (0.5 + 0.25) / 2, start 0.25, steps (10 + 13) / 2
+    assert lines[16] == "| sao | 2 | 0.375 | 0.250 | +0.125 | 0.400 | 0.300 | 11.5 |"
+    assert lines[18] == "Not run yet, in docs/results/suite_main/v2.1/: the straggler regime (stragglers_claims.json)."

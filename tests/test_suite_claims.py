@@ -42,3 +42,12 @@ def test_a_claim_holds_when_each_of_its_pairs_holds_and_not_when_one_goes_the_ot
     value = out["a value model beats a group baseline"]["pairs"]
     pair = value["f_single_value_strict_eta4 vs f_single_base_strict_eta4"]
     assert round(pair["mean"], 12) == 0.05 and pair["verdict"] == DOES_NOT
+
+
+def test_an_arm_without_the_outcome_in_every_run_is_left_out_of_that_view_only():
+    runs = runs_of({"sao": 0.5, "grpo": 0.4, "frozen": 0.3})
+    for r in runs:
+        r["auc_equal_steps"] = float("nan") if r["arm"] == "frozen" else r["auc_equal_rollouts"]
+    result = {"reference_arm": "sao", "runs": runs}
+    assert set(arm_verdicts(result, "auc_equal_steps", n_boot=200)) == {"sao vs grpo"}
+    assert set(arm_verdicts(result, n_boot=200)) == {"sao vs grpo", "sao vs frozen"}

@@ -1,0 +1,135 @@
+"""Suite 2.1's verdicts (docs/results.md §16, issue 49 item 8): one table with each claim of the design beside its
+verdict, and each arm's pooled figures, from docs/results/suite_main/v2.1/ (the pooled main file and the verdicts
+experiments.suite_claims and experiments.suite_collapse wrote from it, the factorial, the straggler regime and the
+stability grid). A part whose JSON is not committed yet is named as not run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from experiments.results_format import RESULTS, Reader, f3, section, table
+from experiments.results_verdicts import POOLED, signed
+from experiments.suite_claims import CLAIM_PAIRS
+from experiments.suite_stats import p_cell
+
+MAIN = RESULTS / "suite_main/v2.1"
+PARTS = {"main": MAIN / "suite.json", "arms": MAIN / "arms.json", "factorial": MAIN / "factorial_claims.json",
+         "stragglers": MAIN / "stragglers_claims.json", "stability": MAIN / "stability.json"}
+WHAT = {"main": "the main file (pooled)", "arms": "its verdicts", "factorial": "the factorial",
+        "stragglers": "the straggler regime", "stability": "the stability grid"}
+SYNC = RESULTS / "sync_baselines/sync_baselines.json"
+SHORT = {"auc_equal_rollouts": "rollouts", "auc_equal_tokens": "tokens", "auc_equal_steps": "steps",
+         "auc_equal_compute": "compute", "auc_equal_sim_time": "simulated time"}
+CLAIM_OF_ARM = {"ppo": "the strict double-side clip beats PPO's one-side clip",
+                "sao_no_strict_clip": "the strict clip beats no trust region",
+                "sao_no_warmup": "critic warm-up helps", "sao_coupled_lambda": "decoupled lambda helps",
+                "eta0": "training on stale rollouts (eta 4) beats eta 0", "frozen": "SAO learns (against frozen)"}
+HEAD = ["claim of the design", "answered by", "difference [95%]", "Holm p", "verdict", "other views"]
+
+
+def interval_cell(r: dict) -> str:
+    return f"{signed(r['mean'])} [{signed(r['low'])}, {signed(r['high'])}]"
+
+
+def others(by_outcome: dict[str, dict], key: str) -> list[str]:
+    """Each non-primary view's verdict for `key` ('—' where that view left it out)."""
+    return [f"{SHORT.get(o, o)}: {by_outcome[o][key]['verdict'] if key in by_outcome[o] else '—'}"
+            for o in list(by_outcome)[1:]]
+
+
+def arm_rows(d: dict, where: str, n_boot: int, pooled: dict) -> list[list]:
+    """One row per arm against the reference: the primary view's difference, Holm p and verdict, the other views'
+    verdicts, and (where the arm is in every committed draw's pool) the pooled verdict."""
+    by = d["arms"]
+    rows = []
+    for key, r in by[d["outcomes"][0]].items():
+        arm = key.split(" vs ")[1]
+        other = others(by, key) + ([f"every draw pooled: {pooled[arm]['verdict']}"] if arm in pooled else [])
+        rows.append([CLAIM_OF_ARM.get(arm, f"SAO adapts faster than {arm}"), f"{where}: {key}", interval_cell(r),
+                     p_cell(r["holm_p"], n_boot), r["verdict"], "; ".join(other) or "—"])
+    return rows
+
+
+def factorial_rows(d: dict, n_boot: int) -> list[list]:
+    """Each claim at eta 4 from its 4 cell pairs (their differences' range, the largest Holm p), eta 0 beside."""
+    by = d["claims"]
+    primary = by[d["outcomes"][0]]
+    rows = []
+    for claim in CLAIM_PAIRS:
+        pairs = primary["eta4"][claim]["pairs"].values()
+        means = [p["mean"] for p in pairs]
+        other = others({o: v["eta4"] for o, v in by.items()}, claim) + [f"eta 0: {primary['eta0'][claim]['verdict']}"]
+        rows.append([claim, f"factorial, {len(means)} cell pairs at eta 4",
+                     f"{signed(min(means))} to {signed(max(means))}", p_cell(max(p["holm_p"] for p in pairs), n_boot),
+                     primary["eta4"][claim]["verdict"], "; ".join(other)])
+    return rows
+
+
+def stability_row(d: dict) -> list:
+    """Collapsed cells per arm, against the run's start and against the frozen policy (counts; no test)."""
+    count: dict[str, list[int]] = {}
+    for c in d["cells"]:
+        n = count.setdefault(c["arm"], [0, 0, 0])
+        n[0] += c["cell_collapsed_vs_start"]
+        n[1] += c["cell_collapsed_vs_frozen"]
+        n[2] += 1
+    cells = ", ".join(f"{a} {s}/{f} of {n}" for a, (s, f, n) in count.items())
+    return ["the strict clip keeps SAO from collapsing where the others collapse",
+            "stability grid (cells collapsed vs start/vs frozen)", cells, "—", "counts (no test registered)", "—"]
+
+
+def sync_row(d: dict) -> list:
+    auc = {m["mode"]: m["post_auc"] for m in d["per_mode"]}
+    best = max((m for m in auc if m != "async"), key=auc.get)
+    return ["asynchronous adapts faster than synchronous", f"§4, {d['per_mode'][0]['seeds']} seeds",
+            f"async {f3(auc['async'])}, {best} {f3(auc[best])}", "—",
+            f"{best if auc[best] > auc['async'] else 'async'} higher (no test)", "—"]
+
+
+def pooled_rows(main: dict) -> list[list]:
+    """Each arm's means over every run of the pooled main file."""
+    rows = []
+    for arm in dict.fromkeys(r["arm"] for r in main["runs"]):
+        rs = [r for r in main["runs"] if r["arm"] == arm]
+        mean = {k: float(np.mean([r[k] for r in rs])) for k in
+                ("auc_equal_rollouts", "start_success", "auc_equal_steps", "auc_equal_compute",
+                 "post_drift_learner_steps")}
+        rows.append([arm, len(rs), f3(mean["auc_equal_rollouts"]), f3(mean["start_success"]),
+                     signed(mean["auc_equal_rollouts"] - mean["start_success"]), f3(mean["auc_equal_steps"]),
+                     f3(mean["auc_equal_compute"]), f"{mean['post_drift_learner_steps']:.1f}"])
+    return rows
+
+
+def suite2_verdicts_section(root: Path) -> str:
+    get = Reader(root)
+    have = {k: get(p) for k, p in PARTS.items() if (root / p).is_file()}
+    missing = [f"{WHAT[k]} ({p.name})" for k, p in PARTS.items() if k not in have]
+    pooled = get(POOLED)["pooled"] if "arms" in have and (root / POOLED).is_file() else {}
+    rows, parts = [], []
+    n_boot = 10_000
+    if "arms" in have:
+        rows += arm_rows(have["arms"], "main", n_boot, pooled)
+    if "factorial" in have:
+        rows += factorial_rows(have["factorial"], n_boot)
+    if "stragglers" in have:
+        rows += arm_rows(have["stragglers"], "stragglers", n_boot, {})
+    if "stability" in have:
+        rows.append(stability_row(have["stability"]))
+    rows.append(sync_row(get(SYNC)))
+    what = ("Suite 2.1 (`experiments/suites/drift_v2*.yaml`, pre-registered): every arm restarts each drift from one "
+            "common pre-drift checkpoint at its tuned point (§15). Each claim of the design beside its verdict: "
+            "'holds' (Holm p < 0.05 in the claimed direction), 'does not' (separates the other way), 'not separable "
+            "at this power'. Differences: arm minus SAO (a factorial claim: the worse cell minus the better, over its "
+            "pairs), post-drift AUC at equal rollouts (the straggler regime: in simulated time), a bootstrap over "
+            "seeds and drifts; other views: the same test at equal tokens, learner steps and compute (the critic's "
+            "forward and backward charged), and over every committed draw (§14).")
+    parts.append(table(HEAD, rows))
+    if "main" in have:
+        parts.append(table(["arm", "runs", "AUC (equal rollouts)", "start success", "AUC − start",
+                            "AUC (equal steps)", "AUC (equal compute)", "post-drift learner steps"],
+                           pooled_rows(have["main"])))
+    if missing:
+        parts.append(f"Not run yet, in {MAIN}/: {', '.join(missing)}.")
+    return section("16. Suite 2.1: each claim beside its verdict", what, parts, get.read, [])
