@@ -6,7 +6,7 @@
 #   VLLM_PY=~/vllm-env/bin/python bash bench/gpu_check.sh   # also the vLLM engine (SKIP_MEGATRON=1: only it)
 # Model: bench/megatron_step.py --size gpu (8 layers, hidden 1024, 16 experts top-2, width 1024).
 # On CPU-only machines it stops: the CPU path is tested by tests/test_megatron_backend.py.
-# Last, suite 2.0's tuning pilot for 8 minutes (SKIP_PILOT=1 skips it; PILOT_BUDGET_S=... changes it).
+# Last, suite 2.1's tuning pilot for 8 minutes (SKIP_PILOT=1 skips it; PILOT_BUDGET_S=... changes it).
 # A GPU machine with its own CUDA torch and no package registry: download the pinned wheels it lacks for its Python
 # elsewhere (`pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 ...`:
 # msgspec, kafka-python, crc32c, lz4, transformers, huggingface-hub, tokenizers, megatron-core at pyproject.toml's
@@ -114,12 +114,12 @@ if [ "${SKIP_REAL_MODEL:-0}" != 1 ]; then
 fi
 
 # The drift suite's pilot on the machine's CPU cores (the tiny model's harness does not use the GPU); the warm start
-# is built first when runs/cache lacks it. Suite 2.0 (issue 49): its tuning search (experiments/suite_tune.py) for SAO
+# is built first when runs/cache lacks it. Suite 2.1 (issue 49): its tuning search (experiments/suite_tune.py) for SAO
 # then GRPO, 9 runs of a setting at once, stopped after PILOT_BUDGET_S (default 480 s); the run files it leaves are
 # the pilot's own and a later invocation resumes them. PILOT_V1=1 also runs 1.6's sized pilot (issue 15, item 7).
 if [ "${SKIP_PILOT:-0}" != 1 ]; then
   timeout "${PILOT_BUDGET_S:-480}" "$PY" -m experiments.suite_tune --suite experiments/suites/drift_v2.yaml \
-    --arms sao,grpo --jobs "$(nproc)" --out runs/bench/gpu_tune || echo "gpu_check: the 2.0 pilot stopped at its budget"
+    --arms sao,grpo --jobs "$(nproc)" --out runs/bench/gpu_tune || echo "gpu_check: the 2.1 pilot stopped at its budget"
   ls runs/bench/gpu_tune/tuning-*.json 2>/dev/null || echo "gpu_check: no arm finished its search; run files in runs/bench/gpu_tune/runs"
   if [ "${PILOT_V1:-0}" = 1 ]; then
     "$PY" -m experiments.pilot_sizing --suite experiments/suites/drift_v1_6.yaml --budget-s "${PILOT_BUDGET_S:-480}" \

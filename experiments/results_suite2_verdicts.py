@@ -39,7 +39,7 @@ def others(by_outcome: dict[str, dict], key: str) -> list[str]:
             for o in list(by_outcome)[1:]]
 
 
-def arm_rows(d: dict, where: str, n_boot: int, pooled: dict) -> list[list]:
+def arm_rows(d: dict, where: str, n_boot: int, pooled: dict, regime: str = "") -> list[list]:
     """One row per arm against the reference: the primary view's difference, Holm p and verdict, the other views'
     verdicts, and (where the arm is in every committed draw's pool) the pooled verdict."""
     by = d["arms"]
@@ -47,8 +47,9 @@ def arm_rows(d: dict, where: str, n_boot: int, pooled: dict) -> list[list]:
     for key, r in by[d["outcomes"][0]].items():
         arm = key.split(" vs ")[1]
         other = others(by, key) + ([f"every draw pooled: {pooled[arm]['verdict']}"] if arm in pooled else [])
-        rows.append([CLAIM_OF_ARM.get(arm, f"SAO adapts faster than {arm}"), f"{where}: {key}", interval_cell(r),
-                     p_cell(r["holm_p"], n_boot), r["verdict"], "; ".join(other) or "—"])
+        claim = CLAIM_OF_ARM.get(arm, f"SAO adapts faster than {arm}") + regime
+        rows.append([claim, f"{where}: {key}", interval_cell(r), p_cell(r["holm_p"], n_boot), r["verdict"],
+                     "; ".join(other) or "—"])
     return rows
 
 
@@ -114,7 +115,7 @@ def suite2_verdicts_section(root: Path) -> str:
     if "factorial" in have:
         rows += factorial_rows(have["factorial"], n_boot)
     if "stragglers" in have:
-        rows += arm_rows(have["stragglers"], "stragglers", n_boot, {})
+        rows += arm_rows(have["stragglers"], "stragglers", n_boot, {}, ", with stragglers, in simulated time")
     if "stability" in have:
         rows.append(stability_row(have["stability"]))
     rows.append(sync_row(get(SYNC)))

@@ -113,8 +113,9 @@ def holm(pvalues: dict[str, float]) -> dict[str, float]:
 
 def verdict(interval: dict, adjusted_p: float, alpha: float = 0.05) -> str:
     """The claim 'the arm is below the reference' `holds` (mean < 0, adjusted p < alpha), `does not` (separates the
-    other way), or is not separable at this power."""
-    if adjusted_p >= alpha or interval["mean"] == 0:
+    other way), or is not separable at this power (always so from one seed: nothing varies to resample)."""
+    seeds = interval.get("n_seeds", 2)  # a list when pooled over draws
+    if adjusted_p >= alpha or interval["mean"] == 0 or (sum(seeds) if isinstance(seeds, list) else seeds) < 2:
         return NOT_SEPARABLE
     return HOLDS if interval["mean"] < 0 else DOES_NOT
 

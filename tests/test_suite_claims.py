@@ -51,3 +51,9 @@ def test_an_arm_without_the_outcome_in_every_run_is_left_out_of_that_view_only()
     result = {"reference_arm": "sao", "runs": runs}
     assert set(arm_verdicts(result, "auc_equal_steps", n_boot=200)) == {"sao vs grpo"}
     assert set(arm_verdicts(result, n_boot=200)) == {"sao vs grpo", "sao vs frozen"}
+
+
+def test_one_seed_never_separates_however_large_the_difference():
+    runs = [r for r in runs_of({"sao": 0.5, "grpo": 0.1}) if r["seed"] == 0]
+    out = arm_verdicts({"reference_arm": "sao", "runs": runs}, n_boot=200)
+    assert out["sao vs grpo"]["mean"] == -0.4 and out["sao vs grpo"]["verdict"] == NOT_SEPARABLE
