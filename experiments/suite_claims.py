@@ -7,8 +7,8 @@ A claim says cell A beats cell B in each of its pairs (experiments/arms.py's tab
 when any of them separates the other way, and is not separable otherwise.
 
 Each outcome named (`--outcome`, the suite file's views; the first is the primary) gets its own verdicts, Holm's
-correction within it; an arm without the outcome in every run (the frozen arm has no learner steps) is left out of
-that view.
+correction within it; an arm without a finite value of the outcome in every run (one its runs did not record) is
+left out of that view.
 
     .venv/bin/python -m experiments.suite_claims runs/v2fact/suite.json --factorial \
         --out docs/results/suite_main/v2.1/factorial_claims.json
@@ -106,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     primary = out["claims"][a.outcome[0]] if a.factorial else out["arms"][a.outcome[0]]
     print(json.dumps(primary if a.factorial else {k: v["verdict"] for k, v in primary.items()}, indent=1))
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())
