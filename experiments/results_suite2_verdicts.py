@@ -39,7 +39,7 @@ def others(by_outcome: dict[str, dict], key: str) -> list[str]:
             for o in list(by_outcome)[1:]]
 
 
-def arm_rows(d: dict, where: str, n_boot: int, pooled: dict, regime: str = "") -> list[list]:
+def arm_rows(d: dict, where: str, pooled: dict, regime: str = "") -> list[list]:
     """One row per arm against the reference: the primary view's difference, Holm p and verdict, the other views'
     verdicts, and (where the arm is in every committed draw's pool) the pooled verdict."""
     by = d["arms"]
@@ -48,12 +48,12 @@ def arm_rows(d: dict, where: str, n_boot: int, pooled: dict, regime: str = "") -
         arm = key.split(" vs ")[1]
         other = others(by, key) + ([f"every draw pooled: {pooled[arm]['verdict']}"] if arm in pooled else [])
         claim = CLAIM_OF_ARM.get(arm, f"SAO adapts faster than {arm}") + regime
-        rows.append([claim, f"{where}: {key}", interval_cell(r), p_cell(r["holm_p"], n_boot), r["verdict"],
+        rows.append([claim, f"{where}: {key}", interval_cell(r), p_cell(r["holm_p"], d["n_boot"]), r["verdict"],
                      "; ".join(other) or "—"])
     return rows
 
 
-def factorial_rows(d: dict, n_boot: int) -> list[list]:
+def factorial_rows(d: dict) -> list[list]:
     """Each claim at eta 4 from its 4 cell pairs (their differences' range, the largest Holm p), eta 0 beside."""
     by = d["claims"]
     primary = by[d["outcomes"][0]]
@@ -62,9 +62,10 @@ def factorial_rows(d: dict, n_boot: int) -> list[list]:
         pairs = primary["eta4"][claim]["pairs"].values()
         means = [p["mean"] for p in pairs]
         other = others({o: v["eta4"] for o, v in by.items()}, claim) + [f"eta 0: {primary['eta0'][claim]['verdict']}"]
-        rows.append([claim, f"factorial, {len(means)} cell pairs at eta 4",
-                     f"{signed(min(means))} to {signed(max(means))}", p_cell(max(p["holm_p"] for p in pairs), n_boot),
-                     primary["eta4"][claim]["verdict"], "; ".join(other)])
+        worst_p = max(p["holm_p"] for p in pairs)
+        rows.append([claim, f"factorial, {len(means)} cell pairs at eta 4", f"{signed(min(means))} to "
+                     f"{signed(max(means))}", p_cell(worst_p, d["n_boot"]), primary["eta4"][claim]["verdict"],
+                     "; ".join(other)])
     return rows
 
 
@@ -90,16 +91,15 @@ def sync_row(d: dict) -> list:
 
 
 def pooled_rows(main: dict) -> list[list]:
-    """Each arm's means over every run of the pooled main file."""
+    """Each arm's pooled outcomes as the main file gives them, with its runs' mean start success and post-drift
+    learner steps (which the pool does not average)."""
     rows = []
-    for arm in dict.fromkeys(r["arm"] for r in main["runs"]):
-        rs = [r for r in main["runs"] if r["arm"] == arm]
-        mean = {k: float(np.mean([r[k] for r in rs])) for k in
-                ("auc_equal_rollouts", "start_success", "auc_equal_steps", "auc_equal_compute",
-                 "post_drift_learner_steps")}
-        rows.append([arm, len(rs), f3(mean["auc_equal_rollouts"]), f3(mean["start_success"]),
-                     signed(mean["auc_equal_rollouts"] - mean["start_success"]), f3(mean["auc_equal_steps"]),
-                     f3(mean["auc_equal_compute"]), f"{mean['post_drift_learner_steps']:.1f}"])
+    for p in main["pooled"]:
+        rs = [r for r in main["runs"] if r["arm"] == p["arm"]]
+        start, steps = (float(np.mean([r[k] for r in rs])) for k in ("start_success", "post_drift_learner_steps"))
+        rows.append([p["arm"], len(rs), f3(p["auc_equal_rollouts"]), f3(start),
+                     signed(p["auc_equal_rollouts"] - start), f3(p["auc_equal_steps"]), f3(p["auc_equal_compute"]),
+                     f"{steps:.1f}"])
     return rows
 
 
@@ -109,13 +109,12 @@ def suite2_verdicts_section(root: Path) -> str:
     missing = [f"{WHAT[k]} ({p.name})" for k, p in PARTS.items() if k not in have]
     pooled = get(POOLED)["pooled"] if "arms" in have and (root / POOLED).is_file() else {}
     rows, parts = [], []
-    n_boot = 10_000
     if "arms" in have:
-        rows += arm_rows(have["arms"], "main", n_boot, pooled)
+        rows += arm_rows(have["arms"], "main", pooled)
     if "factorial" in have:
-        rows += factorial_rows(have["factorial"], n_boot)
+        rows += factorial_rows(have["factorial"])
     if "stragglers" in have:
-        rows += arm_rows(have["stragglers"], "stragglers", n_boot, {}, ", with stragglers, in simulated time")
+        rows += arm_rows(have["stragglers"], "stragglers", {}, ", with stragglers, in simulated time")
     if "stability" in have:
         rows.append(stability_row(have["stability"]))
     rows.append(sync_row(get(SYNC)))

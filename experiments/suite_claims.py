@@ -27,6 +27,7 @@ from experiments.suite_stats import DOES_NOT, HOLDS, NOT_SEPARABLE, diff_matrix,
 
 # the suite file's views (drift_v2.yaml, analysis.views), the primary first
 VIEWS = ("auc_equal_rollouts", "auc_equal_tokens", "auc_equal_steps", "auc_equal_compute")
+N_BOOT = 10_000
 CLAIM_PAIRS = {
     "single rollout beats groups": [("single_value_strict", "group4_value_strict"),
                                     ("single_value_oneside", "group4_value_oneside"),
@@ -60,7 +61,7 @@ def measured(runs: list[dict], outcome: str) -> set[str]:
     return {a for a in {r["arm"] for r in runs} if all(finite(r) for r in runs if r["arm"] == a)}
 
 
-def arm_verdicts(result: dict, outcome: str = "auc_equal_rollouts", n_boot: int = 10_000) -> dict[str, dict]:
+def arm_verdicts(result: dict, outcome: str = "auc_equal_rollouts", n_boot: int = N_BOOT) -> dict[str, dict]:
     """Every arm with the outcome against the reference arm (`reference_arm`): is it below it?"""
     ref, have = result["reference_arm"], measured(result["runs"], outcome)
     arms = [a for a in dict.fromkeys(r["arm"] for r in result["runs"]) if a != ref and a in have]
@@ -74,7 +75,7 @@ def claim_of(pairs: dict[str, dict]) -> str:
     return HOLDS if all(v == HOLDS for v in verdicts) else NOT_SEPARABLE
 
 
-def claim_verdicts(result: dict, eta: int, outcome: str = "auc_equal_rollouts", n_boot: int = 10_000) -> dict:
+def claim_verdicts(result: dict, eta: int, outcome: str = "auc_equal_rollouts", n_boot: int = N_BOOT) -> dict:
     """The three claims at one eta, from the factorial's cells f_<cell>_eta<eta>."""
     cell = {c: f"f_{c}_eta{eta}" for pairs in CLAIM_PAIRS.values() for pair in pairs for c in pair}
     every = [(cell[b], cell[w]) for pairs in CLAIM_PAIRS.values() for b, w in pairs]
@@ -95,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     result = json.loads(Path(a.suite_json).read_text())
     out: dict[str, Any] = {"suite": result["suite"], "suite_version": result["suite_version"],
-                           "outcomes": a.outcome, "from": a.suite_json, "provisional": result.get("provisional")}
+                           "outcomes": a.outcome, "n_boot": N_BOOT, "from": a.suite_json,
+                           "provisional": result.get("provisional")}
     if a.factorial:
         out["claims"] = {o: {f"eta{eta}": claim_verdicts(result, eta, o) for eta in (4, 0)} for o in a.outcome}
     else:

@@ -122,21 +122,23 @@ def test_the_suite2_verdicts_section_renders_hand_written_json_exactly(tmp_path)
     def r(mean, low, high, p, v):
         return {"mean": mean, "low": low, "high": high, "holm_p": p, "verdict": v}
 
-    arms = {"outcomes": ["auc_equal_rollouts", "auc_equal_steps"],
+    arms = {"outcomes": ["auc_equal_rollouts", "auc_equal_steps"], "n_boot": 10000,
             "arms": {"auc_equal_rollouts": {"sao vs grpo": r(-0.1, -0.15, -0.05, 0.0, "holds"),
                                             "sao vs ppo": r(0.01, -0.02, 0.04, 0.6, "not separable at this power")},
                      "auc_equal_steps": {"sao vs grpo": r(-0.2, -0.3, -0.1, 0.0, "holds")}}}
     pairs = {f"{b} vs {w}": r(m, m - 0.1, m + 0.1, p, "x") for (b, w), m, p in
              zip(CLAIM_PAIRS["single rollout beats groups"], (-0.04, -0.01, -0.03, -0.02), (0.01, 0.2, 0.03, 0.04))}
     claims = {c: {"verdict": "holds" if c.startswith("single") else "does not", "pairs": pairs} for c in CLAIM_PAIRS}
-    factorial = {"outcomes": ["auc_equal_rollouts"], "claims": {"auc_equal_rollouts": {"eta4": claims, "eta0": claims}}}
+    factorial = {"outcomes": ["auc_equal_rollouts"], "n_boot": 10000,
+                 "claims": {"auc_equal_rollouts": {"eta4": claims, "eta0": claims}}}
     cell = {"cell_collapsed_vs_start": True, "cell_collapsed_vs_frozen": False}
     stability = {"cells": [{"arm": "sao", **cell}, {"arm": "sao", **cell, "cell_collapsed_vs_start": False},
                            {"arm": "ppo", **cell}]}
     run = {"auc_equal_rollouts": 0.5, "start_success": 0.25, "auc_equal_steps": 0.4, "auc_equal_compute": 0.3,
            "post_drift_learner_steps": 10}
     main = {"runs": [{"arm": "sao", **run}, {"arm": "sao", **run, "auc_equal_rollouts": 0.25,
-                                                                   "post_drift_learner_steps": 13}]}
+                                                                   "post_drift_learner_steps": 13}],
+            "pooled": [{"arm": "sao", "auc_equal_rollouts": 0.375, "auc_equal_steps": 0.4, "auc_equal_compute": 0.3}]}
     sync = {"per_mode": [{"mode": "async", "seeds": 3, "post_auc": 0.163}, {"mode": "sync", "post_auc": 0.005},
                          {"mode": "sync_one_step", "post_auc": 0.362}]}
     pooled = {"pooled": {"grpo": {"verdict": "holds"}}}
@@ -158,6 +160,6 @@ def test_the_suite2_verdicts_section_renders_hand_written_json_exactly(tmp_path)
                          "registered) | — |")
     assert lines[12] == ("| asynchronous adapts faster than synchronous | §4, 3 seeds | async 0.163, sync_one_step "
                          "0.362 | — | sync_one_step higher (no test) | — |")
-    # sao's two runs: AUC (0.5 + 0.25) / 2, start 0.25, steps (10 + 13) / 2
+    # sao's pooled AUC 0.375; its two runs' start 0.25, steps (10 + 13) / 2
     assert lines[16] == "| sao | 2 | 0.375 | 0.250 | +0.125 | 0.400 | 0.300 | 11.5 |"
     assert lines[18] == "Not run yet, in docs/results/suite_main/v2.1/: the straggler regime (stragglers_claims.json)."
