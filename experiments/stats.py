@@ -95,5 +95,8 @@ def seeds_for(sd_diff: float, delta: float, k_sigma: float = 3.0, minimum: int =
 
 
 def verdict(d: dict) -> str:
-    """An interval's verdict: '+' or '-' when it excludes 0 on that side, else '0' (not separated)."""
+    """An interval's verdict: '+' or '-' when it excludes 0 on that side, else '0' (not separated; always so from
+    one seed, whose bootstrap interval is the point itself)."""
+    if d.get("n", 2) < 2:
+        return "0"
     return "+" if d["low"] > 0 else "-" if d["high"] < 0 else "0"

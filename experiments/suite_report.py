@@ -132,6 +132,7 @@ def report(result_path: Path, runs_dirs: list[Path] | None = None, out_dir: Path
     result = json.loads(result_path.read_text())
     runs_dirs = runs_dirs or [result_path.parent / "runs"]
     out_dir = out_dir or result_path.parent
+    out_dir.mkdir(parents=True, exist_ok=True)
     keep = {(r["arm"], r["drift"], r["seed"]) for r in result["runs"]}
     runs = [r for d in runs_dirs for f in sorted(d.glob("*.json")) if (r := json.loads(f.read_text()))
             and (r["arm"], r["drift"], r["seed"]) in keep]

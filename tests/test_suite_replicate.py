@@ -31,6 +31,11 @@ def test_verdict_reads_which_side_of_zero_the_interval_lies():
     assert verdict(_interval(-0.1, -0.2, 0.0)) == "0"
 
 
+def test_one_seed_separates_nothing():
+    # one seed: the bootstrap resamples the one difference, so its interval is the point and excludes 0
+    assert verdict({"mean": -0.1, "low": -0.1, "high": -0.1, "n": 1}) == "0"
+
+
 def test_a_replicate_with_one_verdict_kept_and_one_lost():
     a = _result("aa", _interval(-0.2, -0.3, -0.1), _interval(-0.2, -0.4, -0.05), RUNS_A)
     b = _result("bb", _interval(-0.1, -0.2, -0.02), _interval(-0.1, -0.3, 0.1), RUNS_B)
