@@ -1,12 +1,12 @@
-"""Suite 2.0's stability grid read for collapse (issue 49, item 6; experiments/suites/drift_v2_stability.yaml).
+"""Suite 2.x's stability grid read for collapse (issue 49, item 6; experiments/suites/drift_v2_stability.yaml).
 
 A run collapses against its start when its final window's reward is below half its start success (the common
 checkpoint's, the same for every arm), and against the frozen policy when it is below half the frozen arm's final
 reward on the same (drift, seed); both are reported. A cell (arm x eta x updates per batch x lr factor) collapses by
 either measure when at least `quorum` of its seeds do.
 
-    .venv/bin/python -m experiments.suite_collapse runs/bench/stability/*/suite.json \
-        --out docs/results/suite_main/v2.0/stability.json
+    .venv/bin/python -m experiments.suite_collapse runs/v2stab/*/suite.json \
+        --out docs/results/suite_main/v2.1/stability.json
 """
 
 from __future__ import annotations
