@@ -75,7 +75,8 @@ def test_the_verdicts_section_renders_hand_written_json_exactly(tmp_path):
     arm = {"hierarchical": {"mean": -0.0123}, "seeds_only": {"separates": True},
            "verdict": "not separable at this power"}
     d = {"reference_arm": "sao", "drifts": ["a", "b"], "n_boot": 10000,
-         "per_draw": [{"name": "v1", "arms": {"ppo": arm}}, {"name": "v2", "arms": {}}],
+         "per_draw": [{"name": "v1", "suite_version": "1.4", "arms": {"ppo": arm}},
+                      {"name": "v2", "suite_version": "2.1", "arms": {}}],
          "pooled": {"ppo": {"mean": -0.0123, "low": -0.05, "high": 0.0204, "holm_p": 0.0,
                             "verdict": "not separable at this power"}}}
     path = tmp_path / POOLED
@@ -83,6 +84,8 @@ def test_the_verdicts_section_renders_hand_written_json_exactly(tmp_path):
     path.write_text(json.dumps(d))
     lines = verdicts_section(tmp_path).splitlines()
     assert lines[0] == "## 14. The suite's verdicts over every committed draw"
+    assert lines[2].startswith("Every committed main-seed draw of suites 1.4, 2.1 (")
+    assert "Pooled: over the 2 drifts every draw ran" in lines[2]
     assert lines[2].endswith("these verdicts of single draws no longer separate: v1: ppo.")
     assert lines[6] == "| ppo | -0.012 | — | -0.012 [-0.050, +0.020] | < 0.0001 | not separable at this power |"
 

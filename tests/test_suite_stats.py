@@ -179,6 +179,20 @@ def test_the_cli_pools_two_draws(tmp_path):
     assert "| grpo | -0.200 | -0.100 | -0.150 [" in out.with_suffix(".md").read_text()
 
 
+def test_a_draw_with_more_drifts_counts_them_alone_and_pools_over_the_shared_ones(tmp_path):
+    b = suite_json("2.1", "x", (0, 1), B_DIFFS)
+    b["runs"] += [{"drift": "d3", "seed": s, "arm": a, "auc_equal_rollouts": 0.5 - (0.4 if a == "grpo" else 0)}
+                  for s in (0, 1) for a in ("sao", "grpo")]
+    manifest = write_draws(tmp_path, {"a": suite_json("1.4", "x", (0, 1), A_DIFFS), "b": b})
+    out = tmp_path / "pooled.json"
+    assert main(["--manifest", str(manifest), "--root", str(tmp_path), "--n-boot", "200", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["drifts"] == ["d1", "d2"] and r["per_draw"][1]["drifts"] == ["d1", "d2", "d3"]
+    # b alone: (0 - 0.2 - 0.1 - 0.1 - 0.4 - 0.4) / 6 = -0.2; pooled over d1, d2: (-0.2 + -0.1) / 2
+    assert r["per_draw"][1]["arms"]["grpo"]["hierarchical"]["mean"] == pytest.approx(-0.2)
+    assert r["pooled"]["grpo"]["mean"] == pytest.approx(-0.15)
+
+
 def test_an_arm_without_a_pair_is_refused(tmp_path):
     broken = suite_json("1.4", "x", (0, 1), A_DIFFS)
     broken["runs"] = [r for r in broken["runs"] if not (r["arm"] == "sao" and r["seed"] == 1 and r["drift"] == "d2")]
