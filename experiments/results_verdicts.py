@@ -34,8 +34,8 @@ def verdicts_section(root: Path) -> str:
             f"{d['reference_arm']}. Each draw's column: its mean difference over its own drifts. Pooled: over the "
             f"{len(d['drifts'])} drifts every draw ran, a bootstrap ({d['n_boot']:,} resamples) that draws the "
             "draws, the seeds within each and the drifts with replacement; Holm's correction across the arms; "
-            "'holds': the arm is below SAO, 'does not': above it. The old reports resampled seeds alone; with drifts resampled too, these verdicts "
-            f"of single draws no longer separate: {'; '.join(f'{n}: {a}' for n, a in narrowed.items() if a)}.")
+            "'holds': the arm is below SAO, 'does not': above it. The old reports resampled seeds alone; with drifts "
+            f"resampled too, these verdicts of single draws no longer separate: {'; '.join(f'{n}: {a}' for n, a in narrowed.items() if a)}.")
     head = ["arm", *names, "pooled mean [95%]", "Holm p", "verdict"]
     return section("14. The suite's verdicts over every committed draw", what, [table(head, rows)],
                    [*get.read, POOLED.with_suffix(".md")], [])
