@@ -27,6 +27,7 @@ def verdicts_section(root: Path) -> str:
                      p_cell(r["holm_p"], d["n_boot"]), r["verdict"]])
     narrowed = {n: ", ".join(sorted(a for a, r in per_draw[n].items() if r["seeds_only"]["separates"]
                                     and r["verdict"] == "not separable at this power")) for n in names}
+    lost = "; ".join(f"{n}: {a}" for n, a in narrowed.items() if a)
     versions = sorted({draw["suite_version"] for draw in d["per_draw"]},
                       key=lambda v: [int(x) for x in v.split(".")])
     what = (f"Every committed main-seed draw of suites {', '.join(versions)} (`experiments/suites/draws.yaml`: "
@@ -35,7 +36,7 @@ def verdicts_section(root: Path) -> str:
             f"{len(d['drifts'])} drifts every draw ran, a bootstrap ({d['n_boot']:,} resamples) that draws the "
             "draws, the seeds within each and the drifts with replacement; Holm's correction across the arms; "
             "'holds': the arm is below SAO, 'does not': above it. The old reports resampled seeds alone; with drifts "
-            f"resampled too, these verdicts of single draws no longer separate: {'; '.join(f'{n}: {a}' for n, a in narrowed.items() if a)}.")
+            f"resampled too, these verdicts of single draws no longer separate: {lost}.")
     head = ["arm", *names, "pooled mean [95%]", "Holm p", "verdict"]
     return section("14. The suite's verdicts over every committed draw", what, [table(head, rows)],
                    [*get.read, POOLED.with_suffix(".md")], [])
