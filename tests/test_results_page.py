@@ -153,8 +153,8 @@ def test_the_suite2_verdicts_section_renders_hand_written_json_exactly(tmp_path)
     assert lines[0] == "## 16. Suite 2.1: each claim beside its verdict"
     assert lines[6] == ("| SAO adapts faster than grpo | main: sao vs grpo | -0.100 [-0.150, -0.050] | < 0.0001 "
                         "| holds | steps: holds; every draw pooled: holds |")
-    assert lines[7] == ("| the strict double-side clip beats PPO's one-side clip | main: sao vs ppo | +0.010 [-0.020, "
-                        "+0.040] | 0.6000 | not separable at this power | steps: — |")
+    assert lines[7] == ("| SAO adapts faster than PPO, each tuned (the clip alone: the factorial) | main: sao vs ppo "
+                        "| +0.010 [-0.020, +0.040] | 0.6000 | not separable at this power | steps: — |")
     # the claim's 4 pairs: differences from -0.04 to -0.01, the largest Holm p 0.2
     assert lines[8] == ("| single rollout beats groups | factorial, 4 cell pairs at eta 4 | -0.040 to -0.010 | 0.2000 "
                         "| holds | eta 0: holds |")
