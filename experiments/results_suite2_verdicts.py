@@ -39,15 +39,28 @@ def others(by_outcome: dict[str, dict], key: str) -> list[str]:
             for o in list(by_outcome)[1:]]
 
 
-def arm_rows(d: dict, where: str, pooled: dict, regime: str = "") -> list[list]:
+def twins(main: dict) -> dict[str, str]:
+    """Arm -> the earlier arm whose runs it repeats outcome for outcome (after tuning their settings are one: an
+    arm's own difference laid over a point that already has it, e.g. no KL over a point tuned to KL 0)."""
+    runs: dict[str, dict] = {}
+    for r in main["runs"]:
+        runs.setdefault(r["arm"], {})[(r["drift"], r["seed"])] = (r["auc_equal_rollouts"], r["auc_equal_tokens"])
+    names = list(runs)
+    return {a: next(b for b in names[:i] if runs[b] == runs[a]) for i, a in enumerate(names)
+            if any(runs[b] == runs[a] for b in names[:i])}
+
+
+def arm_rows(d: dict, where: str, pooled: dict, regime: str = "", twin: dict | None = None) -> list[list]:
     """One row per arm against the reference: the primary view's difference, Holm p and verdict, the other views'
     verdicts, and (where the arm is in every committed draw's pool) the pooled verdict."""
-    by = d["arms"]
+    by, twin = d["arms"], twin or {}
     rows = []
     for key, r in by[d["outcomes"][0]].items():
         arm = key.split(" vs ")[1]
         other = others(by, key) + ([f"every draw pooled: {pooled[arm]['verdict']}"] if arm in pooled else [])
         claim = CLAIM_OF_ARM.get(arm, f"SAO adapts faster than {arm}") + regime
+        if arm in twin:
+            claim += f" (the same runs as {twin[arm]}: one setting after tuning)"
         rows.append([claim, f"{where}: {key}", interval_cell(r), p_cell(r["holm_p"], d["n_boot"]), r["verdict"],
                      "; ".join(other) or "—"])
     return rows
@@ -93,11 +106,12 @@ def sync_row(d: dict) -> list:
 def pooled_rows(main: dict) -> list[list]:
     """Each arm's pooled outcomes as the main file gives them, with its runs' mean start success and post-drift
     learner steps (which the pool does not average)."""
-    rows = []
+    rows, twin = [], twins(main)
     for p in main["pooled"]:
         rs = [r for r in main["runs"] if r["arm"] == p["arm"]]
         start, steps = (float(np.mean([r[k] for r in rs])) for k in ("start_success", "post_drift_learner_steps"))
-        rows.append([p["arm"], len(rs), f3(p["auc_equal_rollouts"]), f3(start),
+        name = p["arm"] + (f" (= {twin[p['arm']]})" if p["arm"] in twin else "")
+        rows.append([name, len(rs), f3(p["auc_equal_rollouts"]), f3(start),
                      signed(p["auc_equal_rollouts"] - start), f3(p["auc_equal_steps"]), f3(p["auc_equal_compute"]),
                      f"{steps:.1f}"])
     return rows
@@ -110,7 +124,7 @@ def suite2_verdicts_section(root: Path) -> str:
     pooled = get(POOLED)["pooled"] if "arms" in have and (root / POOLED).is_file() else {}
     rows, parts = [], []
     if "arms" in have:
-        rows += arm_rows(have["arms"], "main", pooled)
+        rows += arm_rows(have["arms"], "main", pooled, twin=twins(have["main"]) if "main" in have else {})
     if "factorial" in have:
         rows += factorial_rows(have["factorial"])
     if "stragglers" in have:

@@ -117,6 +117,17 @@ def test_the_suite2_section_renders_hand_written_json_exactly(tmp_path):
                          "all have run): none (0).")
 
 
+def test_an_arm_that_repeats_another_runs_for_run_is_named_its_twin():
+    from experiments.results_suite2_verdicts import twins
+
+    def run(arm, drift, auc):
+        return {"arm": arm, "drift": drift, "seed": 0, "auc_equal_rollouts": auc, "auc_equal_tokens": auc}
+
+    main = {"runs": [run("grpo", "a", 0.3), run("grpo", "b", 0.4), run("grpo_no_kl", "a", 0.3),
+                     run("grpo_no_kl", "b", 0.4), run("gspo", "a", 0.3), run("gspo", "b", 0.41)]}
+    assert twins(main) == {"grpo_no_kl": "grpo"}  # gspo differs in one run
+
+
 def test_the_suite2_verdicts_section_renders_hand_written_json_exactly(tmp_path):
     from experiments.results_suite2_verdicts import PARTS, SYNC, suite2_verdicts_section
     from experiments.results_verdicts import POOLED
@@ -137,10 +148,10 @@ def test_the_suite2_verdicts_section_renders_hand_written_json_exactly(tmp_path)
     cell = {"cell_collapsed_vs_start": True, "cell_collapsed_vs_frozen": False}
     stability = {"cells": [{"arm": "sao", **cell}, {"arm": "sao", **cell, "cell_collapsed_vs_start": False},
                            {"arm": "ppo", **cell}]}
-    run = {"auc_equal_rollouts": 0.5, "start_success": 0.25, "auc_equal_steps": 0.4, "auc_equal_compute": 0.3,
-           "post_drift_learner_steps": 10}
-    main = {"runs": [{"arm": "sao", **run}, {"arm": "sao", **run, "auc_equal_rollouts": 0.25,
-                                                                   "post_drift_learner_steps": 13}],
+    run = {"auc_equal_rollouts": 0.5, "auc_equal_tokens": 0.5, "start_success": 0.25, "auc_equal_steps": 0.4,
+           "auc_equal_compute": 0.3, "post_drift_learner_steps": 10, "drift": "a", "seed": 0}
+    main = {"runs": [{"arm": "sao", **run}, {"arm": "sao", **run, "auc_equal_rollouts": 0.25, "drift": "b",
+                                             "post_drift_learner_steps": 13}],
             "pooled": [{"arm": "sao", "auc_equal_rollouts": 0.375, "auc_equal_steps": 0.4, "auc_equal_compute": 0.3}]}
     sync = {"per_mode": [{"mode": "async", "seeds": 3, "post_auc": 0.163}, {"mode": "sync", "post_auc": 0.005},
                          {"mode": "sync_one_step", "post_auc": 0.362}]}
