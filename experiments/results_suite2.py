@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from experiments.results_format import RESULTS, Reader, f3, section, table
@@ -31,6 +32,11 @@ def tuning_rows(tuned: dict[str, dict]) -> list[list]:
 def main_progress(root: Path) -> str:
     """Which main seeds have run (one part's JSON a seed, pooled when all have): their names, not their outcomes,
     which are read once, pooled."""
+    pooled = root / MAIN / "suite.json"
+    if pooled.is_file():
+        seeds = sorted({r["seed"] for r in json.loads(pooled.read_text())["runs"]})
+        return (f"Main seeds: {', '.join(map(str, seeds))} ({len(seeds)}), pooled in {MAIN}/suite.json from one part "
+                "a seed (seed-<n>.json, in git history); their verdicts: §16.")
     done = sorted(int(p.stem.split("-")[1]) for p in (root / MAIN).glob("seed-*.json"))
     return (f"Main seeds run so far ({MAIN}/seed-<n>.json, pooled and analysed once all have run): "
             f"{', '.join(map(str, done)) or 'none'} ({len(done)}).")

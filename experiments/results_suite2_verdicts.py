@@ -146,4 +146,5 @@ def suite2_verdicts_section(root: Path) -> str:
                            pooled_rows(have["main"])))
     if missing:
         parts.append(f"Not run yet, in {MAIN}/: {', '.join(missing)}.")
-    return section("16. Suite 2.1: each claim beside its verdict", what, parts, get.read, [])
+    report = [MAIN / f"suite.{x}" for x in ("md", "png") if (root / MAIN / f"suite.{x}").is_file()]
+    return section("16. Suite 2.1: each claim beside its verdict", what, parts, [*get.read, *report], [])
