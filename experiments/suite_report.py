@@ -114,7 +114,7 @@ def figure(result: dict, runs: list[dict], window: int, path: Path) -> Path:
                         color=colours[e["arm"]], capsize=3)
     forest.axvline(0, color="grey", lw=0.8)
     forest.set_yticks(range(len(others)), [e["arm"] for e in others], fontsize=7)
-    forest.set_xlabel(f"pooled post-drift AUC minus {ref} (95% CI)", fontsize=8)
+    forest.set_xlabel(f"pooled post-drift AUC minus {ref} (95% CI, seeds resampled, drifts fixed)", fontsize=8)
     forest.tick_params(labelsize=7)
     for ax in list(axes.flat)[len(drifts) + 1:]:
         ax.axis("off")
@@ -140,7 +140,9 @@ def report(result_path: Path, runs_dirs: list[Path] | None = None, out_dir: Path
     phase = {r["drift"]: len(r["post_drift"]["success"]) for r in runs}
     png = figure(result, runs, window, out_dir / f"{result_path.stem}.png")
     md = out_dir / f"{result_path.stem}.md"
-    md.write_text("\n\n".join([f"Pooled over drifts ({result['suite']}; `*`: the 95% interval excludes 0)",
+    title = (f"Pooled over drifts ({result['suite']}; intervals resample seeds, drifts fixed; `*`: the 95% interval "
+             "excludes 0)")
+    md.write_text("\n\n".join([title,
                                 pooled_table(result), "Per drift and arm", drift_table(result, phase)]) + "\n")
     return {"png": str(png), "report": str(md)}
 
