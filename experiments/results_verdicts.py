@@ -35,7 +35,9 @@ def verdicts_section(root: Path) -> str:
             f"{d['reference_arm']}. Each draw's column: its mean difference over its own drifts. Pooled: over the "
             f"{len(d['drifts'])} drifts every draw ran, a bootstrap ({d['n_boot']:,} resamples) that draws the "
             "draws, the seeds within each and the drifts with replacement; Holm's correction across the arms; "
-            "'holds': the arm is below SAO, 'does not': above it. The old reports resampled seeds alone; with drifts "
+            "'holds': the arm is below SAO, 'does not': above it. An arm is pooled under its name as each version "
+            "defined it (from 2.0 each tuned arm runs at its own tuned point, and every arm restarts a drift from one "
+            "common checkpoint). The old reports resampled seeds alone; with drifts "
             f"resampled too, these verdicts of single draws no longer separate: {lost}.")
     head = ["arm", *names, "pooled mean [95%]", "Holm p", "verdict"]
     return section("14. The suite's verdicts over every committed draw", what, [table(head, rows)],
