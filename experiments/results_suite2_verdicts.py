@@ -45,9 +45,11 @@ def twins(main: dict) -> dict[str, str]:
     runs: dict[str, dict] = {}
     for r in main["runs"]:
         runs.setdefault(r["arm"], {})[(r["drift"], r["seed"])] = (r["auc_equal_rollouts"], r["auc_equal_tokens"])
-    names = list(runs)
-    return {a: next(b for b in names[:i] if runs[b] == runs[a]) for i, a in enumerate(names)
-            if any(runs[b] == runs[a] for b in names[:i])}
+    found: dict[str, str] = {}
+    for i, a in enumerate(names := list(runs)):
+        if first := next((b for b in names[:i] if runs[b] == runs[a]), None):
+            found[a] = first
+    return found
 
 
 def arm_rows(d: dict, where: str, pooled: dict, regime: str = "", twin: dict | None = None) -> list[list]:
@@ -103,10 +105,10 @@ def sync_row(d: dict) -> list:
             f"{best if auc[best] > auc['async'] else 'async'} higher (no test)", "—"]
 
 
-def pooled_rows(main: dict) -> list[list]:
+def pooled_rows(main: dict, twin: dict[str, str]) -> list[list]:
     """Each arm's pooled outcomes as the main file gives them, with its runs' mean start success and post-drift
     learner steps (which the pool does not average)."""
-    rows, twin = [], twins(main)
+    rows = []
     for p in main["pooled"]:
         rs = [r for r in main["runs"] if r["arm"] == p["arm"]]
         start, steps = (float(np.mean([r[k] for r in rs])) for k in ("start_success", "post_drift_learner_steps"))
@@ -123,8 +125,9 @@ def suite2_verdicts_section(root: Path) -> str:
     missing = [f"{WHAT[k]} ({p.name})" for k, p in PARTS.items() if k not in have]
     pooled = get(POOLED)["pooled"] if "arms" in have and (root / POOLED).is_file() else {}
     rows, parts = [], []
+    twin = twins(have["main"]) if "main" in have else {}
     if "arms" in have:
-        rows += arm_rows(have["arms"], "main", pooled, twin=twins(have["main"]) if "main" in have else {})
+        rows += arm_rows(have["arms"], "main", pooled, twin=twin)
     if "factorial" in have:
         rows += factorial_rows(have["factorial"])
     if "stragglers" in have:
@@ -143,7 +146,7 @@ def suite2_verdicts_section(root: Path) -> str:
     if "main" in have:
         parts.append(table(["arm", "runs", "AUC (equal rollouts)", "start success", "AUC − start",
                             "AUC (equal steps)", "AUC (equal compute)", "post-drift learner steps"],
-                           pooled_rows(have["main"])))
+                           pooled_rows(have["main"], twin)))
     if missing:
         parts.append(f"Not run yet, in {MAIN}/: {', '.join(missing)}.")
     report = [MAIN / f"suite.{x}" for x in ("md", "png") if (root / MAIN / f"suite.{x}").is_file()]
