@@ -277,7 +277,9 @@ def test_megatron_learner_gang_resumes_after_a_rank_dies_and_trains_each_traject
             str(ck)]
     argv += set_args([*TINY_OVERRIDES, "model.experts_per_token=2", "backend.expert_parallel=2", "threads=1",
                       "loss.kl_coef=0", "batch.tokens=100000", "batch.max_trajectories=4", "checkpoint.every=2"])
-    cfg = ray_config("", ["learner_workers=2", "learner.num_cpus=0.5", "stop_timeout_s=15"])
+    # min_uptime_s=600: rank 0's exit when rank 1 dies is always "early" (on a fast machine the kill can land within
+    # the default 10 s of the start), and must still restart the gang, not fail the run as a bad start would
+    cfg = ray_config("", ["learner_workers=2", "learner.num_cpus=0.5", "stop_timeout_s=15", "min_uptime_s=600"])
     sup = RaySupervisor(tmp_path / "logs", {}, cfg)
     events = ck / "events.jsonl"
     try:

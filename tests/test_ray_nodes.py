@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from role_stub import role_script
 
-from streamer.launch.ray_nodes import WEIGHTS_FIX, Need, gang_env
+from streamer.launch.ray_nodes import WEIGHTS_FIX, Need, gang_env, role_verdict
 from streamer.transport import shared
 from streamer.wire.config import ConfigError
 
@@ -21,6 +21,26 @@ ray = pytest.importorskip("ray")
 
 def place(node: str, *gpus: str) -> dict:
     return {"node_id": node, "ip": f"ip-{node}", "host": "h", "gpus": list(gpus)}
+
+
+def rank(state: str, rc: int | None = None, fast: bool = False) -> dict:
+    return {"state": state, "returncode": rc, "failed_fast": fast}
+
+
+def test_a_rank_failing_fast_fails_the_run_unless_a_peer_was_lost():
+    # the CI failure: rank 1's actor was killed 8 s after the start; rank 0 died of the reset within min_uptime_s
+    assert role_verdict([rank("exited", 1, fast=True), rank("idle")], True, -1, 0) == ("restart", None)
+    assert role_verdict([rank("exited", 1, fast=True), rank("exited", -9)], True, -1, 0) == ("restart", None)
+    # no peer lost: a bad config (status 2) or an early crash on every rank is not restarted
+    assert role_verdict([rank("exited", 2, fast=True), rank("exited", 2, fast=True)], True, -1, 0) == ("fail", 2)
+    assert role_verdict([rank("exited", 1, fast=True), rank("running")], True, -1, 0) == ("fail", 1)
+    assert role_verdict([rank("exited", 1, fast=True)], False, -1, 0) == ("fail", 1)
+    # a late failure restarts the gang until max_restarts restarts were spent
+    assert role_verdict([rank("exited", 1), rank("running")], True, 3, 2) == ("restart", None)
+    assert role_verdict([rank("exited", 1), rank("running")], True, 3, 3) == ("fail", 1)
+    assert role_verdict([rank("idle"), rank("running")], True, 0, 0) == ("fail", 1)
+    assert role_verdict([rank("exited", 0), rank("exited", 0)], True, -1, 0) == ("done", 0)
+    assert role_verdict([rank("running"), rank("running")], True, -1, 0) == ("run", None)
 
 
 def test_gang_env_numbers_ranks_node_by_node_and_shares_a_nodes_gpus():

@@ -30,7 +30,7 @@ from typing import Any, Literal, get_args
 
 from streamer.launch.processes import Role, Supervisor
 from streamer.launch.ray_actor import SAO, RoleActor
-from streamer.launch.ray_nodes import Need, check_paths, gang_env, learner_on_driver
+from streamer.launch.ray_nodes import Need, check_paths, gang_env, learner_on_driver, role_verdict
 from streamer.wire.config import ConfigError, load_config
 
 Strategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
@@ -181,16 +181,11 @@ class ActorRole:
         if statuses is None:
             self._warn_if_pending()
             return self.returncode
-        failed = [s for s in statuses if s["failed_fast"]]
-        if failed:
-            self.returncode = failed[0]["returncode"]
-        elif all(s["state"] == "exited" and s["returncode"] == 0 for s in statuses):
-            self.returncode = 0
-        elif self.gang and any(s["state"] == "idle" or s["returncode"] not in (None, 0) for s in statuses):
-            if 0 <= self.max_restarts <= self.gang_restarts:
-                self.returncode = next((s["returncode"] for s in statuses if s["returncode"]), 1)
-            else:
-                self.restart_gang()  # a lone rank cannot rejoin the process group: all ranks start again
+        action, rc = role_verdict(statuses, self.gang, self.max_restarts, self.gang_restarts)
+        if action == "restart":
+            self.restart_gang()  # a lone rank cannot rejoin the process group: all ranks start again
+        else:
+            self.returncode = rc
         return self.returncode
 
     def _warn_if_pending(self) -> None:

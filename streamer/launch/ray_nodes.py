@@ -1,4 +1,5 @@
-"""Where Ray placed a run's actors: torchrun's environment per node, and the check that shared paths are shared.
+"""Where Ray placed a run's actors: torchrun's environment per node, what a gang's statuses call for, and the check
+that shared paths are shared.
 
 A learner gang's ranks are numbered node by node from where the actors landed (`RoleActor.where`): LOCAL_RANK
 0..k-1 and LOCAL_WORLD_SIZE k among the k ranks of a node, the GPUs Ray gave those ranks visible to all of them,
@@ -39,6 +40,26 @@ def gang_env(places: list[dict[str, Any]], master_addr: str, master_port: int) -
             env["CUDA_VISIBLE_DEVICES"] = ",".join(dict.fromkeys(ids))
         out.append({k: str(v) for k, v in env.items()})
     return out
+
+
+def role_verdict(statuses: list[dict[str, Any]], gang: bool, max_restarts: int,
+                 gang_restarts: int) -> tuple[str, int | None]:
+    """("run" | "done" | "fail" | "restart", returncode) for a role's actor statuses (`RoleActor.status`).
+
+    A rank that failed fast (a bad config, an error at start-up) fails the run, unless a rank of its gang was lost
+    (Ray restarted it: idle; or its process was killed by a signal): the peer's death explains the error, however
+    soon after the start it came, and all ranks start again."""
+    lost = gang and any(s["state"] == "idle" or (s["returncode"] or 0) < 0 for s in statuses)
+    fast = [s["returncode"] for s in statuses if s["failed_fast"]]
+    if fast and not lost:
+        return "fail", fast[0]
+    if all(s["state"] == "exited" and s["returncode"] == 0 for s in statuses):
+        return "done", 0
+    if gang and (lost or any(s["returncode"] not in (None, 0) for s in statuses)):
+        if 0 <= max_restarts <= gang_restarts:
+            return "fail", next((s["returncode"] for s in statuses if s["returncode"]), 1)
+        return "restart", None
+    return "run", None
 
 
 def host_label(place: dict[str, Any]) -> str:
