@@ -253,7 +253,8 @@ def header(values: list[dict], window: int) -> None:
         cols[3].metric("drift events", str(h["drift_events"]))
         cols[4].metric("mean staleness", _fmt(h["mean_staleness"], "{:.2f}"))
         cols[5].metric("trained fraction", _fmt(h["trained_fraction"], "{:.0%}"),
-                       help="trajectories the learner trained on ÷ trajectories generated")
+                       help="trajectories the learner trained on ÷ trajectories generated (while a run is "
+                       "written: its steps up to the newest trajectory read)")
         cols[6].metric("learner busy share", _fmt(h["busy_share"], "{:.0%}"),
                        help="1 − the learner's idle time (waiting for a batch) ÷ its wall time")
         learner, metrics = h["dead_letters"]

@@ -283,6 +283,14 @@ def answers_frame(run: RunData, n: int = 3, prompt_chars: int = 60) -> pd.DataFr
     return df[ANSWER_COLUMNS].reset_index(drop=True)
 
 
+def _steps_seen(run: RunData, state: str) -> pd.DataFrame:
+    """The learner steps to set against the trajectories read so far: while a run is written, those up to its newest
+    trajectory (the learner's table can be flushed ahead of the trajectories', which read as more than 100%)."""
+    if state == "finished" or not len(run.trajectories) or "time" not in run.learner:
+        return run.learner
+    return run.learner[run.learner["time"] <= run.trajectories["finished_at"].max()]
+
+
 def header_values(run: RunData, window: int, staleness: pd.DataFrame) -> dict[str, Any]:
     n_traj = len(run.trajectories)
     if not n_traj and len(run.metrics) and "trajectories" in run.metrics:  # live topics: the metrics' count
@@ -293,7 +301,7 @@ def header_values(run: RunData, window: int, staleness: pd.DataFrame) -> dict[st
     state = "finished" if run.summary else "live topics" if run.name.startswith("live:") else "being written"
     return {"name": run.name, "state": state, "trajectories": n_traj, "learner_steps": len(run.learner),
             "auc": auc, "drift_events": len(run.drift), "mean_staleness": mean,
-            "trained_fraction": _finite_or_none(ad.trained_fraction(run.learner, n_traj)),
+            "trained_fraction": _finite_or_none(ad.trained_fraction(_steps_seen(run, state), n_traj)),
             "busy_share": _finite_or_none(ad.learner_busy_share(run.learner)),
             "dead_letters": (_over_run(run.learner, "learner/dead_letters", "learner/dead_letters"),
                              _point_over_run(run.metrics, "metrics/dlq"))}

@@ -215,6 +215,26 @@ def test_live_run_being_written(tmp_path):
     w.close()
 
 
+def test_live_trained_fraction_counts_the_steps_up_to_the_newest_trajectory_read(tmp_path):
+    # the learner's table flushed ahead of the trajectories': steps at t=101 and t=103 of 2 trajectories each, the
+    # trajectories read so far finished at t=100..102 -> 2 of 3 (not 4 of 3 = 133%); then all 6 read -> 4 of 6
+    w = art.RunWriter(tmp_path / "live2", flush_seconds=1e9)
+    for s in range(2):
+        w.learner_event(LearnerEvent(step=s, version=s + 1, time=T0 + 1 + 2 * s, n_trajectories=2, n_tokens=4))
+    for k, (ph, r) in enumerate(REWARDS[:3]):
+        w.trajectory(_traj(k, ph, r, 0))
+    w.flush()
+    at = app(tmp_path)
+    assert {m.label: m.value for m in at.metric}["trained fraction"] == "67%"
+    for k, (ph, r) in enumerate(REWARDS[3:], start=3):
+        w.trajectory(_traj(k, ph, r, 0))
+    w.flush()
+    at.run()
+    shown = {m.label: m.value for m in at.metric}
+    assert (shown["trajectories"], shown["trained fraction"]) == ("6", "67%")
+    w.close()
+
+
 def test_missing_runs_dir_and_unreachable_broker_give_messages(tmp_path):
     at = app(tmp_path / "nope", "--bootstrap", "127.0.0.1:1", "--run", "ghost")
     texts = [i.value for i in at.info] + [w.value for w in at.warning] + [s.value for s in at.success]
