@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from experiments.results_format import RESULTS, Reader, f3, section, table
@@ -29,12 +28,11 @@ def tuning_rows(tuned: dict[str, dict]) -> list[list]:
     return rows
 
 
-def main_progress(root: Path) -> str:
+def main_progress(root: Path, get: Reader) -> str:
     """Which main seeds have run (one part's JSON a seed, pooled when all have): their names, not their outcomes,
     which are read once, pooled."""
-    pooled = root / MAIN / "suite.json"
-    if pooled.is_file():
-        seeds = sorted({r["seed"] for r in json.loads(pooled.read_text())["runs"]})
+    if (root / MAIN / "suite.json").is_file():  # read through `get`: the section's data line names it
+        seeds = sorted({r["seed"] for r in get(MAIN / "suite.json")["runs"]})
         return (f"Main seeds: {', '.join(map(str, seeds))} ({len(seeds)}), pooled in {MAIN}/suite.json from one part "
                 "a seed (seed-<n>.json, in git history); their verdicts: §16.")
     done = sorted(int(p.stem.split("-")[1]) for p in (root / MAIN).glob("seed-*.json"))
@@ -68,5 +66,5 @@ def suite2_section(root: Path) -> str:
                          f"{rule['per_arm'][rule['largest_sd_arm']]['sd']:.3f}; delta {rule['delta']:.3f}).")
     else:
         parts.append("No arm has finished its tuning search yet.")
-    parts.append(main_progress(root))
+    parts.append(main_progress(root, get))
     return section("15. Suite 2: its pilot", what, parts, get.read, [])

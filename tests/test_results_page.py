@@ -118,14 +118,18 @@ def test_the_suite2_section_renders_hand_written_json_exactly(tmp_path):
 
 
 def test_the_main_seeds_line_reads_the_pool_once_it_exists(tmp_path):
+    from experiments.results_format import Reader
     from experiments.results_suite2 import MAIN, main_progress
 
     (tmp_path / MAIN).mkdir(parents=True)
     (tmp_path / MAIN / "seed-0.json").write_text("{}")
-    assert main_progress(tmp_path).endswith("all have run): 0 (1).")
+    assert main_progress(tmp_path, Reader(tmp_path)).endswith("all have run): 0 (1).")
     (tmp_path / MAIN / "suite.json").write_text(json.dumps({"runs": [{"seed": 1}, {"seed": 0}, {"seed": 1}]}))
-    assert main_progress(tmp_path) == ("Main seeds: 0, 1 (2), pooled in docs/results/suite_main/v2.1/suite.json from "
-                                       "one part a seed (seed-<n>.json, in git history); their verdicts: §16.")
+    get = Reader(tmp_path)
+    assert main_progress(tmp_path, get) == ("Main seeds: 0, 1 (2), pooled in docs/results/suite_main/v2.1/suite.json "
+                                            "from one part a seed (seed-<n>.json, in git history); their verdicts: "
+                                            "§16.")
+    assert get.read == [MAIN / "suite.json"]  # so §15's data line names the file its seed line reads
 
 
 def test_an_arm_that_repeats_another_runs_for_run_is_named_its_twin():
