@@ -19,6 +19,7 @@ PARTS = {"main": MAIN / "suite.json", "arms": MAIN / "arms.json", "factorial": M
          "stragglers": MAIN / "stragglers_claims.json", "stability": MAIN / "stability.json"}
 WHAT = {"main": "the main file (pooled)", "arms": "its verdicts", "factorial": "the factorial",
         "stragglers": "the straggler regime", "stability": "the stability grid"}
+STRAGGLER_RUNS = MAIN / "stragglers/suite.json"  # the regime's own runs, beside its verdicts
 SYNC = RESULTS / "sync_baselines/sync_baselines.json"
 SHORT = {"auc_equal_rollouts": "rollouts", "auc_equal_tokens": "tokens", "auc_equal_steps": "steps",
          "auc_equal_compute": "compute", "auc_equal_sim_time": "simulated time"}
@@ -97,6 +98,31 @@ def stability_row(d: dict) -> list:
             "stability grid (cells collapsed vs start/vs frozen)", cells, "—", "counts (no test registered)", "—"]
 
 
+def stability_rows(d: dict) -> list[list]:
+    """The grid by arm and eta (its cells: updates per batch x lr factor): cells collapsed by each measure, the
+    cells' mean start and final reward, and the lowest cell's final."""
+    by: dict[tuple, list[dict]] = {}
+    for c in d["cells"]:
+        by.setdefault((c["arm"], c["eta"]), []).append(c)
+    return [[arm, eta, len(cs), sum(c["cell_collapsed_vs_start"] for c in cs),
+             sum(c["cell_collapsed_vs_frozen"] for c in cs), f3(np.mean([c["start"] for c in cs])),
+             f3(np.mean([c["final"] for c in cs])), f3(min(c["final"] for c in cs))] for (arm, eta), cs in by.items()]
+
+
+def straggler_rows(d: dict) -> list[list]:
+    """Each arm of the straggler regime: its AUC in simulated time and at equal rollouts, how many runs reached 0.7
+    and in how many simulated seconds (the median of those that did)."""
+    rows = []
+    for p in d["pooled"]:
+        rs = [r for r in d["runs"] if r["arm"] == p["arm"]]
+        reached = [r["sim_s_to_0.7"] for r in rs if r["reached_0.7_sim"]]
+        rows.append([p["arm"], len(rs), f3(p["auc_equal_sim_time"]), f3(p["auc_equal_rollouts"]),
+                     f3(float(np.mean([r["start_success"] for r in rs]))), len(reached),
+                     f"{np.median(reached):,.0f}" if reached else "—",
+                     f"{np.mean([r['post_drift_learner_steps'] for r in rs]):.1f}"])
+    return rows
+
+
 def sync_row(d: dict) -> list:
     auc = {m["mode"]: m["post_auc"] for m in d["per_mode"]}
     best = max((m for m in auc if m != "async"), key=auc.get)
@@ -147,6 +173,13 @@ def suite2_verdicts_section(root: Path) -> str:
         parts.append(table(["arm", "runs", "AUC (equal rollouts)", "start success", "AUC − start",
                             "AUC (equal steps)", "AUC (equal compute)", "post-drift learner steps"],
                            pooled_rows(have["main"], twin)))
+    if "stragglers" in have and (root / STRAGGLER_RUNS).is_file():
+        parts.append(table(["straggler regime: arm", "runs", "AUC (simulated time)", "AUC (equal rollouts)",
+                            "start success", "runs reaching 0.7", "median simulated s to 0.7",
+                            "post-drift learner steps"], straggler_rows(get(STRAGGLER_RUNS))))
+    if "stability" in have:
+        parts.append(table(["stability grid: arm", "eta", "cells", "collapsed vs start", "collapsed vs frozen",
+                            "start", "final", "lowest cell's final"], stability_rows(have["stability"])))
     if missing:
         parts.append(f"Not run yet, in {MAIN}/: {', '.join(missing)}.")
     report = [MAIN / f"suite.{x}" for x in ("md", "png") if (root / MAIN / f"suite.{x}").is_file()]

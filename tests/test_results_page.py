@@ -160,7 +160,7 @@ def test_the_suite2_verdicts_section_renders_hand_written_json_exactly(tmp_path)
     claims = {c: {"verdict": "holds" if c.startswith("single") else "does not", "pairs": pairs} for c in CLAIM_PAIRS}
     factorial = {"outcomes": ["auc_equal_rollouts"], "n_boot": 10000,
                  "claims": {"auc_equal_rollouts": {"eta4": claims, "eta0": claims}}}
-    cell = {"cell_collapsed_vs_start": True, "cell_collapsed_vs_frozen": False}
+    cell = {"cell_collapsed_vs_start": True, "cell_collapsed_vs_frozen": False, "eta": 4, "start": 0.2, "final": 0.1}
     stability = {"cells": [{"arm": "sao", **cell}, {"arm": "sao", **cell, "cell_collapsed_vs_start": False},
                            {"arm": "ppo", **cell}]}
     run = {"auc_equal_rollouts": 0.5, "auc_equal_tokens": 0.5, "start_success": 0.25, "auc_equal_steps": 0.4,
@@ -191,4 +191,32 @@ def test_the_suite2_verdicts_section_renders_hand_written_json_exactly(tmp_path)
                          "0.362 | — | sync_one_step higher (no test) | — |")
     # sao's pooled AUC 0.375; its two runs' start 0.25, steps (10 + 13) / 2
     assert lines[16] == "| sao | 2 | 0.375 | 0.250 | +0.125 | 0.400 | 0.300 | 11.5 |"
-    assert lines[18] == "Not run yet, in docs/results/suite_main/v2.1/: the straggler regime (stragglers_claims.json)."
+    assert lines[20] == "| sao | 4 | 2 | 1 | 0 | 0.200 | 0.100 | 0.100 |"  # the grid by arm and eta
+    assert lines[23] == "Not run yet, in docs/results/suite_main/v2.1/: the straggler regime (stragglers_claims.json)."
+
+
+def test_the_straggler_and_stability_tables_add_up_hand_written_rows():
+    from experiments.results_suite2_verdicts import stability_rows, straggler_rows
+
+    def cell(arm, eta, final, vs_start, vs_frozen):
+        return {"arm": arm, "eta": eta, "start": 0.3, "final": final, "cell_collapsed_vs_start": vs_start,
+                "cell_collapsed_vs_frozen": vs_frozen}
+
+    grid = {"cells": [cell("sao", 0, 0.1, True, True), cell("sao", 0, 0.5, False, False),
+                      cell("sao", 4, 0.4, False, False), cell("grpo", 0, 0.12, True, False)]}
+    # sao at eta 0: 1 of 2 cells by each measure, final (0.1 + 0.5) / 2, its lowest 0.1
+    assert stability_rows(grid) == [["sao", 0, 2, 1, 1, "0.300", "0.300", "0.100"],
+                                    ["sao", 4, 1, 0, 0, "0.300", "0.400", "0.400"],
+                                    ["grpo", 0, 1, 1, 0, "0.300", "0.120", "0.120"]]
+
+    def run(arm, start, t, hit, steps):
+        return {"arm": arm, "start_success": start, "sim_s_to_0.7": t, "reached_0.7_sim": hit,
+                "post_drift_learner_steps": steps}
+
+    d = {"pooled": [{"arm": "sao", "auc_equal_sim_time": 0.5, "auc_equal_rollouts": 0.6},
+                    {"arm": "grpo", "auc_equal_sim_time": 0.2, "auc_equal_rollouts": 0.4}],
+         "runs": [run("sao", 0.2, 100.0, True, 10), run("sao", 0.3, 300.0, True, 20), run("sao", 0.4, 900.0, False, 30),
+                  run("grpo", 0.2, 800.0, False, 5)]}
+    # sao: 2 of 3 runs reached 0.7, median of 100 and 300 s; the censored 900 s left out
+    assert straggler_rows(d) == [["sao", 3, "0.500", "0.600", "0.300", 2, "200", "20.0"],
+                                 ["grpo", 1, "0.200", "0.400", "0.200", 0, "—", "5.0"]]
