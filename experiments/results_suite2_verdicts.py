@@ -182,5 +182,6 @@ def suite2_verdicts_section(root: Path) -> str:
                             "start", "final", "lowest cell's final"], stability_rows(have["stability"])))
     if missing:
         parts.append(f"Not run yet, in {MAIN}/: {', '.join(missing)}.")
-    report = [MAIN / f"suite.{x}" for x in ("md", "png") if (root / MAIN / f"suite.{x}").is_file()]
+    reports = [d / f"suite.{x}" for d in (MAIN, MAIN / "factorial", MAIN / "stragglers") for x in ("md", "png")]
+    report = [p for p in [*reports, MAIN / "stability.md"] if (root / p).is_file()]
     return section("16. Suite 2.1: each claim beside its verdict", what, parts, [*get.read, *report], [])
