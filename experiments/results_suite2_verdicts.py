@@ -85,6 +85,32 @@ def factorial_rows(d: dict) -> list[list]:
     return rows
 
 
+FACTOR = {"single": "single rollout", "group4": "groups of 4", "value": "value model", "base": "no critic",
+          "strict": "strict clip", "oneside": "one-side clip"}
+
+
+FACTORIAL_POINTS = (
+    "No factorial cell is tuned on its own: each takes the tuned point of the main arm it equals in loss and baseline "
+    "(experiments/suites/drift_v2_factorial.yaml), so a pair that changes the loss or the baseline changes the lr, "
+    "KL and clip width with it (the value cells' clip pair is SAO's point against PPO's; a value-model pair, SAO's or "
+    "PPO's against GRPO's or REINFORCE++'s). Only the no-critic cells' clip pairs share one point; at eta 0 they "
+    "repeat run for run, as registered: on-policy the clip does not bind.")
+
+
+def factorial_pair_rows(d: dict) -> list[list]:
+    """Each claim's 4 cell pairs, named by the factors they hold fixed: the difference at eta 4 with its Holm p and
+    verdict, and eta 0's beside (where the factors interact, the claim's pairs disagree)."""
+    by = d["claims"][d["outcomes"][0]]
+    rows = []
+    for claim, pairs in CLAIM_PAIRS.items():
+        for b, w in pairs:
+            fixed = ", ".join(FACTOR[x] for x, y in zip(b.split("_"), w.split("_")) if x == y)
+            at = {eta: by[eta][claim]["pairs"][f"f_{b}_{eta} vs f_{w}_{eta}"] for eta in ("eta4", "eta0")}
+            rows.append([claim, fixed, interval_cell(at["eta4"]), p_cell(at["eta4"]["holm_p"], d["n_boot"]),
+                         at["eta4"]["verdict"], interval_cell(at["eta0"]), at["eta0"]["verdict"]])
+    return rows
+
+
 def stability_row(d: dict) -> list:
     """Collapsed cells per arm, against the run's start and against the frozen policy (counts; no test)."""
     count: dict[str, list[int]] = {}
@@ -173,6 +199,10 @@ def suite2_verdicts_section(root: Path) -> str:
         parts.append(table(["arm", "runs", "AUC (equal rollouts)", "start success", "AUC − start",
                             "AUC (equal steps)", "AUC (equal compute)", "post-drift learner steps"],
                            pooled_rows(have["main"], twin)))
+    if "factorial" in have:
+        parts.append(table(["factorial: claim", "pair holds fixed", "eta 4: difference [95%]", "Holm p", "verdict",
+                            "eta 0: difference [95%]", "verdict"], factorial_pair_rows(have["factorial"])))
+        parts.append(FACTORIAL_POINTS)
     if "stragglers" in have and (root / STRAGGLER_RUNS).is_file():
         parts.append(table(["straggler regime: arm", "runs", "AUC (simulated time)", "AUC (equal rollouts)",
                             "start success", "runs reaching 0.7", "median simulated s to 0.7",

@@ -155,11 +155,13 @@ def test_the_suite2_verdicts_section_renders_hand_written_json_exactly(tmp_path)
             "arms": {"auc_equal_rollouts": {"sao vs grpo": r(-0.1, -0.15, -0.05, 0.0, "holds"),
                                             "sao vs ppo": r(0.01, -0.02, 0.04, 0.6, "not separable at this power")},
                      "auc_equal_steps": {"sao vs grpo": r(-0.2, -0.3, -0.1, 0.0, "holds")}}}
-    pairs = {f"{b} vs {w}": r(m, m - 0.1, m + 0.1, p, "x") for (b, w), m, p in
-             zip(CLAIM_PAIRS["single rollout beats groups"], (-0.04, -0.01, -0.03, -0.02), (0.01, 0.2, 0.03, 0.04))}
-    claims = {c: {"verdict": "holds" if c.startswith("single") else "does not", "pairs": pairs} for c in CLAIM_PAIRS}
-    factorial = {"outcomes": ["auc_equal_rollouts"], "n_boot": 10000,
-                 "claims": {"auc_equal_rollouts": {"eta4": claims, "eta0": claims}}}
+    def pairs(claim, eta):
+        return {f"f_{b}_{eta} vs f_{w}_{eta}": r(m, m - 0.1, m + 0.1, p, "x") for (b, w), m, p in
+                zip(CLAIM_PAIRS[claim], (-0.04, -0.01, -0.03, -0.02), (0.01, 0.2, 0.03, 0.04))}
+
+    claims = {eta: {c: {"verdict": "holds" if c.startswith("single") else "does not", "pairs": pairs(c, eta)}
+                    for c in CLAIM_PAIRS} for eta in ("eta4", "eta0")}
+    factorial = {"outcomes": ["auc_equal_rollouts"], "n_boot": 10000, "claims": {"auc_equal_rollouts": claims}}
     cell = {"cell_collapsed_vs_start": True, "cell_collapsed_vs_frozen": False, "eta": 4, "start": 0.2, "final": 0.1}
     stability = {"cells": [{"arm": "sao", **cell}, {"arm": "sao", **cell, "cell_collapsed_vs_start": False},
                            {"arm": "ppo", **cell}]}
@@ -191,8 +193,13 @@ def test_the_suite2_verdicts_section_renders_hand_written_json_exactly(tmp_path)
                          "0.362 | — | sync_one_step higher (no test) | — |")
     # sao's pooled AUC 0.375; its two runs' start 0.25, steps (10 + 13) / 2
     assert lines[16] == "| sao | 2 | 0.375 | 0.250 | +0.125 | 0.400 | 0.300 | 11.5 |"
-    assert lines[20] == "| sao | 4 | 2 | 1 | 0 | 0.200 | 0.100 | 0.100 |"  # the grid by arm and eta
-    assert lines[23] == "Not run yet, in docs/results/suite_main/v2.1/: the straggler regime (stragglers_claims.json)."
+    # each pair named by the factors it holds fixed: the clip claim's last pair, groups of 4 without a critic
+    assert lines[20] == ("| single rollout beats groups | value model, strict clip | -0.040 [-0.140, +0.060] | 0.0100 "
+                         "| x | -0.040 [-0.140, +0.060] | x |")
+    assert lines[31] == ("| the strict double-side clip beats the one-side clip | groups of 4, no critic | -0.020 "
+                         "[-0.120, +0.080] | 0.0400 | x | -0.020 [-0.120, +0.080] | x |")
+    assert lines[37] == "| sao | 4 | 2 | 1 | 0 | 0.200 | 0.100 | 0.100 |"  # the grid by arm and eta
+    assert lines[40] == "Not run yet, in docs/results/suite_main/v2.1/: the straggler regime (stragglers_claims.json)."
 
 
 def test_the_straggler_and_stability_tables_add_up_hand_written_rows():
