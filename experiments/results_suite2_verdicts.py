@@ -135,6 +135,15 @@ def stability_rows(d: dict) -> list[list]:
              f3(np.mean([c["final"] for c in cs])), f3(min(c["final"] for c in cs))] for (arm, eta), cs in by.items()]
 
 
+def collapse_lines(d: dict) -> str:
+    """Where the registered collapse rule draws its lines, beside the lowest final: a start near 0 leaves no room."""
+    cells, r = d["cells"], d["ratio"]
+    start, frozen = (float(np.mean([c[k] for c in cells])) for k in ("start", "frozen_final"))
+    return (f"A cell collapses when {d['quorum']} of its seeds end below {r:g} of their start or of the frozen arm's "
+            f"final: on average below {f3(r * start)} or {f3(r * frozen)}; the lowest cell ended at "
+            f"{f3(min(c['final'] for c in cells))}.")
+
+
 def straggler_rows(d: dict) -> list[list]:
     """Each arm of the straggler regime: its AUC in simulated time and at equal rollouts, how many runs reached 0.7
     and in how many simulated seconds (the median of those that did)."""
@@ -210,6 +219,7 @@ def suite2_verdicts_section(root: Path) -> str:
     if "stability" in have:
         parts.append(table(["stability grid: arm", "eta", "cells", "collapsed vs start", "collapsed vs frozen",
                             "start", "final", "lowest cell's final"], stability_rows(have["stability"])))
+        parts.append(collapse_lines(have["stability"]))
     if missing:
         parts.append(f"Not run yet, in {MAIN}/: {', '.join(missing)}.")
     reports = [d / f"suite.{x}" for d in (MAIN, MAIN / "factorial", MAIN / "stragglers") for x in ("md", "png")]

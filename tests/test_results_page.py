@@ -162,9 +162,10 @@ def test_the_suite2_verdicts_section_renders_hand_written_json_exactly(tmp_path)
     claims = {eta: {c: {"verdict": "holds" if c.startswith("single") else "does not", "pairs": pairs(c, eta)}
                     for c in CLAIM_PAIRS} for eta in ("eta4", "eta0")}
     factorial = {"outcomes": ["auc_equal_rollouts"], "n_boot": 10000, "claims": {"auc_equal_rollouts": claims}}
-    cell = {"cell_collapsed_vs_start": True, "cell_collapsed_vs_frozen": False, "eta": 4, "start": 0.2, "final": 0.1}
-    stability = {"cells": [{"arm": "sao", **cell}, {"arm": "sao", **cell, "cell_collapsed_vs_start": False},
-                           {"arm": "ppo", **cell}]}
+    cell = {"cell_collapsed_vs_start": True, "cell_collapsed_vs_frozen": False, "eta": 4, "start": 0.2, "final": 0.1,
+            "frozen_final": 0.3}
+    stability = {"ratio": 0.5, "quorum": 2, "cells": [{"arm": "sao", **cell}, {"arm": "ppo", **cell},
+                                                      {"arm": "sao", **cell, "cell_collapsed_vs_start": False}]}
     run = {"auc_equal_rollouts": 0.5, "auc_equal_tokens": 0.5, "start_success": 0.25, "auc_equal_steps": 0.4,
            "auc_equal_compute": 0.3, "post_drift_learner_steps": 10, "drift": "a", "seed": 0}
     main = {"runs": [{"arm": "sao", **run}, {"arm": "sao", **run, "auc_equal_rollouts": 0.25, "drift": "b",
@@ -199,7 +200,10 @@ def test_the_suite2_verdicts_section_renders_hand_written_json_exactly(tmp_path)
     assert lines[31] == ("| the strict double-side clip beats the one-side clip | groups of 4, no critic | -0.020 "
                          "[-0.120, +0.080] | 0.0400 | x | -0.020 [-0.120, +0.080] | x |")
     assert lines[37] == "| sao | 4 | 2 | 1 | 0 | 0.200 | 0.100 | 0.100 |"  # the grid by arm and eta
-    assert lines[40] == "Not run yet, in docs/results/suite_main/v2.1/: the straggler regime (stragglers_claims.json)."
+    # half the start 0.2 and half the frozen final 0.3
+    assert lines[40] == ("A cell collapses when 2 of its seeds end below 0.5 of their start or of the frozen arm's "
+                         "final: on average below 0.100 or 0.150; the lowest cell ended at 0.100.")
+    assert lines[42] == "Not run yet, in docs/results/suite_main/v2.1/: the straggler regime (stragglers_claims.json)."
 
 
 def test_the_straggler_and_stability_tables_add_up_hand_written_rows():
