@@ -87,8 +87,6 @@ def factorial_rows(d: dict) -> list[list]:
 
 FACTOR = {"single": "single rollout", "group4": "groups of 4", "value": "value model", "base": "no critic",
           "strict": "strict clip", "oneside": "one-side clip"}
-
-
 FACTORIAL_POINTS = (
     "No factorial cell is tuned on its own: each takes the tuned point of the main arm it equals in loss and baseline "
     "(experiments/suites/drift_v2_factorial.yaml), so a pair that changes the loss or the baseline changes the lr, "
@@ -144,12 +142,19 @@ def collapse_lines(d: dict) -> str:
             f"{f3(min(c['final'] for c in cells))}.")
 
 
+def runs_by_arm(d: dict) -> dict[str, list[dict]]:
+    by: dict[str, list[dict]] = {}
+    for r in d["runs"]:
+        by.setdefault(r["arm"], []).append(r)
+    return by
+
+
 def straggler_rows(d: dict) -> list[list]:
     """Each arm of the straggler regime: its AUC in simulated time and at equal rollouts, how many runs reached 0.7
     and in how many simulated seconds (the median of those that did)."""
-    rows = []
+    rows, runs = [], runs_by_arm(d)
     for p in d["pooled"]:
-        rs = [r for r in d["runs"] if r["arm"] == p["arm"]]
+        rs = runs[p["arm"]]
         reached = [r["sim_s_to_0.7"] for r in rs if r["reached_0.7_sim"]]
         rows.append([p["arm"], len(rs), f3(p["auc_equal_sim_time"]), f3(p["auc_equal_rollouts"]),
                      f3(float(np.mean([r["start_success"] for r in rs]))), len(reached),
@@ -169,9 +174,9 @@ def sync_row(d: dict) -> list:
 def pooled_rows(main: dict, twin: dict[str, str]) -> list[list]:
     """Each arm's pooled outcomes as the main file gives them, with its runs' mean start success and post-drift
     learner steps (which the pool does not average)."""
-    rows = []
+    rows, runs = [], runs_by_arm(main)
     for p in main["pooled"]:
-        rs = [r for r in main["runs"] if r["arm"] == p["arm"]]
+        rs = runs[p["arm"]]
         start, steps = (float(np.mean([r[k] for r in rs])) for k in ("start_success", "post_drift_learner_steps"))
         name = p["arm"] + (f" (= {twin[p['arm']]})" if p["arm"] in twin else "")
         rows.append([name, len(rs), f3(p["auc_equal_rollouts"]), f3(start),
