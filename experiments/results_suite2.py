@@ -14,6 +14,7 @@ TUNING = RESULTS / "suite_pilot/v2.1"
 MAIN = RESULTS / "suite_main/v2.1"
 
 
+
 def prior_rows(d: dict) -> list[list]:
     return [[p["drift"], f3(p["start_success"]), ", ".join(f"{x:.3f}" for x in p["start_by_seed"]),
              "yes" if p["admissible"] else "no"] for p in d["per_drift"]]
@@ -26,6 +27,23 @@ def tuning_rows(tuned: dict[str, dict]) -> list[list]:
         edges = ", ".join(grid_edges(t)) or "none"
         rows.append([t["arm"], t["chosen_setting"], f3(best), f"{t['settings_run']} of {t['budget']}", edges])
     return rows
+
+
+def edge_rows(check: dict) -> list[list]:
+    """The edge check: each point one step past a grid edge beside its arm's chosen point, scored on the pilot's seeds
+    and drifts (recorded in the search / rerun)."""
+    return [[r["arm"], r["chosen_setting"], f"{f3(r['recorded_score'])} / {f3(r['rerun_score'])}", b["setting"],
+             f3(b["score"]), "yes" if r["inside"] else "no"] for r in check["arms"] for b in r["beyond"]]
+
+
+def edge_sentence(check: dict, suite_sha: str | None) -> str:
+    """What the edge check is, and which warm-start build it ran on beside the suite's."""
+    build = (f"the warm start of the machine it ran on ({check['init_sha256'][:12]}…; the suite's runs: "
+             f"{suite_sha[:12]}…)" if suite_sha and suite_sha != check["init_sha256"] else "the suite's warm start")
+    return ("Where a search's budget ended at a grid edge, the points past it were scored after the main runs, one "
+            "step at a time while a step scored higher (`python -m experiments.suite_tune --edge-check "
+            f"{TUNING}`: a check, not part of the registered search), with the chosen point run again beside them, "
+            f"from {build}:")
 
 
 def main_progress(root: Path, get: Reader) -> str:
@@ -59,6 +77,12 @@ def suite2_section(root: Path) -> str:
     if tuned:
         parts.append(table(["arm", "chosen setting", "pilot score", "settings", "at a grid edge"],
                            tuning_rows(tuned)))
+        if (root / TUNING / "edge_check.json").is_file():
+            check = get(TUNING / "edge_check.json")
+            suite_sha = get(MAIN / "suite.json")["init_sha256"] if (root / MAIN / "suite.json").is_file() else None
+            parts.append(edge_sentence(check, suite_sha))
+            parts.append(table(["arm", "chosen setting", "its score (search / rerun)", "past its edge", "score",
+                                "chosen inside its grid"], edge_rows(check)))
         if (root / TUNING / "filled.json").is_file():
             rule = get(TUNING / "filled.json")["seeds_rule"]
             parts.append(f"Main seeds by 1.1's power rule on the chosen points' paired pilot differences: "

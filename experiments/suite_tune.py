@@ -20,6 +20,8 @@ it stopped.
 
     .venv/bin/python -m experiments.suite_tune --suite experiments/suites/drift_v2.yaml --arms sao,grpo --jobs 2
     .venv/bin/python -m experiments.suite_tune --suite experiments/suites/drift_v2.yaml --fill   # tuned.filled, seeds
+    .venv/bin/python -m experiments.suite_tune --suite experiments/suites/drift_v2.yaml \
+        --edge-check docs/results/suite_pilot/v2.1   # after the search: past the edges its budget ended at
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import pandas as pd
 
 from experiments.arms import Arm, arms, setting_of, with_setting
 from experiments.arms import arm as arm_named
+from experiments.common import init_sha256
 from experiments.suite_config import Plan, build_init, load_plan, pick_drifts, read_suite
 from experiments.suite_plan import seeds_rule
 from experiments.suite_runs import json_default, run_all, run_path
@@ -190,6 +193,53 @@ def grid_edges(search: dict) -> list[str]:
     return out
 
 
+def grid_ends(arm: Arm, search: dict, t: Tuning) -> list[tuple[str, list[float], bool]]:
+    """(coordinate, grid, low) for each coordinate the search left at an end of its grid with the budget spent
+    (`at_grid_edge`): the suite's grid and every value the search tried (the clip's as scales of the loss's own band),
+    and whether the chosen value is its low end."""
+    chosen, own_high = search["chosen"], clip_band(arm, 1.0)[1]
+    base = {"lr": t.lr, "group_size": t.group_sizes, "clip": t.clip_scales}
+    out = []
+    for key in (k for k, edge in search["at_grid_edge"].items() if edge and k in EXTEND):
+        tried = [e["value"][1] / own_high if key == "clip" else e["value"]
+                 for e in search["tried"] if e["coordinate"] == key]
+        grid = sorted({round(float(v), 12) for v in [*base[key], *tried]})
+        at = round(chosen["clip"][1] / own_high if key == "clip" else float(chosen[key]), 12)
+        out.append((key, grid, at <= grid[0]))
+    return out
+
+
+def edge_check(searches: list[dict], t: Tuning, score_of, max_steps: int = 4) -> list[dict[str, Any]]:
+    """For each search left at a grid edge: its chosen point scored again (the same seeds and drifts) and the points
+    past each edge, one step at a time (the search's own extension), while a step scores higher than the best before
+    it (at most `max_steps`). After the registered search and never part of it: the chosen point is inside its grid
+    in fact when the first step past every edge scores no higher. `score_of(arm)` gives the arm's `score(point)`."""
+    rows = []
+    for search in searches:
+        arm = arm_named(search["arm"])
+        if not (ends := grid_ends(arm, search, t)):
+            continue
+        score = score_of(arm)
+        chosen = {**search["chosen"], "clip": tuple(search["chosen"]["clip"])}
+        recorded = next(e["score"] for e in search["tried"] if e["setting"] == search["chosen_setting"])
+        rerun, steps = score(chosen), []
+        for key, grid, low in ends:
+            top = rerun
+            while len([s for s in steps if s["coordinate"] == key]) < max_steps:
+                if (v := EXTEND[key](grid, low)) is None:
+                    break
+                grid = [v, *grid] if low else [*grid, v]
+                point = {**chosen, key: clip_band(arm, v) if key == "clip" else v}
+                steps.append({"coordinate": key, "setting": label(point), "score": score(point)})
+                if steps[-1]["score"] <= top:
+                    break
+                top = steps[-1]["score"]
+        firsts = {s["coordinate"]: s["score"] for s in reversed(steps)}  # each coordinate's first step
+        rows.append({"arm": arm.name, "chosen_setting": search["chosen_setting"], "recorded_score": recorded,
+                     "rerun_score": rerun, "beyond": steps, "inside": all(v <= rerun for v in firsts.values())})
+    return rows
+
+
 def pilot_score(plan: Plan, arm: Arm, init: str, out: Path, jobs: int):
     return lambda point: score(plan, arm, point, init, out, jobs)
 
@@ -225,12 +275,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--suite", required=True)
     p.add_argument("--arms", default="", help="comma-separated arms to tune (a part of the pilot)")
     p.add_argument("--fill", action="store_true", help="apply the pilot's rules to the searches finished in --out")
+    p.add_argument("--edge-check", metavar="DIR", help="score the points past every grid edge the searches in DIR "
+                   "(tuning-<arm>.json) ended at, a step at a time while a step scores higher, and their chosen "
+                   "points again: a check after the search, not part of it; writes edge_check.json")
     p.add_argument("--init", help="warm-start policy directory (default: the suite's own, built and cached)")
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--out", default="runs/bench/suite_tune")
     a = p.parse_args(argv)
-    if not (a.arms or a.fill):
-        p.error("name the arms to tune (--arms), or --fill")
+    if not (a.arms or a.fill or a.edge_check):
+        p.error("name the arms to tune (--arms), --fill or --edge-check DIR")
     plan, t = load_plan(a.suite), read_tuning(a.suite)
     plan, out, t0 = pilot_plan(plan, t), Path(a.out), time.monotonic()
     if a.fill:
@@ -239,6 +292,15 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, indent=1, default=json_default))
         return 0
     init = a.init or str(build_init(plan))
+    if a.edge_check:
+        searches = [json.loads(f.read_text()) for f in sorted(Path(a.edge_check).glob("tuning-*.json"))]
+        rows = edge_check(searches, t, lambda arm: pilot_score(plan, arm, init, out, a.jobs))
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "edge_check.json").write_text(json.dumps(
+            {"suite_version": plan.version, "searches": a.edge_check, "init_sha256": init_sha256(init), "arms": rows},
+            indent=1, default=json_default))
+        print(json.dumps(rows, indent=1, default=json_default))
+        return 0
     for arm in arms(a.arms.split(",")):
         if (done := out / f"tuning-{arm.name}.json").is_file() and json.loads(done.read_text()).get(
                 "suite_version") == plan.version:

@@ -117,6 +117,20 @@ def test_the_suite2_section_renders_hand_written_json_exactly(tmp_path):
                          "all have run): none (0).")
 
 
+def test_the_edge_check_gives_a_row_for_each_point_past_an_edge():
+    from experiments.results_suite2 import edge_rows, edge_sentence
+
+    check = {"arms": [{"arm": "gspo", "chosen_setting": "lr0.0008-n16-kl0.1-clip0.00045_0.0006", "recorded_score": 0.4,
+                       "rerun_score": 0.4, "inside": False,
+                       "beyond": [{"setting": "a", "score": 0.3}, {"setting": "b", "score": 0.4375}]}]}
+    assert edge_rows(check) == [["gspo", "lr0.0008-n16-kl0.1-clip0.00045_0.0006", "0.400 / 0.400", "a", "0.300", "no"],
+                                ["gspo", "lr0.0008-n16-kl0.1-clip0.00045_0.0006", "0.400 / 0.400", "b", "0.438", "no"]]
+    check["init_sha256"] = "ab" * 32
+    assert edge_sentence(check, "cd" * 32).endswith("from the warm start of the machine it ran on (abababababab…; the "
+                                                    "suite's runs: cdcdcdcdcdcd…):")
+    assert edge_sentence(check, "ab" * 32).endswith("from the suite's warm start:")
+
+
 def test_the_main_seeds_line_reads_the_pool_once_it_exists(tmp_path):
     from experiments.results_format import Reader
     from experiments.results_suite2 import MAIN, main_progress

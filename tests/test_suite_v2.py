@@ -17,7 +17,17 @@ from experiments.compute import critic_share, prefix_compute, step_costs
 from experiments.suite_analysis import sim_time_outcomes
 from experiments.suite_config import apply_tuned, grid_arms, load_plan
 from experiments.suite_runs import run_path
-from experiments.suite_tune import Tuning, fill, grid_edges, label, tune_arm, variant
+from experiments.suite_tune import (
+    Tuning,
+    edge_check,
+    fill,
+    grid_edges,
+    grid_ends,
+    label,
+    read_tuning,
+    tune_arm,
+    variant,
+)
 from learner.config import LearnerConfig
 from streamer.wire.config import load_config
 
@@ -216,3 +226,26 @@ def test_a_run_another_arm_made_with_the_same_settings_is_borrowed_renamed_and_n
     assert json.loads(run_path(tmp_path / "fact", twin, drift, 0).read_text()) == got  # written as its own file
     assert borrowed_run(factorial, other, drift, 0, str(init), tmp_path / "fact", [tmp_path / "main"]) is None
     assert borrowed_run(factorial, twin, drift, 1, str(init), tmp_path / "fact", [tmp_path / "main"]) is None
+
+
+def test_the_edge_check_steps_past_each_edge_the_budget_ended_at_while_that_scores_higher():
+    # dapo_paper's committed search: its clip ended at x1.5 of DAPO's own (0.2, 0.28), the top of the grid
+    # (0.5, 1.0, 1.5); the search's extension steps up by the grid's last gap: x2.0 = (0.4, 0.56), x2.5 = (0.5, 0.7)
+    search = json.loads((SUITES.parent.parent / "docs/results/suite_pilot/v2.1/tuning-dapo_paper.json").read_text())
+    tuning = read_tuning(SUITES / "drift_v2.yaml")
+    assert grid_ends(arm("dapo_paper"), search, tuning) == [("clip", pytest.approx([0.5, 1.0, 1.5]), False)]
+    (row,) = edge_check([search], tuning, lambda a: lambda p: {0.42: 0.3, 0.56: 0.4, 0.7: 0.35}[round(p["clip"][1], 6)])
+    assert [b["setting"] for b in row["beyond"]] == ["lr0.0008-n16-kl0-clip0.4_0.56", "lr0.0008-n16-kl0-clip0.5_0.7"]
+    assert row["rerun_score"] == 0.3 and row["recorded_score"] == pytest.approx(0.3834, abs=1e-4)
+    assert not row["inside"]  # x2.0 beat the chosen x1.5; x2.5 lost to x2.0, so the steps end there
+    # a search that ended at the top of its lr (0.0256, after doublings) and of its clip (x1.5 of SAO's 0.2)
+    score = score_peaked_at(0.1)
+    (row,) = edge_check([tune_arm(arm("sao"), TUNING, score, log=lambda *_: None)], TUNING, lambda a: score)
+    # chosen: -|log2(0.256)| - 0.1 x |log2(1/4)| = -2.166; lr 0.0512: -1.166, 0.1024: -0.034, 0.2048: -1.234 (lost);
+    # clip x2.0 (the gap 0.5 past 1.5): 0.5 lower than the chosen, so one step
+    assert [b["setting"] for b in row["beyond"]] == ["lr0.0512-n1-kl0-clip0.3_0.3", "lr0.102-n1-kl0-clip0.3_0.3",
+                                                     "lr0.205-n1-kl0-clip0.3_0.3", "lr0.0256-n1-kl0-clip0.4_0.4"]
+    assert row["rerun_score"] == pytest.approx(-math.log2(1 / 0.256) - 0.2)
+    assert [b["score"] for b in row["beyond"]] == pytest.approx(
+        [-math.log2(1 / 0.512) - 0.2, -math.log2(1.024) - 0.2, -math.log2(2.048) - 0.2, -math.log2(1 / 0.256) - 0.7])
+    assert not row["inside"]
