@@ -228,5 +228,5 @@ def suite2_verdicts_section(root: Path) -> str:
     if missing:
         parts.append(f"Not run yet, in {MAIN}/: {', '.join(missing)}.")
     reports = [d / f"suite.{x}" for d in (MAIN, MAIN / "factorial", MAIN / "stragglers") for x in ("md", "png")]
-    report = [p for p in [*reports, MAIN / "stability.md"] if (root / p).is_file()]
+    report = [p for p in [*reports, MAIN / "stability.md", MAIN / "stability.png"] if (root / p).is_file()]
     return section("16. Suite 2.1: each claim beside its verdict", what, parts, [*get.read, *report], [])

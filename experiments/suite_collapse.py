@@ -5,8 +5,8 @@ checkpoint's, the same for every arm), and against the frozen policy when it is 
 reward on the same (drift, seed); both are reported. A cell (arm x eta x updates per batch x lr factor) collapses by
 either measure when at least `quorum` of its seeds do.
 
-    .venv/bin/python -m experiments.suite_collapse runs/v2stab/*/suite.json \
-        --out docs/results/suite_main/v2.1/stability.json
+    .venv/bin/python -m experiments.suite_collapse docs/results/suite_main/v2.1/stability/*.json \
+        --out docs/results/suite_main/v2.1/stability.json   # and stability.md, stability.png
 """
 
 from __future__ import annotations
@@ -64,6 +64,46 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(rows: list[dict], path: Path) -> Path:
+    """One panel per (updates per batch, lr factor): each arm's cell finals (mean of its seeds) against eta, a filled
+    marker where the cell collapsed against its start, with the start and the collapse line (half of it) drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["updates"], r["lr_factor"]) for r in rows})
+    arms, etas = sorted({r["arm"] for r in rows}), sorted({r["eta"] for r in rows})
+    fig, axes = plt.subplots(2, (len(panels) + 1) // 2, figsize=(4 * ((len(panels) + 1) // 2), 7), squeeze=False)
+    for ax, (updates, lr_factor) in zip(axes.flat, panels):
+        cell = [r for r in rows if (r["updates"], r["lr_factor"]) == (updates, lr_factor)]
+        for i, a in enumerate(arms):
+            by_eta = {r["eta"]: r for r in cell if r["arm"] == a}
+            xs = [etas.index(e) + (i - len(arms) / 2) * 0.03 for e in etas if e in by_eta]
+            ys = [by_eta[e]["final"] for e in etas if e in by_eta]
+            line, = ax.plot(xs, ys, marker="o", mfc="none", lw=1.0, label=a)
+            hit = [(x, y) for x, y, e in zip(xs, ys, [e for e in etas if e in by_eta])
+                   if by_eta[e]["cell_collapsed_vs_start"]]
+            if hit:
+                ax.plot(*zip(*hit), "o", color=line.get_color())
+        start = float(np.mean([r["start"] for r in cell]))
+        ax.axhline(start, color="grey", ls=":", lw=0.8)
+        ax.axhline(0.5 * start, color="black", ls="--", lw=0.8)
+        ax.set_xticks(range(len(etas)), [f"eta {e}" for e in etas], fontsize=8)
+        ax.set_ylim(-0.02, 1)
+        ax.set_title(f"{updates} update(s) a batch, lr x{lr_factor:g}", fontsize=9)
+        ax.set_ylabel("final reward (mean of seeds)", fontsize=8)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle("stability grid: cell finals; filled = collapsed against the start (dashed: half the start)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("suite_json", nargs="+", help="suite.json files of the grid's parts (their runs together)")
@@ -76,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(out, indent=1))
     Path(a.out).with_suffix(".md").write_text(markdown(rows))
+    plot(rows, Path(a.out).with_suffix(".png"))
     print(markdown(rows))
     return 0
 

@@ -30,3 +30,16 @@ def test_a_cell_without_the_frozen_run_of_its_seed_or_a_name_outside_the_grid_is
         collapse_table([run("frozen", 0, 0.3), run("sao@eta0-u1-lrx1", 1, 0.3)])
     with pytest.raises(ValueError, match="not a stability cell"):
         cell_of("sao")
+
+
+def test_the_grid_figure_has_a_panel_column_for_each_two_update_and_lr_cells(tmp_path):
+    from PIL import Image
+
+    from experiments.suite_collapse import plot
+
+    frozen = [run("frozen", s, 0.3) for s in range(3)]
+    cells = [run(f"{a}@eta{e}-u{u}-lrx1", s, 0.5) for a in ("sao", "ppo") for e in (0, 4) for u in (1, 2, 4)
+             for s in range(3)]
+    # 3 (updates, lr) panels in 2 rows: 2 columns of 4 x 7 inches at 110 dpi
+    with Image.open(plot(collapse_table(frozen + cells), tmp_path / "grid.png")) as img:
+        assert img.size == (880, 770)
