@@ -14,7 +14,6 @@ TUNING = RESULTS / "suite_pilot/v2.1"
 MAIN = RESULTS / "suite_main/v2.1"
 
 
-
 def prior_rows(d: dict) -> list[list]:
     return [[p["drift"], f3(p["start_success"]), ", ".join(f"{x:.3f}" for x in p["start_by_seed"]),
              "yes" if p["admissible"] else "no"] for p in d["per_drift"]]
@@ -30,8 +29,8 @@ def tuning_rows(tuned: dict[str, dict]) -> list[list]:
 
 
 def edge_rows(check: dict) -> list[list]:
-    """The edge check: each point one step past a grid edge beside its arm's chosen point, scored on the pilot's seeds
-    and drifts (recorded in the search / rerun)."""
+    """The edge check: each point past a grid edge beside its arm's chosen point, scored on the pilot's seeds and
+    drifts (the chosen point's score as the search recorded it / rerun)."""
     return [[r["arm"], r["chosen_setting"], f"{f3(r['recorded_score'])} / {f3(r['rerun_score'])}", b["setting"],
              f3(b["score"]), "yes" if r["inside"] else "no"] for r in check["arms"] for b in r["beyond"]]
 

@@ -79,11 +79,11 @@ def plot(rows: list[dict], path: Path) -> Path:
         cell = [r for r in rows if (r["updates"], r["lr_factor"]) == (updates, lr_factor)]
         for i, a in enumerate(arms):
             by_eta = {r["eta"]: r for r in cell if r["arm"] == a}
-            xs = [etas.index(e) + (i - len(arms) / 2) * 0.03 for e in etas if e in by_eta]
-            ys = [by_eta[e]["final"] for e in etas if e in by_eta]
+            present = [e for e in etas if e in by_eta]
+            xs = [etas.index(e) + (i - len(arms) / 2) * 0.03 for e in present]  # arms side by side at each eta
+            ys = [by_eta[e]["final"] for e in present]
             line, = ax.plot(xs, ys, marker="o", mfc="none", lw=1.0, label=a)
-            hit = [(x, y) for x, y, e in zip(xs, ys, [e for e in etas if e in by_eta])
-                   if by_eta[e]["cell_collapsed_vs_start"]]
+            hit = [(x, y) for x, y, e in zip(xs, ys, present) if by_eta[e]["cell_collapsed_vs_start"]]
             if hit:
                 ax.plot(*zip(*hit), "o", color=line.get_color())
         start = float(np.mean([r["start"] for r in cell]))
