@@ -32,7 +32,7 @@ def test_a_cell_without_the_frozen_run_of_its_seed_or_a_name_outside_the_grid_is
         cell_of("sao")
 
 
-def test_the_grid_figure_has_a_panel_column_for_each_two_update_and_lr_cells(tmp_path):
+def test_the_grid_figure_lays_its_update_and_lr_panels_in_two_rows(tmp_path):
     from PIL import Image
 
     from experiments.suite_collapse import plot

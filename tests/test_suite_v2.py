@@ -241,7 +241,7 @@ def test_the_edge_check_steps_past_each_edge_the_budget_ended_at_while_that_scor
     # a search that ended at the top of its lr (0.0256, after doublings) and of its clip (x1.5 of SAO's 0.2)
     score = score_peaked_at(0.1)
     (row,) = edge_check([tune_arm(arm("sao"), TUNING, score, log=lambda *_: None)], TUNING, lambda a: score)
-    # chosen: -|log2(0.256)| - 0.1 x |log2(1/4)| = -2.166; lr 0.0512: -1.166, 0.1024: -0.034, 0.2048: -1.234 (lost);
+    # chosen: -|log2(0.256)| - 0.1 x |log2(1/4)| = -2.166; lr 0.0512: -1.166, 0.1024: -0.234, 0.2048: -1.234 (lost);
     # clip x2.0 (the gap 0.5 past 1.5): 0.5 lower than the chosen, so one step
     assert [b["setting"] for b in row["beyond"]] == ["lr0.0512-n1-kl0-clip0.3_0.3", "lr0.102-n1-kl0-clip0.3_0.3",
                                                      "lr0.205-n1-kl0-clip0.3_0.3", "lr0.0256-n1-kl0-clip0.4_0.4"]
