@@ -18,14 +18,17 @@ FAMILIES = ("format", "string", "tool", "arith")  # the default scenario's drift
 
 
 class Reader:
-    """Loads JSON below a repository root and keeps the paths it read (a section's data line)."""
+    """Loads JSON below a repository root and keeps the paths it read (a section's data line); a file read twice in
+    one section is parsed once."""
 
     def __init__(self, root: Path):
-        self.root, self.read = root, []
+        self.root, self.read, self.loaded = root, [], {}
 
     def __call__(self, path: Path) -> dict:
         self.read.append(path)
-        return json.loads((self.root / path).read_text())
+        if path not in self.loaded:
+            self.loaded[path] = json.loads((self.root / path).read_text())
+        return self.loaded[path]
 
     def glob(self, folder: Path, pattern: str) -> dict[str, dict]:
         return {p.name: self(p.relative_to(self.root)) for p in sorted((self.root / folder).glob(pattern))}
