@@ -222,21 +222,22 @@ def edge_check(searches: list[dict], t: Tuning, score_of, max_steps: int = 4) ->
         score = score_of(arm)
         chosen = {**search["chosen"], "clip": tuple(search["chosen"]["clip"])}
         recorded = next(e["score"] for e in search["tried"] if e["setting"] == search["chosen_setting"])
-        rerun, steps = score(chosen), []
+        rerun, steps, inside = score(chosen), [], True
         for key, grid, low in ends:
             top = rerun
-            while len([s for s in steps if s["coordinate"] == key]) < max_steps:
+            for n in range(max_steps):
                 if (v := EXTEND[key](grid, low)) is None:
                     break
                 grid = [v, *grid] if low else [*grid, v]
                 point = {**chosen, key: clip_band(arm, v) if key == "clip" else v}
                 steps.append({"coordinate": key, "setting": label(point), "score": score(point)})
+                if n == 0:  # the first step past this edge
+                    inside &= steps[-1]["score"] <= rerun
                 if steps[-1]["score"] <= top:
                     break
                 top = steps[-1]["score"]
-        firsts = {s["coordinate"]: s["score"] for s in reversed(steps)}  # each coordinate's first step
         rows.append({"arm": arm.name, "chosen_setting": search["chosen_setting"], "recorded_score": recorded,
-                     "rerun_score": rerun, "beyond": steps, "inside": all(v <= rerun for v in firsts.values())})
+                     "rerun_score": rerun, "beyond": steps, "inside": inside})
     return rows
 
 
