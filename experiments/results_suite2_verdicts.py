@@ -109,15 +109,19 @@ def factorial_pair_rows(d: dict) -> list[list]:
     return rows
 
 
+def group_by(rows: list[dict], *keys: str) -> dict[tuple, list[dict]]:
+    """The rows by their values of `keys`, in first-seen order."""
+    by: dict[tuple, list[dict]] = {}
+    for r in rows:
+        by.setdefault(tuple(r[k] for k in keys), []).append(r)
+    return by
+
+
 def stability_row(d: dict) -> list:
     """Collapsed cells per arm, against the run's start and against the frozen policy (counts; no test)."""
-    count: dict[str, list[int]] = {}
-    for c in d["cells"]:
-        n = count.setdefault(c["arm"], [0, 0, 0])
-        n[0] += c["cell_collapsed_vs_start"]
-        n[1] += c["cell_collapsed_vs_frozen"]
-        n[2] += 1
-    cells = ", ".join(f"{a} {s}/{f} of {n}" for a, (s, f, n) in count.items())
+    cells = ", ".join(f"{a} {sum(c['cell_collapsed_vs_start'] for c in cs)}/"
+                      f"{sum(c['cell_collapsed_vs_frozen'] for c in cs)} of {len(cs)}"
+                      for (a,), cs in group_by(d["cells"], "arm").items())
     return ["the strict clip keeps SAO from collapsing where the others collapse",
             "stability grid (cells collapsed vs start/vs frozen)", cells, "—", "counts (no test registered)", "—"]
 
@@ -125,12 +129,10 @@ def stability_row(d: dict) -> list:
 def stability_rows(d: dict) -> list[list]:
     """The grid by arm and eta (its cells: updates per batch x lr factor): cells collapsed by each measure, the
     cells' mean start and final reward, and the lowest cell's final."""
-    by: dict[tuple, list[dict]] = {}
-    for c in d["cells"]:
-        by.setdefault((c["arm"], c["eta"]), []).append(c)
     return [[arm, eta, len(cs), sum(c["cell_collapsed_vs_start"] for c in cs),
              sum(c["cell_collapsed_vs_frozen"] for c in cs), f3(np.mean([c["start"] for c in cs])),
-             f3(np.mean([c["final"] for c in cs])), f3(min(c["final"] for c in cs))] for (arm, eta), cs in by.items()]
+             f3(np.mean([c["final"] for c in cs])), f3(min(c["final"] for c in cs))]
+            for (arm, eta), cs in group_by(d["cells"], "arm", "eta").items()]
 
 
 def collapse_lines(d: dict) -> str:
@@ -142,19 +144,14 @@ def collapse_lines(d: dict) -> str:
             f"{f3(min(c['final'] for c in cells))}.")
 
 
-def runs_by_arm(d: dict) -> dict[str, list[dict]]:
-    by: dict[str, list[dict]] = {}
-    for r in d["runs"]:
-        by.setdefault(r["arm"], []).append(r)
-    return by
 
 
 def straggler_rows(d: dict) -> list[list]:
     """Each arm of the straggler regime: its AUC in simulated time and at equal rollouts, how many runs reached 0.7
     and in how many simulated seconds (the median of those that did)."""
-    rows, runs = [], runs_by_arm(d)
+    rows, runs = [], group_by(d["runs"], "arm")
     for p in d["pooled"]:
-        rs = runs[p["arm"]]
+        rs = runs[(p["arm"],)]
         reached = [r["sim_s_to_0.7"] for r in rs if r["reached_0.7_sim"]]
         rows.append([p["arm"], len(rs), f3(p["auc_equal_sim_time"]), f3(p["auc_equal_rollouts"]),
                      f3(float(np.mean([r["start_success"] for r in rs]))), len(reached),
@@ -174,9 +171,9 @@ def sync_row(d: dict) -> list:
 def pooled_rows(main: dict, twin: dict[str, str]) -> list[list]:
     """Each arm's pooled outcomes as the main file gives them, with its runs' mean start success and post-drift
     learner steps (which the pool does not average)."""
-    rows, runs = [], runs_by_arm(main)
+    rows, runs = [], group_by(main["runs"], "arm")
     for p in main["pooled"]:
-        rs = runs[p["arm"]]
+        rs = runs[(p["arm"],)]
         start, steps = (float(np.mean([r[k] for r in rs])) for k in ("start_success", "post_drift_learner_steps"))
         name = p["arm"] + (f" (= {twin[p['arm']]})" if p["arm"] in twin else "")
         rows.append([name, len(rs), f3(p["auc_equal_rollouts"]), f3(start),
